@@ -1,0 +1,33 @@
+"""hf_cascade: cascade (shared-prefix) attention and context parallelism inside transformers ``generate()``.
+
+``import hf_cascade`` registers the attention implementation ``"cascade"``; load models with
+``AutoModelForCausalLM.from_pretrained(..., attn_implementation="cascade")``.
+"""
+
+from hf_cascade.attention import ATTENTION_NAME, register
+
+register()
+
+from hf_cascade.cache import CascadeCache  # noqa: E402
+from hf_cascade.inputs import shared_prefix_inputs  # noqa: E402
+from hf_cascade.prefix_tree import PrefixTree, find_shared_prefixes  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ATTENTION_NAME",
+    "CascadeCache",
+    "PrefixTree",
+    "find_shared_prefixes",
+    "register",
+    "shared_prefix_inputs",
+]
+
+
+def __getattr__(name):
+    # Context parallelism pulls in torch.distributed machinery; import it on first use.
+    if name == "context_parallel_inputs":
+        from hf_cascade.parallel import context_parallel_inputs
+
+        return context_parallel_inputs
+    raise AttributeError(f"module 'hf_cascade' has no attribute {name!r}")

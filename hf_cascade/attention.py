@@ -1,0 +1,213 @@
+"""The ``"cascade"`` attention implementation, registered with transformers' ``AttentionInterface``.
+
+How a forward pass reaches hf_cascade (transformers 5.x): every decoder layer projects q/k/v, calls
+``key, value = past_key_values.update(key, value, layer_idx)`` and then the registered attention function
+with whatever ``update`` returned. The attention function never sees the cache itself. An hf_cascade cache
+(:class:`~hf_cascade.cache.CascadeCache`, or a context-parallel cache) therefore *binds* itself in ``update``:
+it records ``(cache, layer_idx, returned_key)`` in a context variable, and :func:`cascade_attention_forward`
+looks the binding up, checks that the key it was handed is exactly the tensor that cache returned for this
+layer (so a stale binding can never be used by mistake), and delegates to ``cache.attend(...)``.
+
+With no hf_cascade cache in play (a plain ``DynamicCache``, no cache, training), ``"cascade"`` is exactly
+``"sdpa"`` (or, for soft-capped models such as Gemma2, which sdpa cannot express, an exact eager path).
+"""
+
+from __future__ import annotations
+
+import contextvars
+import weakref
+from typing import Protocol
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+ATTENTION_NAME = "cascade"
+
+# (weakref to the binding cache, layer_idx, the key tensor its update() returned). Set by a cache's update(),
+# consumed (and cleared) by the attention function of the same layer, on the same thread.
+_BINDING: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("hf_cascade_binding", default=None)
+
+
+class AttentionProvider(Protocol):
+    """What a cache must implement to take over attention for the layers it serves."""
+
+    def attend(
+        self,
+        module: torch.nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        *,
+        scaling: float,
+        softcap: float | None,
+        sliding_window: int | None,
+        **kwargs,
+    ) -> torch.Tensor:
+        """Return the attention output ``[batch, q_len, num_heads, head_dim]`` in ``query.dtype``.
+
+        ``query`` is ``[batch, num_heads, q_len, head_dim]``; ``key``/``value`` are what the cache's ``update``
+        returned for ``module.layer_idx``; ``attention_mask`` is what the ``"cascade"`` mask builder produced
+        (``None`` = causal aligned bottom-right, or a bool ``[batch, 1, q_len, kv_len]`` mask, True = attend).
+        """
+        ...
+
+
+def bind_layer(cache: AttentionProvider, layer_idx: int, key: torch.Tensor) -> None:
+    """Called by a cache's ``update()``: the next attention call of ``layer_idx`` with ``key`` goes to ``cache``."""
+    _BINDING.set((weakref.ref(cache), layer_idx, key))
+
+
+def bound_provider(module: torch.nn.Module, key: torch.Tensor) -> AttentionProvider | None:
+    """The cache bound for this attention call, or None. Clears the binding (it is single-use)."""
+    binding = _BINDING.get()
+    if binding is None:
+        return None
+    _BINDING.set(None)
+    cache_ref, layer_idx, bound_key = binding
+    if bound_key is not key or layer_idx != getattr(module, "layer_idx", None):
+        return None
+    return cache_ref()
+
+
+def _as_bool_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """Normalise a transformers mask to bool ``[batch, q_len, kv_len]`` (True = attend), or None."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() != 4:
+        raise ValueError(
+            f"`attention_mask` given to the cascade attention must be 4-D [batch, 1, q_len, kv_len]; got shape "
+            f"{tuple(attention_mask.shape)}. Let transformers build the mask from a 2-D padding mask."
+        )
+    if attention_mask.shape[1] != 1:
+        raise ValueError(
+            f"`attention_mask` with per-head masks (shape {tuple(attention_mask.shape)}) is not supported by the "
+            "cascade attention; pass a mask broadcast over heads ([batch, 1, q_len, kv_len])."
+        )
+    mask = attention_mask[:, 0]
+    if mask.dtype != torch.bool:
+        # Additive float mask (0 = attend, large negative = masked).
+        mask = mask > torch.finfo(mask.dtype).min / 2
+    return mask
+
+
+def plain_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    scaling: float | None,
+    dropout: float = 0.0,
+    softcap: float | None = None,
+    **kwargs,
+) -> torch.Tensor:
+    """Standard attention over ``key``/``value`` as given: sdpa, or an exact soft-capped path (Gemma2).
+
+    Returns ``[batch, q_len, num_heads, head_dim]``.
+    """
+    if softcap is None:
+        out, _ = sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+        )
+        return out
+    from hf_cascade.ops.suffix_attention import suffix_attention
+
+    if dropout and module.training:
+        raise NotImplementedError(
+            "The cascade attention does not implement attention dropout with `softcap` in training mode; "
+            "call `model.eval()` or train with attn_implementation='eager'."
+        )
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out, _ = suffix_attention(
+        query, key, value, scale=scale, mask=_as_bool_mask(attention_mask), causal=True, softcap=softcap
+    )
+    return out.transpose(1, 2)
+
+
+def cascade_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The function registered as ``"cascade"``; see the module docstring.
+
+    Args:
+        query: ``[batch, num_heads, q_len, head_dim]``.
+        key, value: ``[batch, num_kv_heads, kv_len, head_dim]`` as returned by the cache's ``update``.
+        attention_mask: from the ``"cascade"`` mask builder (same as sdpa's): None or bool 4-D.
+    Returns:
+        ``(attn_output [batch, q_len, num_heads, head_dim], None)``.
+    """
+    if kwargs.get("s_aux") is not None:
+        raise NotImplementedError(
+            "Attention sinks (`s_aux`, e.g. GPT-OSS) are not supported by attn_implementation='cascade'; "
+            "load this model with attn_implementation='eager' or 'sdpa'."
+        )
+    provider = bound_provider(module, key)
+    if provider is None:
+        out = plain_attention(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, softcap=softcap, **kwargs
+        )
+        return out, None
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    out = provider.attend(
+        module,
+        query,
+        key,
+        value,
+        _as_bool_mask(attention_mask),
+        scaling=scaling,
+        softcap=softcap,
+        sliding_window=sliding_window,
+        **kwargs,
+    )
+    return out, None
+
+
+def register() -> None:
+    """Register ``"cascade"`` with ``AttentionInterface`` and ``AttentionMaskInterface`` (idempotent)."""
+    AttentionInterface.register(ATTENTION_NAME, cascade_attention_forward)
+    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+
+
+def check_model_uses_cascade(model: torch.nn.Module, argument: str = "model") -> None:
+    """Raise a ValueError/NotImplementedError explaining the fix unless ``model`` runs ``"cascade"`` attention."""
+    config = getattr(model, "config", None)
+    if config is None:
+        raise ValueError(f"`{argument}` must be a transformers PreTrainedModel; got {type(model).__name__}.")
+    if getattr(config, "is_encoder_decoder", False):
+        raise NotImplementedError(
+            f"`{argument}` is an encoder-decoder model ({config.model_type}); hf_cascade supports decoder-only "
+            "causal LMs."
+        )
+    if not getattr(model, "_supports_attention_backend", False):
+        raise NotImplementedError(
+            f"`{argument}` ({type(model).__name__}) does not route attention through transformers' "
+            "AttentionInterface, so attn_implementation='cascade' cannot reach it. Supported families include "
+            "Llama, Mistral, Qwen2, Qwen3, Phi3, Gemma2 (see the README's support matrix)."
+        )
+    for name in ("num_kv_shared_layers", "kv_sharing_modes"):
+        if getattr(config, name, None):
+            raise NotImplementedError(
+                f"`{argument}` ({config.model_type}) shares KV between layers (`config.{name}`); the cascade "
+                "cache cannot serve layers that reuse another layer's KV. Use attn_implementation='sdpa'."
+            )
+    impl = getattr(config, "_attn_implementation", None)
+    if impl != ATTENTION_NAME:
+        raise ValueError(
+            f"`{argument}` was loaded with attn_implementation={impl!r}; hf_cascade needs 'cascade'. Load it with "
+            f"`AutoModelForCausalLM.from_pretrained(..., attn_implementation='cascade')` after `import hf_cascade`, "
+            f"or call `{argument}.set_attn_implementation('cascade')`."
+        )

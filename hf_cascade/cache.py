@@ -1,0 +1,378 @@
+"""``CascadeCache``: a transformers ``Cache`` that stores shared prefixes once and each row's suffix apart.
+
+Layout. The cache holds
+
+* ``levels``: the shared-prefix tree, level by level. Level ``l`` packs the KV of its ``N_l`` nodes along the
+  sequence: per model layer, keys/values ``[num_kv_heads, T_l, head_dim]`` with **no batch dimension** (stored
+  once, never replicated, never ``repeat_kv``-ed). Node ``n`` occupies ``[node_starts[n], node_starts[n+1])``.
+* ``row_nodes``: ``[num_levels, batch]`` int64, the node of each row at each level (-1: none). ``None`` means
+  "every row uses node 0 of every level" (the ``from_prefix`` case, any batch size).
+* per layer, the rows' suffix KV ``[batch, num_kv_heads, S, head_dim]``, grown by ``update()`` like
+  ``DynamicCache``.
+
+What generate() sees. Every row is laid out ``[prefix chain | pads | suffix]`` in ``prefix_length`` leading
+columns plus the suffix columns. ``get_seq_length()`` is ``prefix_length + S`` (the logical length: generate()
+slices ``input_ids`` and builds positions from it), and ``get_mask_sizes()`` returns
+``(S + q_len, prefix_length)`` so transformers builds a mask that covers exactly the suffix KV. ``update()``
+returns only the suffix KV; the attention function reaches the prefix through :meth:`CascadeCache.attend`
+(see :mod:`hf_cascade.attention`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from hf_cascade.attention import bind_layer, check_model_uses_cascade
+from hf_cascade.ops.merge import merge_attention_states
+from hf_cascade.ops.prefix_attention import shared_prefix_attention
+from hf_cascade.ops.suffix_attention import suffix_attention
+
+
+class _SuffixLayer(CacheLayerMixin):
+    """One model layer's per-row suffix KV, ``[batch, num_kv_heads, S, head_dim]``, grown by concatenation."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(self):
+        super().__init__()
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = key_states[..., :0, :]
+        self.values = value_states[..., :0, :]
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if self.keys is None:
+            self.lazy_initialization(key_states, value_states)
+        self.keys = torch.cat([self.keys, key_states], dim=-2)
+        self.values = torch.cat([self.values, value_states], dim=-2)
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[-2]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:  # transformers 5.17
+        return -1
+
+    def reset(self) -> None:
+        self.keys = self.values = None
+        self.is_initialized = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if self.keys is not None and tokens_to_remove > 0:
+            self.keys = self.keys[..., : self.keys.shape[-2] - tokens_to_remove, :]
+            self.values = self.values[..., : self.values.shape[-2] - tokens_to_remove, :]
+
+    def _select(self, fn) -> None:
+        if self.keys is not None:
+            self.keys, self.values = fn(self.keys), fn(self.values)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._select(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select(lambda t: t[indices])
+
+    @property
+    def nbytes(self) -> int:
+        if self.keys is None:
+            return 0
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+
+@dataclass
+class PrefixLevel:
+    """One level of the shared-prefix tree.
+
+    Attributes:
+        node_tokens: token ids of each node.
+        node_starts: ``[N + 1]`` offsets of the nodes in the packed KV (CPU list).
+        keys, values: per model layer, ``[num_kv_heads, T, head_dim]`` (``T = node_starts[-1]``).
+    """
+
+    node_tokens: list[tuple[int, ...]]
+    node_starts: list[int]
+    keys: list[torch.Tensor] = field(repr=False)
+    values: list[torch.Tensor] = field(repr=False)
+
+    def __post_init__(self):
+        device = self.keys[0].device if self.keys else "cpu"
+        self.node_starts_tensor = torch.tensor(self.node_starts, dtype=torch.int64, device=device)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.node_tokens)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
+
+def _num_layers(config) -> int:
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(text_config.num_hidden_layers)
+
+
+class CascadeCache(Cache):
+    """A prefix-aware KV cache: shared prefixes stored once (batch 1), each row's suffix apart.
+
+    Build it with :meth:`from_prefix` (one prefix shared by every row) or get one from
+    :func:`hf_cascade.shared_prefix_inputs` (nested prefixes found automatically), then pass it to
+    ``model.generate(..., past_key_values=cache)``. Rows must be laid out ``[prefix | pads | suffix]`` (the
+    prefix columns included, with ``attention_mask`` covering them), as transformers' prompt-reuse convention
+    expects. The same cache serves several ``generate()`` calls one after another: each call starts from the
+    stored prefix (the previous call's suffixes are dropped), so the prefix is never prefilled again.
+
+    Example::
+
+        cache = CascadeCache.from_prefix(model, prefix_ids)          # prefix_ids: [P] or [1, P]
+        out = model.generate(input_ids, attention_mask=mask, past_key_values=cache, max_new_tokens=32)
+        print(cache.nbytes)                                          # prefix once + suffixes
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        levels: Sequence[PrefixLevel] = (),
+        row_nodes: torch.Tensor | None = None,
+        prefix_length: int = 0,
+    ):
+        check_model_uses_cascade(model)
+        super().__init__(layers=[_SuffixLayer() for _ in range(_num_layers(model.config))])
+        self.levels: list[PrefixLevel] = list(levels)
+        self.prefix_length = int(prefix_length)
+        if row_nodes is not None and row_nodes.shape[0] != len(self.levels):
+            raise ValueError(
+                f"`row_nodes` must have one row per prefix level: shape {tuple(row_nodes.shape)} for "
+                f"{len(self.levels)} levels."
+            )
+        if row_nodes is None and any(level.num_nodes != 1 for level in self.levels):
+            raise ValueError("`row_nodes` is required when a prefix level has more than one node.")
+        self._planned_row_nodes = row_nodes
+        self.row_nodes = row_nodes
+        self.prefilled_prefix_tokens = sum(level.node_starts[-1] for level in self.levels)
+        # The attention modules this cache may serve (reusing it with another model is an error).
+        self._modules: dict[int, weakref.WeakSet] = {}
+        for module in model.modules():
+            layer_idx = getattr(module, "layer_idx", None)
+            if isinstance(layer_idx, int):
+                self._modules.setdefault(layer_idx, weakref.WeakSet()).add(module)
+        self._model_name = type(model).__name__
+        self._user_defined = False
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_prefix(cls, model: torch.nn.Module, prefix_ids: torch.Tensor | Sequence[int]) -> "CascadeCache":
+        """Prefill ``prefix_ids`` once and return a cache every row of a later batch shares.
+
+        Args:
+            model: a causal LM loaded with ``attn_implementation="cascade"``.
+            prefix_ids: ``[P]`` or ``[1, P]`` token ids (int64), P >= 1.
+        Returns:
+            A cache holding the prefix KV once; pass it to ``model.generate(input_ids, attention_mask=...,
+            past_key_values=cache)`` with rows laid out ``[prefix | pads | suffix]``.
+        """
+        from hf_cascade.prefill import prefill_levels, validate_token_ids
+
+        check_model_uses_cascade(model)
+        prefix = validate_token_ids(prefix_ids, "prefix_ids", model)
+        if prefix.dim() == 2:
+            if prefix.shape[0] != 1:
+                raise ValueError(
+                    f"`prefix_ids` must be [P] or [1, P] (one prefix shared by all rows); got shape "
+                    f"{tuple(prefix.shape)}. For different prefixes per group of rows use "
+                    "`hf_cascade.shared_prefix_inputs`."
+                )
+            prefix = prefix[0]
+        if prefix.dim() != 1 or prefix.numel() == 0:
+            raise ValueError(
+                f"`prefix_ids` must be a non-empty [P] or [1, P] tensor of token ids; got shape {tuple(prefix.shape)}."
+            )
+        tokens = tuple(prefix.tolist())
+        levels = prefill_levels(model, [[(tokens, None, 0)]])
+        return cls(model, levels, row_nodes=None, prefix_length=len(tokens))
+
+    # ------------------------------------------------------------------ what generate() calls
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        """Append the new suffix KV ``[batch, num_kv_heads, q_len, head_dim]``; return this layer's suffix KV."""
+        if self.layers[layer_idx].get_seq_length() == 0:
+            self._match_rows(key_states.shape[0])
+        keys, values = self.layers[layer_idx].update(key_states, value_states)
+        bind_layer(self, layer_idx, keys)
+        return keys, values
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.prefix_length + self.layers[layer_idx].get_seq_length()
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.layers[layer_idx].get_seq_length() + query_length, self.prefix_length
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.get_seq_length(layer_idx)
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:  # transformers 5.17
+        return -1
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop ``-tokens_to_remove`` tokens from the end (negative, transformers >= 5.18 convention) or crop to an
+        absolute length (positive, 5.17's legacy convention). The shared prefix cannot be cropped."""
+        suffix_length = self.layers[0].get_seq_length()
+        if tokens_to_remove > 0:  # legacy: the absolute length to keep
+            tokens_to_remove = max(self.get_seq_length() - tokens_to_remove, 0)
+        else:
+            tokens_to_remove = -tokens_to_remove
+        if tokens_to_remove > suffix_length:
+            raise ValueError(
+                f"Cannot crop {tokens_to_remove} tokens from a CascadeCache holding {suffix_length} suffix tokens: "
+                f"the {self.prefix_length} shared prefix tokens are immutable. Build a new cache instead."
+            )
+        for layer in self.layers:
+            layer.crop(tokens_to_remove)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        if self.row_nodes is not None:
+            self.row_nodes = self.row_nodes.index_select(1, beam_idx.to(self.row_nodes.device))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        if self.row_nodes is not None:
+            self.row_nodes = self.row_nodes.repeat_interleave(repeats, dim=1)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        if self.row_nodes is not None:
+            self.row_nodes = self.row_nodes[:, indices]
+
+    def reset(self) -> None:
+        """Drop every row's suffix and go back to the stored prefix (which is kept)."""
+        for layer in self.layers:
+            layer.reset()
+        self.row_nodes = self._planned_row_nodes
+
+    # generate() marks a cache the user passed with `_is_user_defined = True` when it starts: a new generate() call
+    # starts from the stored prefix, so one cache serves several batches one after another.
+    @property
+    def _is_user_defined(self) -> bool:
+        return self._user_defined
+
+    @_is_user_defined.setter
+    def _is_user_defined(self, value: bool) -> None:
+        self._user_defined = value
+        if value:
+            self.reset()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of KV held: each shared node once, plus every row's suffix."""
+        return sum(level.nbytes for level in self.levels) + sum(layer.nbytes for layer in self.layers)
+
+    @property
+    def num_levels(self) -> int:
+        return len(self.levels)
+
+    def __repr__(self) -> str:
+        nodes = "/".join(str(level.num_nodes) for level in self.levels) or "0"
+        return (
+            f"CascadeCache(prefix_length={self.prefix_length}, levels={len(self.levels)}, nodes per level={nodes}, "
+            f"suffix_length={self.layers[0].get_seq_length()}, nbytes={self.nbytes})"
+        )
+
+    # ------------------------------------------------------------------ attention
+    def _match_rows(self, batch_size: int) -> None:
+        """Fit the planned rows to the batch generate() runs: num_return_sequences / num_beams expand rows
+        with repeat_interleave and never the cache, so a multiple of the planned batch is expanded the same way."""
+        if self.row_nodes is None or self.row_nodes.shape[1] == batch_size:
+            return
+        planned = self.row_nodes.shape[1]
+        if batch_size % planned:
+            raise ValueError(
+                f"This CascadeCache was planned for {planned} rows but the model got a batch of {batch_size}. Pass "
+                "the `input_ids`/`attention_mask` returned by `shared_prefix_inputs` together with its cache (or a "
+                "multiple of them, as num_return_sequences/num_beams make), or build a new cache for this batch."
+            )
+        self.row_nodes = self.row_nodes.repeat_interleave(batch_size // planned, dim=1)
+
+    def _level_rows(self, level_idx: int, batch_size: int, device: torch.device) -> torch.Tensor:
+        if self.row_nodes is None:
+            return torch.zeros(batch_size, dtype=torch.int64, device=device)
+        return self.row_nodes[level_idx].to(device)
+
+    def _check_module(self, module: torch.nn.Module) -> None:
+        modules = self._modules.get(module.layer_idx)
+        if modules is None or module not in modules:
+            self.reset()
+            raise ValueError(
+                f"This CascadeCache was built with a different model ({self._model_name}); a cache's prefix KV only "
+                "fits the model that computed it. Build a new cache with `CascadeCache.from_prefix(model, ...)` or "
+                "`shared_prefix_inputs(model, ...)` for this model."
+            )
+
+    def attend(self, module, query, key, value, attention_mask, *, scaling, softcap=None, sliding_window=None, **kwargs):
+        """Cascade attention for one layer: shared-prefix passes (one per level) merged with the suffix pass.
+
+        Args:
+            query: ``[batch, num_heads, q_len, head_dim]``.
+            key, value: this layer's suffix KV ``[batch, num_kv_heads, S, head_dim]`` (S includes the new tokens).
+            attention_mask: None (causal, bottom-right) or bool ``[batch, q_len, S]`` over the suffix KV.
+        Returns:
+            ``[batch, q_len, num_heads, head_dim]`` in ``query.dtype``.
+        """
+        self._check_module(module)
+        layer_idx = module.layer_idx
+        batch_size = query.shape[0]
+        if sliding_window is not None and self.levels:
+            last_column = self.prefix_length + key.shape[2] - 1
+            if last_column >= sliding_window:
+                raise NotImplementedError(
+                    f"{type(module).__name__} (layer {layer_idx}) uses a sliding window of {sliding_window} tokens, "
+                    f"and this sequence ({last_column + 1} tokens with the shared prefix) is longer: the cascade "
+                    "cache does not yet drop prefix tokens that slide out of the window. Keep prompt + new tokens "
+                    "within the window, or use attn_implementation='sdpa' for this model."
+                )
+        prefix_out = prefix_lse = None
+        for level_idx, level in enumerate(self.levels):
+            out, lse = shared_prefix_attention(
+                query,
+                level.keys[layer_idx],
+                level.values[layer_idx],
+                self._level_rows(level_idx, batch_size, query.device),
+                level.node_starts_tensor,
+                scale=scaling,
+                softcap=softcap,
+            )
+            if prefix_out is None:
+                prefix_out, prefix_lse = out, lse
+            else:
+                prefix_out, prefix_lse = merge_attention_states(prefix_out, prefix_lse, out, lse)
+        out, _ = suffix_attention(
+            query,
+            key,
+            value,
+            scale=scaling,
+            mask=attention_mask,
+            causal=True,
+            softcap=softcap,
+            prefix_out=prefix_out,
+            prefix_lse=prefix_lse,
+        )
+        return out.transpose(1, 2)

@@ -1,0 +1,90 @@
+"""Tiny random-init models built from real transformers configs (no downloads), for tests, examples and demos.
+
+The sizes are tiny so everything runs on a CPU in seconds; the comments give the real model's value.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+
+# family -> (config class name, reference attention implementation, config overrides)
+FAMILIES = {
+    "llama": ("LlamaConfig", "sdpa", {}),
+    "mistral": ("MistralConfig", "sdpa", {"sliding_window": 4096}),
+    "qwen2": ("Qwen2Config", "sdpa", {"num_key_value_heads": 4}),  # MHA variant
+    "qwen3": ("Qwen3Config", "sdpa", {"head_dim": 16}),
+    "phi3": ("Phi3Config", "sdpa", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    "gemma2": (
+        "Gemma2Config",
+        "eager",  # transformers has no sdpa path with attention-logit softcapping
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "attn_logit_softcapping": 50.0,
+            "final_logit_softcapping": 30.0,
+            "sliding_window": 4096,
+        },
+    ),
+}
+
+
+def tiny_config(family: str = "llama", **overrides):
+    """A real transformers config of ``family`` shrunk to test size (fp32 CPU friendly)."""
+    import transformers
+
+    if family not in FAMILIES:
+        raise ValueError(f"`family` must be one of {sorted(FAMILIES)}; got {family!r}.")
+    class_name, _, family_overrides = FAMILIES[family]
+    kwargs = dict(
+        vocab_size=128,  # 128256 in Llama-3-8B
+        hidden_size=64,  # 4096
+        intermediate_size=128,  # 14336
+        num_hidden_layers=2,  # 32
+        num_attention_heads=4,  # 32
+        num_key_value_heads=2,  # 8 (GQA)
+        max_position_embeddings=512,  # 8192
+        initializer_range=0.1,  # 0.02; larger so that random models make varied, tie-free predictions
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    kwargs.update(family_overrides)
+    kwargs.update(overrides)
+    return getattr(transformers, class_name)(**kwargs)
+
+
+def reference_attention(family: str) -> str:
+    """The transformers attention implementation a cascade model of ``family`` must match."""
+    return FAMILIES[family][1]
+
+
+def tiny_model(
+    family: str = "llama",
+    attn_implementation: str = "cascade",
+    *,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    config=None,
+    **overrides,
+):
+    """A random-init causal LM of ``family`` (weights fixed by ``seed``), in eval mode.
+
+    Two calls with the same ``family``/``seed``/``overrides`` give identical weights, whatever
+    ``attn_implementation`` is; each gets its own deep copy of the config (a shared config object would make a
+    "reference" model silently run another attention implementation).
+    """
+    from transformers import AutoModelForCausalLM
+
+    import hf_cascade  # noqa: F401  (registers "cascade")
+
+    config = copy.deepcopy(config) if config is not None else tiny_config(family, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)
+    if model.config._attn_implementation != attn_implementation:
+        raise RuntimeError(
+            f"model loaded with {model.config._attn_implementation!r}, expected {attn_implementation!r}"
+        )
+    return model.to(device).eval()

@@ -1,0 +1,28 @@
+"""Cascade attention ops: shared-prefix pass, per-row suffix pass, exact LSE merge.
+
+Every op has a Triton kernel (CUDA, or CPU with ``TRITON_INTERPRET=1``) and an fp32 PyTorch path
+(``backend="torch"``, the CPU path). LSE is the natural log, float32, everywhere; an attention
+state over no keys has ``lse = -inf``. Importing this package never imports Triton.
+"""
+
+from ._backend import triton_available
+from .merge import merge_attention_states
+from .prefix_attention import PrefixPlan, plan_shared_prefix, shared_prefix_attention
+from .reference import (
+    merge_attention_states_ref,
+    shared_prefix_attention_ref,
+    suffix_attention_ref,
+)
+from .suffix_attention import suffix_attention
+
+__all__ = [
+    "PrefixPlan",
+    "merge_attention_states",
+    "merge_attention_states_ref",
+    "plan_shared_prefix",
+    "shared_prefix_attention",
+    "shared_prefix_attention_ref",
+    "suffix_attention",
+    "suffix_attention_ref",
+    "triton_available",
+]

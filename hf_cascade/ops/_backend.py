@@ -1,0 +1,110 @@
+"""Backend dispatch for the attention ops: is Triton usable, which backend runs a call.
+
+Triton is an optional extra. Nothing here imports it at module import time; the kernel modules
+(``_*_kernel.py``) are imported only when a Triton launch actually happens.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+BACKENDS = ("auto", "triton", "torch")
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    """True when ``import triton`` succeeds (cached; never raises)."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:  # a broken install must not break `import hf_cascade.ops`
+        return False
+    return True
+
+
+def interpret_mode() -> bool:
+    """True when Triton runs kernels on the CPU through its interpreter (``TRITON_INTERPRET=1``).
+
+    Triton reads the variable when a kernel module is first imported, so set it before the first
+    Triton call of the process.
+    """
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def resolve_backend(backend: str, device: torch.device, op: str) -> str:
+    """Map the user's ``backend`` argument to ``"triton"`` or ``"torch"`` for tensors on ``device``.
+
+    ``"auto"``: Triton when the tensors are on CUDA and Triton imports, else the fp32 PyTorch path.
+    ``"triton"``: forced; needs CUDA tensors, or CPU tensors with ``TRITON_INTERPRET=1``.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"{op}: backend must be one of {BACKENDS}; got {backend!r}.")
+    if backend == "torch":
+        return "torch"
+    if backend == "auto":
+        return "triton" if device.type == "cuda" and triton_available() else "torch"
+    if not triton_available():
+        raise ValueError(
+            f"{op}: backend='triton' but triton is not importable. Install it with "
+            "`pip install hf-cascade[triton]` or pass backend='torch'."
+        )
+    if device.type != "cuda" and not interpret_mode():
+        raise ValueError(
+            f"{op}: backend='triton' got tensors on {device}; Triton kernels need CUDA tensors, or "
+            "TRITON_INTERPRET=1 in the environment (set before the first Triton call) to run them "
+            "on the CPU interpreter. Or pass backend='torch'."
+        )
+    return "triton"
+
+
+def next_power_of_2(n: int) -> int:
+    """Smallest power of two >= max(n, 1)."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def padded_head_dim(d: int) -> int:
+    """BLOCK_D for head_dim ``d``: next power of two, at least 16 (``tl.dot`` needs K >= 16)."""
+    return max(16, next_power_of_2(d))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_programs_target(device: torch.device) -> int:
+    """How many programs a launch should have to fill the device (2 waves of SMs on CUDA).
+
+    On the CPU interpreter a small number keeps the split-KV path exercised without slowing tests.
+    """
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return 2 * _sm_count(index)
+    return 8
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot`` input precision: exact "ieee" for fp32 operands (no silent tf32), default else."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def check_float_dtype(name: str, t: torch.Tensor, op: str) -> None:
+    if t.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(
+            f"{op}: {name} must be float32, float16 or bfloat16; got {t.dtype} "
+            f"(shape {tuple(t.shape)}). Cast it with .to(torch.float16) or similar."
+        )
+
+
+def check_lse(name: str, t: torch.Tensor, shape: tuple[int, ...], op: str) -> None:
+    """LSE tensors are fp32 natural log with the given shape."""
+    if tuple(t.shape) != tuple(shape):
+        raise ValueError(f"{op}: {name} must have shape {tuple(shape)}; got {tuple(t.shape)}.")
+    if t.dtype != torch.float32:
+        raise ValueError(
+            f"{op}: {name} must be float32 (natural-log LSE); got {t.dtype}. "
+            "Pass the fp32 LSE returned by the attention op (do not down-cast it)."
+        )

@@ -1,0 +1,50 @@
+"""Triton kernel for the LSE merge of two attention states. Imported only when Triton runs."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _merge_attention_states_kernel(
+    out_ptr, lse_out_ptr,  # [R, D] out dtype, [R] fp32
+    a_ptr, lse_a_ptr,  # [R, D], [R] fp32
+    b_ptr, lse_b_ptr,  # [R, D], [R] fp32
+    R, D,
+    stride_or, stride_ar, stride_br,  # row strides; the D stride is 1
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # One program merges BLOCK_R rows, each a whole (padded) head_dim vector.
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    row_ok = rows < R
+    col_ok = cols < D
+    la = tl.load(lse_a_ptr + rows, mask=row_ok, other=float("-inf"))
+    lb = tl.load(lse_b_ptr + rows, mask=row_ok, other=float("-inf"))
+    # Empty-segment guard: +inf (FlashAttention-2's empty rows) and NaN mean "no keys".
+    la = tl.where((la == float("inf")) | (la != la), float("-inf"), la)
+    lb = tl.where((lb == float("inf")) | (lb != lb), float("-inf"), lb)
+    # Weights relative to the larger LSE; a both-empty row gets weights 0 and LSE -inf.
+    m = tl.maximum(la, lb)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    wa = tl.exp(la - m)
+    wb = tl.exp(lb - m)
+    total = wa + wb
+    nonempty = total > 0
+    safe_total = tl.where(nonempty, total, 1.0)  # where() evaluates both sides: keep log/div finite
+    lse = tl.where(nonempty, m + tl.log(safe_total), float("-inf"))
+    inv = tl.where(nonempty, 1.0 / safe_total, 0.0)
+    wa = wa * inv
+    wb = wb * inv
+    # Load a side only where its weight is nonzero: an empty side's out may be NaN garbage.
+    rows64 = rows.to(tl.int64)
+    tile_ok = row_ok[:, None] & col_ok[None, :]
+    a = tl.load(a_ptr + rows64[:, None] * stride_ar + cols[None, :],
+                mask=tile_ok & (wa > 0)[:, None], other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + rows64[:, None] * stride_br + cols[None, :],
+                mask=tile_ok & (wb > 0)[:, None], other=0.0).to(tl.float32)
+    out = a * wa[:, None] + b * wb[:, None]
+    tl.store(out_ptr + rows64[:, None] * stride_or + cols[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=tile_ok)
+    tl.store(lse_out_ptr + rows, lse, mask=row_ok)
+

@@ -1,0 +1,95 @@
+"""The process group context parallelism runs on: lookup, launch errors, device checks.
+
+torch.distributed is the only transport. The group is the default group (the one ``torchrun`` /
+``accelerate launch`` + ``accelerate.PartialState()`` / ``torch.distributed.init_process_group`` set up)
+unless a sub-group is passed explicitly.
+
+Failure behaviour: every collective and P2P transfer here waits at most the group's timeout
+(``init_process_group(timeout=datetime.timedelta(seconds=...))``, or with Accelerate
+``PartialState(timeout=...)`` / ``InitProcessGroupKwargs(timeout=...)``); gloo raises once it expires or as
+soon as a peer's connection closes, NCCL aborts the communicator when ``TORCH_NCCL_ASYNC_ERROR_HANDLING``
+is on (the default in torch >= 2.2). A rank that dies therefore makes the others fail instead of hanging.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+LAUNCH_HELP = (
+    "Launch one process per GPU with `torchrun --nproc_per_node N your_script.py` or "
+    "`accelerate launch --num_processes N your_script.py`, and create the process group first: "
+    "`accelerate.PartialState()` (on CPU: `PartialState(cpu=True)`, gloo backend) or "
+    "`torch.distributed.init_process_group(backend='nccl' or 'gloo')`. Note that `accelerate launch --cpu` "
+    "starts a single process; on CPU use `torchrun --nproc_per_node N`."
+)
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    """A resolved process group.
+
+    Attributes:
+        group: the ``ProcessGroup`` (None = the default group, as torch.distributed accepts).
+        rank: this process's rank in ``group``.
+        world_size: number of ranks in ``group``.
+        global_ranks: ``global_ranks[i]`` is the default-group rank of group rank ``i`` (what P2P ops take).
+        backend: the group's backend string, e.g. ``"nccl"``, ``"gloo"``.
+    """
+
+    group: object
+    rank: int
+    world_size: int
+    global_ranks: tuple[int, ...]
+    backend: str
+
+    def peer(self, group_rank: int) -> int:
+        """Default-group rank of ``group_rank`` (modulo the world size)."""
+        return self.global_ranks[group_rank % self.world_size]
+
+
+def resolve_group(group=None, *, caller: str = "context_parallel_inputs") -> GroupInfo:
+    """Return the :class:`GroupInfo` of ``group`` (default: the default group).
+
+    Raises:
+        ValueError: torch.distributed is not available or no process group is initialised (explains how to launch).
+    """
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        raise ValueError(
+            f"{caller}: this torch build has no torch.distributed support, which context parallelism needs. "
+            "Install a torch build with distributed support (the PyPI wheels have it)."
+        )
+    if not dist.is_initialized():
+        raise ValueError(
+            f"{caller}: no torch.distributed process group is initialised, so there are no ranks to shard the "
+            f"prompt over. {LAUNCH_HELP}"
+        )
+    world_size = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if rank < 0:
+        raise ValueError(f"{caller}: this process (global rank {dist.get_rank()}) is not a member of `group`.")
+    if group is None:
+        global_ranks = tuple(range(world_size))
+    else:
+        global_ranks = tuple(dist.get_global_rank(group, r) for r in range(world_size))
+    return GroupInfo(group, rank, world_size, global_ranks, str(dist.get_backend(group)))
+
+
+def check_device(info: GroupInfo, device: torch.device, caller: str) -> None:
+    """Raise a ValueError if the group's backend cannot move tensors on ``device``."""
+    backend = info.backend.lower()
+    if device.type == "cuda" and "nccl" not in backend:
+        raise ValueError(
+            f"{caller}: the model is on {device} but the process group backend is {info.backend!r}; GPU context "
+            "parallelism needs NCCL (`accelerate.PartialState()` without `cpu=True`, or "
+            "`init_process_group('nccl')`)."
+        )
+    if device.type == "cpu" and "gloo" not in backend:
+        raise ValueError(
+            f"{caller}: the model is on the CPU but the process group backend is {info.backend!r}, which cannot move "
+            "CPU tensors. On CPU create a gloo group: `accelerate.PartialState(cpu=True)` or "
+            "`init_process_group('gloo')`; on GPUs move the model to `PartialState().device`."
+        )

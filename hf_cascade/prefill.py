@@ -1,0 +1,120 @@
+"""Prefill shared-prefix nodes once, level by level, through the model's own forward pass.
+
+Level ``l``'s nodes run as one batch (one row per node) against a temporary :class:`CascadeCache` that holds
+levels ``< l``: each node attends to its parent chain through the cascade attention (the parents' KV read once
+for all their children) and causally to itself. The suffix KV that forward leaves in the temporary cache is the
+node's KV; it is packed (padding dropped) into the new level.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+# (tokens of the node, index of its parent in the previous level or None, position of its first token)
+NodeSpec = tuple[tuple[int, ...], int | None, int]
+
+
+def validate_token_ids(ids, name: str, model: torch.nn.Module) -> torch.Tensor:
+    """Return ``ids`` as an int64 tensor on the model's device, or raise a ValueError naming ``name`` and the fix."""
+    device = model.device
+    if not isinstance(ids, torch.Tensor):
+        try:
+            ids = torch.tensor(ids, dtype=torch.int64, device=device)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"`{name}` must be a tensor or a (nested) list of token ids: {err}") from None
+    if ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(
+            f"`{name}` must hold integer token ids (torch.int64); got dtype {ids.dtype}. Pass the tokenizer's "
+            "`input_ids`, or call `.long()`."
+        )
+    if ids.device != device:
+        raise ValueError(
+            f"`{name}` is on {ids.device} but the model is on {device}; move it with `{name}.to(model.device)`."
+        )
+    vocab_size = getattr(model.config.get_text_config(), "vocab_size", None)
+    if ids.numel() and (int(ids.min()) < 0 or (vocab_size is not None and int(ids.max()) >= vocab_size)):
+        raise ValueError(
+            f"`{name}` holds token ids outside the model's vocabulary [0, {vocab_size}): min {int(ids.min())}, "
+            f"max {int(ids.max())}. Was it tokenized with this model's tokenizer?"
+        )
+    return ids.long()
+
+
+def _chains(levels_so_far: int, parents: Sequence[Sequence[int | None]], node_parent: list[int | None]):
+    """``[levels_so_far, N]`` int64 chain of ancestor node indices for each new node (row)."""
+    rows = torch.full((levels_so_far, len(node_parent)), -1, dtype=torch.int64)
+    for i, parent in enumerate(node_parent):
+        for level in range(levels_so_far - 1, -1, -1):
+            if parent is None:
+                break
+            rows[level, i] = parent
+            parent = parents[level][parent]
+    return rows
+
+
+@torch.no_grad()
+def prefill_levels(
+    model: torch.nn.Module,
+    node_levels: Sequence[Sequence[NodeSpec]],
+    base_levels: Sequence = (),
+    base_parents: Sequence[Sequence[int | None]] = (),
+) -> list:
+    """Run the model over every node once and return the packed :class:`~hf_cascade.cache.PrefixLevel` list.
+
+    Args:
+        model: a causal LM loaded with ``attn_implementation="cascade"``.
+        node_levels: ``node_levels[l]`` lists level ``l``'s nodes as ``(tokens, parent index, start position)``.
+        base_levels: already-prefilled levels the new ones hang below (their parents index into them).
+        base_parents: the parent index of each node of ``base_levels``.
+    Returns:
+        ``base_levels`` followed by the new levels.
+    """
+    from hf_cascade.cache import CascadeCache, PrefixLevel
+
+    levels = list(base_levels)
+    parents = [list(p) for p in base_parents]
+    device = model.device
+    base_model = model.base_model
+    for nodes in node_levels:
+        node_parent = [parent for _, parent, _ in nodes]
+        lengths = [len(tokens) for tokens, _, _ in nodes]
+        width = max(lengths)
+        prefix_length = max(start for _, _, start in nodes)
+        row_nodes = _chains(len(levels), parents, node_parent).to(device) if levels else None
+        cache = CascadeCache(model, levels, row_nodes=row_nodes, prefix_length=prefix_length)
+        input_ids = torch.zeros(len(nodes), width, dtype=torch.int64)
+        attention_mask = torch.zeros(len(nodes), prefix_length + width, dtype=torch.int64)
+        position_ids = torch.zeros(len(nodes), width, dtype=torch.int64)
+        for i, (tokens, _, start) in enumerate(nodes):
+            pad = width - len(tokens)
+            input_ids[i, pad:] = torch.tensor(tokens, dtype=torch.int64)
+            attention_mask[i, :start] = 1
+            attention_mask[i, prefix_length + pad :] = 1
+            position_ids[i, pad:] = torch.arange(start, start + len(tokens))
+        base_model(
+            input_ids=input_ids.to(device),
+            attention_mask=attention_mask.to(device),
+            position_ids=position_ids.to(device),
+            past_key_values=cache,
+            use_cache=True,
+        )
+        keys, values = [], []
+        for layer in cache.layers:
+            keys.append(_pack(layer.keys, lengths))
+            values.append(_pack(layer.values, lengths))
+        starts = [0]
+        for length in lengths:
+            starts.append(starts[-1] + length)
+        levels.append(PrefixLevel([tokens for tokens, _, _ in nodes], starts, keys, values))
+        parents.append(node_parent)
+        del cache
+    return levels
+
+
+def _pack(suffix: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """``[N, Hkv, width, D]`` left-padded rows -> ``[Hkv, sum(lengths), D]`` with the padding dropped."""
+    width = suffix.shape[2]
+    parts = [suffix[i, :, width - length :] for i, length in enumerate(lengths)]
+    return torch.cat(parts, dim=1).contiguous()

@@ -1,0 +1,160 @@
+"""Find what the rows of a batch share: a tree of shared token segments (nested prefixes).
+
+A batch such as::
+
+    row 0: [system][few-shot A][question 0]
+    row 1: [system][few-shot A][question 1]
+    row 2: [system][few-shot B][question 2]
+    row 3: [system][few-shot B][question 3]
+
+gives level 0 = one node ``[system]`` (rows 0-3) and level 1 = two nodes ``[few-shot A]`` (rows 0, 1) and
+``[few-shot B]`` (rows 2, 3). Each node is prefilled and stored once; a row attends to the chain of nodes on its
+path from the root, then to its own suffix. A node must be shared by at least ``min_rows`` rows and be at least
+``min_shared_tokens`` long (a shorter shared run is folded into its children, or left in the rows' suffixes).
+The last token of every row is never shared: generate() must run it through the model to get the first logits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class PrefixNode:
+    """One shared segment.
+
+    Attributes:
+        level: depth in the tree (0 = attached to the root).
+        tokens: the segment's token ids.
+        rows: the batch rows whose prompt goes through this node.
+        parent: index of the parent node in ``levels[level - 1]`` (None at level 0).
+        start: position of the segment's first token in every row (the length of the parent chain).
+    """
+
+    level: int
+    tokens: tuple[int, ...]
+    rows: tuple[int, ...]
+    parent: int | None
+    start: int
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.tokens)
+
+
+@dataclass
+class PrefixTree:
+    """Nested shared prefixes of a batch.
+
+    Attributes:
+        levels: ``levels[l]`` lists the nodes of depth ``l``.
+        row_nodes: ``row_nodes[l][r]`` is the index in ``levels[l]`` of row ``r``'s node, or -1.
+        row_prefix_len: ``row_prefix_len[r]`` is how many leading tokens of row ``r`` are shared (its chain length).
+    """
+
+    levels: list[list[PrefixNode]] = field(default_factory=list)
+    row_nodes: list[list[int]] = field(default_factory=list)
+    row_prefix_len: list[int] = field(default_factory=list)
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.row_prefix_len)
+
+    @property
+    def shared_tokens(self) -> int:
+        """Tokens stored once in the tree (the sum of node lengths)."""
+        return sum(len(node.tokens) for level in self.levels for node in level)
+
+    @property
+    def saved_tokens(self) -> int:
+        """Prefix tokens that would have been prefilled and stored per row, minus those stored once."""
+        return sum(self.row_prefix_len) - self.shared_tokens
+
+    def describe(self) -> str:
+        """A short human-readable summary, e.g. ``'2 levels: [1 node: 40 tok x 8 rows] [2 nodes: 24, 24 tok]'``."""
+        if not self.levels:
+            return "no shared prefix"
+        parts = []
+        for level in self.levels:
+            lengths = ", ".join(f"{len(n.tokens)} tok x {len(n.rows)} rows" for n in level)
+            parts.append(f"[{len(level)} node{'s' if len(level) > 1 else ''}: {lengths}]")
+        return f"{len(self.levels)} level{'s' if len(self.levels) > 1 else ''}: " + " ".join(parts)
+
+
+def find_shared_prefixes(
+    rows: Sequence[Sequence[int]],
+    *,
+    min_shared_tokens: int = 4,
+    min_rows: int = 2,
+    max_levels: int = 4,
+) -> PrefixTree:
+    """Build the tree of nested shared prefixes of ``rows`` (lists of token ids, no padding).
+
+    Args:
+        rows: one token-id sequence per batch row (real tokens only).
+        min_shared_tokens: shortest segment worth a node of its own (shorter runs fold into their children).
+        min_rows: fewest rows that must share a segment.
+        max_levels: deepest nesting kept; deeper sharing stays in the rows' suffixes.
+    Returns:
+        A :class:`PrefixTree`; row order is the order of ``rows``.
+    """
+    if min_shared_tokens < 1:
+        raise ValueError(f"`min_shared_tokens` must be >= 1; got {min_shared_tokens}.")
+    if min_rows < 2:
+        raise ValueError(f"`min_rows` must be >= 2 (a segment of one row is not shared); got {min_rows}.")
+    if max_levels < 0:
+        raise ValueError(f"`max_levels` must be >= 0; got {max_levels}.")
+    # Never share a row's last token: it must go through the model in generate() to produce the first logits.
+    seqs = [tuple(int(t) for t in row)[:-1] for row in rows]
+    tree = PrefixTree(row_prefix_len=[0] * len(seqs))
+
+    def add_node(level: int, group: list[int], start: int, end: int, parent: int | None) -> int:
+        while len(tree.levels) <= level:
+            tree.levels.append([])
+            tree.row_nodes.append([-1] * len(seqs))
+        index = len(tree.levels[level])
+        tree.levels[level].append(
+            PrefixNode(level, seqs[group[0]][start:end], tuple(group), parent, start)
+        )
+        for r in group:
+            tree.row_nodes[level][r] = index
+            tree.row_prefix_len[r] = end
+        return index
+
+    # Explicit stack instead of recursion: (rows, next column to split at, level, parent, start of pending node).
+    stack = [(list(range(len(seqs))), 0, 0, None, 0)]
+    while stack:
+        group_rows, split_at, level, parent, node_start = stack.pop()
+        if level >= max_levels:
+            continue
+        by_token: dict[int, list[int]] = {}
+        for r in group_rows:
+            if len(seqs[r]) > split_at:
+                by_token.setdefault(seqs[r][split_at], []).append(r)
+        children = []
+        for group in by_token.values():
+            if len(group) < min_rows:
+                continue
+            end = _common_prefix_end(seqs, group, split_at)
+            if end - node_start < min_shared_tokens:
+                # Too short for a node: keep it pending and let the sub-groups carry it.
+                children.append((group, end, level, parent, node_start))
+            else:
+                index = add_node(level, group, node_start, end, parent)
+                children.append((group, end, level + 1, index, end))
+        stack.extend(reversed(children))
+    return tree
+
+
+def _common_prefix_end(seqs: list[tuple[int, ...]], group: list[int], start: int) -> int:
+    """First column >= start where the rows of ``group`` differ (or the shortest row ends)."""
+    first = seqs[group[0]]
+    end = min(len(seqs[r]) for r in group)
+    for r in group[1:]:
+        seq = seqs[r]
+        i = start
+        while i < end and seq[i] == first[i]:
+            i += 1
+        end = i
+    return end

@@ -1,0 +1,135 @@
+"""A local byte-level tokenizer and tiny models sized for it: the no-download default of the CLI, examples, tests.
+
+Everything is built in memory (models from real configs shrunk in :mod:`hf_cascade.model_zoo`): no hub access. The
+numbers a tiny model produces are meaningless as text, but every code path (tokenization, padding, the cascade
+cache, generate()) is the one a real checkpoint takes. :func:`load_model_and_tokenizer` switches to a real local
+checkpoint when given a path.
+
+>>> import hf_cascade
+>>> from hf_cascade.tiny import tiny_model, tiny_tokenizer
+>>> tok = tiny_tokenizer()
+>>> model = tiny_model("llama")                       # attn_implementation="cascade"
+>>> ref = tiny_model("llama", attn_implementation="sdpa")  # same seed -> same weights
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
+TINY_VOCAB_SIZE = 260  # 4 special tokens + 256 bytes
+
+
+def tiny_tokenizer():
+    """A byte-level tokenizer (260 tokens: 4 special + 256 bytes) wrapped in ``PreTrainedTokenizerFast``.
+
+    Every UTF-8 string round-trips exactly (one token per byte, no merges), so shared text gives shared tokens.
+    It prepends ``<s>`` (like Llama's tokenizer), pads with ``<pad>`` (id 0), ends with ``</s>`` (id 2).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {PAD: 0, BOS: 1, EOS: 2, UNK: 3}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=UNK))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])]
+    )
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token=PAD, bos_token=BOS, eos_token=EOS, unk_token=UNK
+    )
+    tokenizer.padding_side = "left"  # what generate() wants for batched prompts
+    return tokenizer
+
+
+def tiny_model(
+    family: str = "llama",
+    *,
+    attn_implementation: str = "cascade",
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    printable_only: bool = True,
+    **overrides,
+):
+    """A random-init causal LM of ``family`` (see :data:`hf_cascade.model_zoo.FAMILIES`) sized for
+    :func:`tiny_tokenizer`, in eval mode. The same ``seed`` gives the same weights whatever ``attn_implementation``
+    is, so a ``"cascade"`` model and its reference (:func:`reference_attn_implementation`) can be compared.
+
+    ``printable_only``: the model's generation config suppresses bytes other than printable ASCII and newline, so
+    the random model's output is readable gibberish rather than control characters (it applies to every
+    attention implementation alike). ``overrides`` set config fields.
+    """
+    from hf_cascade.model_zoo import tiny_model as zoo_tiny_model
+
+    fields = dict(
+        vocab_size=TINY_VOCAB_SIZE,  # 128256 in Llama-3-8B; 260 = the byte-level tiny_tokenizer()
+        max_position_embeddings=4096,  # 8192 in Llama-3-8B; byte-level prompts are long
+    )
+    fields.update(overrides)
+    model = zoo_tiny_model(family, attn_implementation, seed=seed, dtype=dtype, device=device, **fields)
+    if printable_only and model.config.vocab_size == TINY_VOCAB_SIZE:
+        model.generation_config.suppress_tokens = list(_unprintable_token_ids())
+    return model
+
+
+def reference_attn_implementation(model_or_config) -> str:
+    """The stock implementation a cascade model is compared with: ``"sdpa"``, or ``"eager"`` for soft-capped
+    attention (Gemma2), which transformers' sdpa path cannot express."""
+    config = getattr(model_or_config, "config", model_or_config)
+    return "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
+
+
+@functools.lru_cache(maxsize=1)
+def _unprintable_token_ids() -> tuple[int, ...]:
+    tokenizer = tiny_tokenizer()
+    keep = {tokenizer.eos_token_id}
+    for byte in [10, *range(32, 127)]:
+        keep.update(tokenizer(chr(byte), add_special_tokens=False)["input_ids"])
+    return tuple(i for i in range(TINY_VOCAB_SIZE) if i not in keep)
+
+
+def load_model_and_tokenizer(
+    model_path: str | None = None,
+    *,
+    family: str = "llama",
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | str | None = None,
+    attn_implementation: str = "cascade",
+    seed: int = 0,
+):
+    """``(model, tokenizer)``: the tiny random-init ``family`` model when ``model_path`` is None, else a local
+    checkpoint (a directory or hub id already in the local cache) loaded with ``attn_implementation``.
+
+    ``dtype``: a torch dtype or its name ("float32", "bfloat16", ...); None = fp32 for the tiny model, the
+    checkpoint's own dtype ("auto") for a real one. A tokenizer without a pad token gets its eos as pad.
+    """
+    if isinstance(dtype, str) and dtype != "auto":
+        try:
+            dtype = getattr(torch, dtype)
+        except AttributeError:
+            raise ValueError(f"Unknown dtype {dtype!r}; use float32, float16 or bfloat16.") from None
+    if attn_implementation == "cascade":
+        import hf_cascade  # noqa: F401
+    if model_path is None:
+        tiny_dtype = torch.float32 if dtype in (None, "auto") else dtype
+        model = tiny_model(
+            family, attn_implementation=attn_implementation, seed=seed, dtype=tiny_dtype, device=device
+        )
+        return model, tiny_tokenizer()
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path, attn_implementation=attn_implementation, dtype=dtype if dtype is not None else "auto"
+    )
+    return model.to(device).eval(), tokenizer
