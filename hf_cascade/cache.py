@@ -5,8 +5,10 @@ Layout. The cache holds
 * ``levels``: the shared-prefix tree, level by level. Level ``l`` packs the KV of its ``N_l`` nodes along the
   sequence: per model layer, keys/values ``[num_kv_heads, T_l, head_dim]`` with **no batch dimension** (stored
   once, never replicated, never ``repeat_kv``-ed). Node ``n`` occupies ``[node_starts[n], node_starts[n+1])``.
-* ``row_nodes``: ``[num_levels, batch]`` int64, the node of each row at each level (-1: none). ``None`` means
-  "every row uses node 0 of every level" (the ``from_prefix`` case, any batch size).
+* ``row_nodes``: ``[num_levels, batch]`` int64 on the host, the node of each row at each level (-1: none).
+  ``None`` means "every row uses node 0 of every level" (the ``from_prefix`` case, any batch size). The
+  schedule of each level's prefix pass is planned from it once per batch layout (not per layer or step), so
+  decoding never synchronises with the device.
 * per layer, the rows' suffix KV ``[batch, num_kv_heads, S, head_dim]``, grown by ``update()`` like
   ``DynamicCache``.
 
@@ -29,7 +31,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from hf_cascade.attention import bind_layer, check_model_uses_cascade
 from hf_cascade.ops.merge import merge_attention_states
-from hf_cascade.ops.prefix_attention import shared_prefix_attention
+from hf_cascade.ops.prefix_attention import plan_shared_prefix, shared_prefix_attention
 from hf_cascade.ops.suffix_attention import suffix_attention
 
 
@@ -114,10 +116,6 @@ class PrefixLevel:
     keys: list[torch.Tensor] = field(repr=False)
     values: list[torch.Tensor] = field(repr=False)
 
-    def __post_init__(self):
-        device = self.keys[0].device if self.keys else "cpu"
-        self.node_starts_tensor = torch.tensor(self.node_starts, dtype=torch.int64, device=device)
-
     @property
     def num_nodes(self) -> int:
         return len(self.node_tokens)
@@ -167,8 +165,10 @@ class CascadeCache(Cache):
             )
         if row_nodes is None and any(level.num_nodes != 1 for level in self.levels):
             raise ValueError("`row_nodes` is required when a prefix level has more than one node.")
+        if row_nodes is not None:
+            row_nodes = row_nodes.detach().to("cpu", torch.int64)
         self._planned_row_nodes = row_nodes
-        self.row_nodes = row_nodes
+        self._set_rows(row_nodes)
         self.prefilled_prefix_tokens = sum(level.node_starts[-1] for level in self.levels)
         # The attention modules this cache may serve (reusing it with another model is an error).
         self._modules: dict[int, weakref.WeakSet] = {}
@@ -251,23 +251,26 @@ class CascadeCache(Cache):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
         if self.row_nodes is not None:
-            self.row_nodes = self.row_nodes.index_select(1, beam_idx.to(self.row_nodes.device))
+            # Beams of one prompt share its prefix nodes, so this is usually a no-op; check on the host.
+            reordered = self.row_nodes.index_select(1, beam_idx.to("cpu"))
+            if not torch.equal(reordered, self.row_nodes):
+                self._set_rows(reordered)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
         if self.row_nodes is not None:
-            self.row_nodes = self.row_nodes.repeat_interleave(repeats, dim=1)
+            self._set_rows(self.row_nodes.repeat_interleave(repeats, dim=1))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
         if self.row_nodes is not None:
-            self.row_nodes = self.row_nodes[:, indices]
+            self._set_rows(self.row_nodes[:, torch.as_tensor(indices).to("cpu")])
 
     def reset(self) -> None:
         """Drop every row's suffix and go back to the stored prefix (which is kept)."""
         for layer in self.layers:
             layer.reset()
-        self.row_nodes = self._planned_row_nodes
+        self._set_rows(self._planned_row_nodes)
 
     # generate() marks a cache the user passed with `_is_user_defined = True` when it starts: a new generate() call
     # starts from the stored prefix, so one cache serves several batches one after another.
@@ -298,6 +301,23 @@ class CascadeCache(Cache):
         )
 
     # ------------------------------------------------------------------ attention
+    def _set_rows(self, row_nodes: torch.Tensor | None) -> None:
+        self.row_nodes = row_nodes
+        self._plans: dict[tuple[int, int, torch.device], object] = {}
+
+    def _plan(self, level_idx: int, batch_size: int, device: torch.device):
+        """The prefix-pass schedule of one level for the current rows (built once per batch layout)."""
+        key = (level_idx, batch_size, device)
+        plan = self._plans.get(key)
+        if plan is None:
+            if self.row_nodes is None:
+                row_node = torch.zeros(batch_size, dtype=torch.int64)
+            else:
+                row_node = self.row_nodes[level_idx]
+            plan = plan_shared_prefix(row_node, torch.tensor(self.levels[level_idx].node_starts), device=device)
+            self._plans[key] = plan
+        return plan
+
     def _match_rows(self, batch_size: int) -> None:
         """Fit the planned rows to the batch generate() runs: num_return_sequences / num_beams expand rows
         with repeat_interleave and never the cache, so a multiple of the planned batch is expanded the same way."""
@@ -310,12 +330,7 @@ class CascadeCache(Cache):
                 "the `input_ids`/`attention_mask` returned by `shared_prefix_inputs` together with its cache (or a "
                 "multiple of them, as num_return_sequences/num_beams make), or build a new cache for this batch."
             )
-        self.row_nodes = self.row_nodes.repeat_interleave(batch_size // planned, dim=1)
-
-    def _level_rows(self, level_idx: int, batch_size: int, device: torch.device) -> torch.Tensor:
-        if self.row_nodes is None:
-            return torch.zeros(batch_size, dtype=torch.int64, device=device)
-        return self.row_nodes[level_idx].to(device)
+        self._set_rows(self.row_nodes.repeat_interleave(batch_size // planned, dim=1))
 
     def _check_module(self, module: torch.nn.Module) -> None:
         modules = self._modules.get(module.layer_idx)
@@ -351,14 +366,16 @@ class CascadeCache(Cache):
                 )
         prefix_out = prefix_lse = None
         for level_idx, level in enumerate(self.levels):
+            plan = self._plan(level_idx, batch_size, query.device)
             out, lse = shared_prefix_attention(
                 query,
                 level.keys[layer_idx],
                 level.values[layer_idx],
-                self._level_rows(level_idx, batch_size, query.device),
-                level.node_starts_tensor,
+                plan.rows,  # unused when a plan is given; the plan holds the layout
+                plan.node_starts_dev,
                 scale=scaling,
                 softcap=softcap,
+                plan=plan,
             )
             if prefix_out is None:
                 prefix_out, prefix_lse = out, lse

@@ -164,7 +164,7 @@ def test_prefix_plan_reuse_and_no_keys(backend):
 
 def test_prefix_rejects_bad_inputs():
     q, k, v, rows, starts = make_inputs(6, 2, 1, 64, torch.float32)
-    with pytest.raises(ValueError, match=r"multiple of key heads.*\(3, "):
+    with pytest.raises(ValueError, match=r"multiple of key heads.*\(4, "):
         shared_prefix_attention(q, k[:1].expand(4, -1, -1), v[:1].expand(4, -1, -1), rows, starts, scale=0.1)
     with pytest.raises(ValueError, match=r"row_node values must be in \[-1, 3\]"):
         shared_prefix_attention(q, k, v, torch.tensor([4, 0, 0, 0, 0, 0]), starts, scale=0.1)

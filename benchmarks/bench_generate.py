@@ -1,0 +1,196 @@
+"""End-to-end generate() benchmark: hf_cascade vs generate() with sdpa vs generate_batch (continuous batching).
+
+Workload (issue 3): a Llama-3-8B-shaped random bf16 model, B rows sharing a P-token prompt, each with its own
+S-token suffix, N new tokens, greedy. Reports total time, prefill time, decode ms/step, tokens/s and peak memory
+for each peer in the same run, and checks that cascade's first-step logits match sdpa's.
+
+    python benchmarks/bench_generate.py                       # the issue's grid (needs an 80 GB GPU)
+    python benchmarks/bench_generate.py --layers 4 --batches 8 --prefix 1024   # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from common import ResultWriter, wall_time  # noqa: E402
+
+import hf_cascade  # noqa: E402
+
+
+def build_model(layers: int):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=layers,  # 32 in Llama-3-8B
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=16384,
+        rope_theta=500000.0,
+        bos_token_id=1,
+        eos_token_id=None,  # random weights: never stop early, every row makes N tokens
+        pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="cascade", dtype=torch.bfloat16)
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def make_batch(batch: int, prefix: int, suffix: int, vocab: int):
+    g = torch.Generator().manual_seed(batch)
+    shared = torch.randint(3, vocab, (prefix,), generator=g)
+    rows = torch.randint(3, vocab, (batch, suffix), generator=g)
+    ids = torch.cat([shared.expand(batch, -1), rows], dim=1).cuda()
+    return ids, torch.ones_like(ids)
+
+
+def peak_gib() -> float:
+    return torch.cuda.max_memory_allocated() / 2**30
+
+
+def reset_memory():
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def run_cascade(model, ids, mask, new_tokens):
+    model.set_attn_implementation("cascade")
+    gen = dict(do_sample=False, pad_token_id=0)
+    reset_memory()
+    t_prefix, inputs = wall_time(lambda: hf_cascade.shared_prefix_inputs(model, ids, mask))
+    t_first, _ = wall_time(lambda: model.generate(**inputs, max_new_tokens=1, **gen))
+    t_all, out = wall_time(lambda: model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **gen))
+    cache = inputs["past_key_values"]
+    return {
+        "total_s": t_prefix + t_all,
+        "prefill_s": t_prefix + t_first,
+        "decode_ms_per_step": (t_all - t_first) / max(new_tokens - 1, 1) * 1e3,
+        "peak_gib": peak_gib(),
+        "kv_gib": cache.nbytes / 2**30,
+        "new_tokens": out[:, inputs["input_ids"].shape[1] :],
+    }
+
+
+def run_sdpa(model, ids, mask, new_tokens):
+    model.set_attn_implementation("sdpa")
+    gen = dict(do_sample=False, pad_token_id=0)
+    reset_memory()
+    t_first, _ = wall_time(lambda: model.generate(ids, attention_mask=mask, max_new_tokens=1, **gen))
+    t_all, out = wall_time(
+        lambda: model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **gen)
+    )
+    return {
+        "total_s": t_all,
+        "prefill_s": t_first,
+        "decode_ms_per_step": (t_all - t_first) / max(new_tokens - 1, 1) * 1e3,
+        "peak_gib": peak_gib(),
+        "new_tokens": out[:, ids.shape[1] :],
+    }
+
+
+def run_generate_batch(model, ids, mask, new_tokens):
+    from transformers import GenerationConfig
+
+    model.set_attn_implementation("sdpa")
+    reset_memory()
+    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    t_all, _ = wall_time(lambda: model.generate_batch(inputs=ids.tolist(), generation_config=config))
+    model.set_attn_implementation("sdpa")
+    return {"total_s": t_all, "peak_gib": peak_gib()}
+
+
+def first_logits_check(model, ids, mask, batch_rows: int = 4) -> dict:
+    """Cascade vs sdpa: max |logit difference| of the first generated position (bf16 model)."""
+    ids, mask = ids[:batch_rows], mask[:batch_rows]
+    gen = dict(max_new_tokens=1, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    model.set_attn_implementation("sdpa")
+    want = model.generate(ids, attention_mask=mask, **gen).logits[0].float()
+    model.set_attn_implementation("cascade")
+    got = model.generate(**hf_cascade.shared_prefix_inputs(model, ids, mask), **gen).logits[0].float()
+    return {
+        "first_logits_max_abs_diff": (got - want).abs().max().item(),
+        "first_logits_scale": want.abs().max().item(),
+        "first_token_match": bool((got.argmax(-1) == want.argmax(-1)).all()),
+    }
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--prefix", type=int, default=4096)
+    parser.add_argument("--suffix", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--batches", type=int, nargs="+", default=[32, 64, 128, 256])
+    parser.add_argument("--peers", nargs="+", default=["cascade", "sdpa", "generate_batch"])
+    parser.add_argument("--skip-after-oom", action="store_true", default=True)
+    parser.add_argument("--output", default=None, help="JSON-lines file (default benchmarks/results/generate.jsonl)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_generate.py needs a CUDA GPU.")
+
+    writer = ResultWriter("generate.jsonl", args.output)
+    model = build_model(args.layers)
+    vocab = model.config.vocab_size
+    workload = dict(layers=args.layers, prefix=args.prefix, suffix=args.suffix, new_tokens=args.new_tokens)
+    # Warm-up: compile the Triton kernels and the CUDA context outside the timed runs.
+    ids, mask = make_batch(2, 256, 8, vocab)
+    run_cascade(model, ids, mask, 2)
+    run_sdpa(model, ids, mask, 2)
+    check = first_logits_check(model, *make_batch(4, args.prefix, args.suffix, vocab))
+    writer.write({"bench": "generate_check", **workload, **check})
+    print("check:", check, flush=True)
+
+    runners = {"cascade": run_cascade, "sdpa": run_sdpa, "generate_batch": run_generate_batch}
+    out_of_memory = set()
+    rows = []
+    for batch in args.batches:
+        ids, mask = make_batch(batch, args.prefix, args.suffix, vocab)
+        tokens = {}
+        for peer in args.peers:
+            record = {"bench": "generate", "peer": peer, "batch": batch, **workload}
+            if peer in out_of_memory:
+                record["status"] = "skipped: out of memory at a smaller batch"
+            else:
+                try:
+                    result = runners[peer](model, ids, mask, args.new_tokens)
+                    new = result.pop("new_tokens", None)
+                    if new is not None:
+                        tokens[peer] = new
+                    record.update(result, status="ok")
+                    record["tokens_per_s"] = batch * args.new_tokens / result["total_s"]
+                except torch.OutOfMemoryError:
+                    record["status"] = "out of memory"
+                    out_of_memory.add(peer)
+                except Exception as err:  # a peer failing must not hide the others' numbers
+                    record["status"] = f"error: {type(err).__name__}: {str(err)[:300]}"
+            reset_memory()
+            if "cascade" in tokens and "sdpa" in tokens and peer == "sdpa":
+                record["greedy_tokens_equal_cascade_frac"] = (tokens["cascade"] == tokens["sdpa"]).float().mean().item()
+            writer.write(record)
+            rows.append(record)
+            print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in record.items()}, flush=True)
+
+    print(f"\n{'peer':>15} {'B':>4} {'total s':>8} {'prefill s':>9} {'ms/step':>8} {'tok/s':>8} {'peak GiB':>8}  status")
+    for r in rows:
+        f = lambda k, fmt: format(r[k], fmt) if isinstance(r.get(k), (int, float)) else "-"  # noqa: E731
+        print(
+            f"{r['peer']:>15} {r['batch']:>4} {f('total_s', '8.2f')} {f('prefill_s', '9.2f')} "
+            f"{f('decode_ms_per_step', '8.1f')} {f('tokens_per_s', '8.0f')} {f('peak_gib', '8.1f')}  {r['status']}"
+        )
+
+
+if __name__ == "__main__":
+    main()

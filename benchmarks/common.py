@@ -1,0 +1,111 @@
+"""Shared helpers for the benchmarks: machine/version record, JSON-lines output, CUDA timing."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def git_sha() -> str:
+    """The repository's HEAD commit, or $HF_CASCADE_GIT_SHA where the checkout has no .git (the device copy)."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, timeout=10
+        )
+        if out.returncode == 0:
+            return out.stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return os.environ.get("HF_CASCADE_GIT_SHA", "unknown")
+
+
+def machine_info() -> dict:
+    """GPU name, driver-visible memory, and the versions a result depends on."""
+    import transformers
+
+    info = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_sha": git_sha(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cuda": torch.version.cuda,
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "gpu_count": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    try:
+        import flash_attn
+
+        info["flash_attn"] = flash_attn.__version__
+    except ImportError:
+        info["flash_attn"] = None
+    return info
+
+
+class ResultWriter:
+    """Appends one JSON object per line to ``path`` (and to $OUT/<name> when run on the device machine)."""
+
+    def __init__(self, name: str, path: str | Path | None = None):
+        self.path = Path(path) if path else RESULTS_DIR / name
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.mirror = Path(os.environ["OUT"]) / name if os.environ.get("OUT") else None
+        self.info = machine_info()
+
+    def write(self, record: dict) -> None:
+        line = json.dumps({**self.info, **record}, default=str)
+        for path in filter(None, (self.path, self.mirror)):
+            with open(path, "a") as f:
+                f.write(line + "\n")
+
+
+def cuda_time(fn, *, warmup: int = 3, repeat: int = 20) -> dict:
+    """Median / p20 / p80 milliseconds of ``fn()`` timed with CUDA events (after warm-up)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    pick = lambda q: times[min(len(times) - 1, int(q * len(times)))]  # noqa: E731
+    return {"ms": pick(0.5), "ms_p20": pick(0.2), "ms_p80": pick(0.8)}
+
+
+def wall_time(fn) -> tuple[float, object]:
+    """Seconds of ``fn()`` including device work (synchronised), and its result."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    result = fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0, result
+
+
+def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
+    """Device-to-device copy bandwidth (bytes read + written per second, GB/s), measured now."""
+    src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    t = cuda_time(lambda: dst.copy_(src), warmup=3, repeat=20)["ms"]
+    del src, dst
+    return nbytes / (t * 1e-3) / 1e9

@@ -1,0 +1,17 @@
+"""Context parallelism: one long prompt's KV sharded over the ranks of a process group, inside ``generate()``.
+
+Prefill runs zigzag ring attention (:mod:`~hf_cascade.parallel.ring`), decode combines per-rank partial
+attention exactly (:mod:`~hf_cascade.parallel.combine`: ``"tree"`` or ``"all_to_all"``); the KV lives in a
+:class:`~hf_cascade.parallel.cache.ContextParallelCache`. Start with :func:`context_parallel_inputs`.
+"""
+
+from hf_cascade.parallel.combine import COMBINES, combine_all_to_all, combine_local, combine_tree
+from hf_cascade.parallel.layout import ZigzagLayout
+
+__all__ = [
+    "COMBINES",
+    "ZigzagLayout",
+    "combine_all_to_all",
+    "combine_local",
+    "combine_tree",
+]

@@ -1,0 +1,77 @@
+"""Run a function on N CPU processes joined by a gloo group (tests and docs; no GPU, no launcher needed).
+
+>>> from hf_cascade.parallel._testing import run_on_gloo
+>>> results = run_on_gloo(my_fn, world_size=2, args=(...,))   # my_fn(rank, world_size, *args) -> picklable
+
+``my_fn`` must be importable by module name (defined at the top level of a module), because the workers are
+started with the ``spawn`` method. Each worker runs with one intra-op thread (CI machines have few cores).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import socket
+import tempfile
+import time
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago on 127.0.0.1."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, fn, world_size, port, out_dir, pg_timeout_s, args):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=pg_timeout_s),
+    )
+    try:
+        result = fn(rank, world_size, *args)
+        with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+            pickle.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_on_gloo(fn, world_size: int, args: tuple = (), *, timeout_s: float = 600.0, pg_timeout_s: float = 120.0):
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes with a gloo default group.
+
+    Returns the list of the workers' return values (rank order). A worker that raises makes this raise (with the
+    worker's traceback); workers still alive after ``timeout_s`` seconds are killed and a TimeoutError raised.
+    """
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.start_processes(
+            _worker,
+            args=(fn, world_size, free_port(), out_dir, pg_timeout_s, args),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout_s
+        try:
+            while not ctx.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"run_on_gloo: {world_size} workers still running after {timeout_s} s.")
+        finally:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.kill()
+        results = []
+        for rank in range(world_size):
+            with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as f:
+                results.append(pickle.load(f))
+        return results
