@@ -162,6 +162,7 @@ def plot_results(
 
     matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter
 
     if isinstance(results, (str, os.PathLike)):
         records = load_records([results])
@@ -193,14 +194,24 @@ def plot_results(
             ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
         if kind == "speedup":
             ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
-            ax.set_ylabel("speedup (x)")
+            ax.set_ylabel("speedup over sdpa")
+            values = [p[1] for pts in series.values() for p in pts]
+            if max(values) / max(min(values), 1e-9) >= 20:
+                ax.set_yscale("log", base=2)
+            else:
+                ax.set_ylim(bottom=0)
+            ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
         else:
             ax.set_ylabel("peak memory (GiB)")
             top = max((p[1] for pts in series.values() for p in pts), default=1.0)
             for label, batches in marks.items():
                 ax.scatter(batches, [top * 1.05] * len(batches), marker="x", color="red", zorder=3)
                 for b in batches:
-                    ax.annotate(f"{label}: OOM", (b, top * 1.05), textcoords="offset points", xytext=(4, 4), fontsize=7)
+                    ax.annotate(
+                        f"{label}: out of memory", (b, top * 1.05), textcoords="offset points", xytext=(-6, -12),
+                        ha="right", fontsize=7, color="red",
+                    )
+            ax.set_ylim(bottom=0, top=top * 1.15)
         batches = sorted({p[0] for pts in series.values() for p in pts} | {b for bs in marks.values() for b in bs})
         if batches and batches[-1] / max(batches[0], 1) >= 4:
             ax.set_xscale("log", base=2)

@@ -7,8 +7,9 @@ half of the rows, then a per-row question; rows are shuffled so that sharing row
 import json
 import random
 
-import datasets
 import pytest
+
+datasets = pytest.importorskip("datasets")
 import torch
 
 import hf_cascade

@@ -14,8 +14,8 @@ With more than one split each program writes a normalised partial (out, lse) in 
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634  # log2(e): scores are kept in base 2 inside the loop
-LN2 = 0.6931471805599453  # ln(2): back to natural-log LSE on the way out
+LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): scores are kept in base 2 inside the loop
+LN2 = tl.constexpr(0.6931471805599453)  # ln(2): back to natural-log LSE on the way out
 
 
 @triton.jit
@@ -75,7 +75,7 @@ def _prefix_fwd_kernel(
     k_end = tl.load(node_starts_ptr + node + 1)
     chunk = tl.cdiv(tl.cdiv(k_end - k_start, num_splits), BLOCK_N) * BLOCK_N
     lo = k_start + split * chunk
-    hi = tl.minimum(k_end, lo + chunk)
+    hi = k_end
 
     k_base = k_ptr + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + kvh.to(tl.int64) * stride_vh

@@ -9,12 +9,12 @@ tile covers a contiguous position range and the causal bound is tight.
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
 
-MASK_FULL = 0  # every query sees every key
-MASK_CAUSAL = 1  # bottom-right aligned: query i sees key j iff j <= S - Lq + i
-MASK_TENSOR = 2  # bool mask [B, Lq, S] (read as uint8), True = attend
+MASK_FULL = tl.constexpr(0)  # every query sees every key
+MASK_CAUSAL = tl.constexpr(1)  # bottom-right aligned: query i sees key j iff j <= S - Lq + i
+MASK_TENSOR = tl.constexpr(2)  # bool mask [B, Lq, S] (read as uint8), True = attend
 
 
 @triton.jit

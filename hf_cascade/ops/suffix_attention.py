@@ -168,10 +168,10 @@ def _suffix_triton(
     block_n = block_n or cfg_n
     if mask is not None:
         mask_arg = mask.expand(B, Lq, S).view(torch.uint8)  # no copy; stride 0 if broadcast
-        mode = kernels.MASK_TENSOR
+        mode = kernels.MASK_TENSOR.value
     else:
         mask_arg = torch.empty((1, 1, 1), dtype=torch.uint8, device=dev)  # unused placeholder
-        mode = kernels.MASK_CAUSAL if causal else kernels.MASK_FULL
+        mode = (kernels.MASK_CAUSAL if causal else kernels.MASK_FULL).value
     po = prefix_out if prefix_out is not None else out
     pl = prefix_lse if prefix_lse is not None else lse
     grid = (-(-(G * Lq) // block_m), Hkv, B)

@@ -15,6 +15,7 @@ import pickle
 import socket
 import tempfile
 import time
+import traceback
 
 
 def free_port() -> int:
@@ -41,8 +42,23 @@ def _worker(rank, fn, world_size, port, out_dir, pg_timeout_s, args):
         result = fn(rank, world_size, *args)
         with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
             pickle.dump(result, f)
+    except BaseException:
+        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
     finally:
         dist.destroy_process_group()
+
+
+def _failure_report(out_dir: str, failed: list[tuple[int, int]]) -> str:
+    """Tracebacks of the failed workers, root causes first (peers of a crashed rank fail with connection errors)."""
+    reports = []
+    for rank, code in failed:
+        path = os.path.join(out_dir, f"rank{rank}.err")
+        text = open(path).read() if os.path.exists(path) else f"(exit code {code}, no Python traceback)\n"
+        secondary = "Connection closed by peer" in text or "Connection reset" in text
+        reports.append((secondary, f"--- rank {rank} (exit code {code}):\n{text}"))
+    return "".join(text for _, text in sorted(reports, key=lambda r: r[0]))
 
 
 def run_on_gloo(fn, world_size: int, args: tuple = (), *, timeout_s: float = 600.0, pg_timeout_s: float = 120.0):
@@ -63,13 +79,17 @@ def run_on_gloo(fn, world_size: int, args: tuple = (), *, timeout_s: float = 600
         )
         deadline = time.monotonic() + timeout_s
         try:
-            while not ctx.join(timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+            while not all(p.exitcode is not None for p in ctx.processes):
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"run_on_gloo: {world_size} workers still running after {timeout_s} s.")
+                time.sleep(0.05)
         finally:
             for p in ctx.processes:
                 if p.is_alive():
                     p.kill()
+        failed = [(rank, p.exitcode) for rank, p in enumerate(ctx.processes) if p.exitcode != 0]
+        if failed:
+            raise RuntimeError("run_on_gloo: workers failed:\n" + _failure_report(out_dir, failed))
         results = []
         for rank in range(world_size):
             with open(os.path.join(out_dir, f"rank{rank}.pkl"), "rb") as f:
