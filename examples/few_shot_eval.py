@@ -108,7 +108,8 @@ def main():
 
     print(f"\n{len(dataset)} questions, {args.shots}-shot preamble of {len(tokenizer(shared).input_ids)} tokens")
     for row in scored.select(range(min(3, len(scored)))):
-        print(f"  {row['question']} = {row['answer']:>6}   model: {row['completion']!r} {'ok' if row['correct'] else ''}")
+        mark = "ok" if row["correct"] else ""
+        print(f"  {row['question']} = {row['answer']:>6}   model: {row['completion']!r} {mark}")
     print(f"exact match: {accuracy:.1%}")
     print(f"{'':<22}{'rows/s':>10}{'new tok/s':>12}{'prefill tokens':>16}")
     print(f"{'cascade (this run)':<22}{len(dataset) / cascade_s:>10.1f}{stats.new_tokens / cascade_s:>12.0f}"

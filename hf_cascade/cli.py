@@ -11,8 +11,11 @@ import platform
 import random
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
+
+from hf_cascade.model_zoo import FAMILIES
 
 DESCRIPTION = """\
 hf_cascade: cascade (shared-prefix) attention inside Hugging Face transformers generate().
@@ -31,6 +34,10 @@ Run `python -m hf_cascade COMMAND --help` for a command's options.
 """
 
 
+def _paragraphs(*paragraphs: str, width: int = 88) -> str:
+    return "\n\n".join(textwrap.fill(p, width) for p in paragraphs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m hf_cascade",
@@ -44,13 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser(
         "demo",
         help="cascade vs sdpa generate() on prompts sharing a system prompt + few-shot block",
-        description=(
+        description=_paragraphs(
             "Build a batch of prompts sharing a system prompt and one of several few-shot blocks, then run greedy "
             "generate() twice on the same weights: with hf_cascade (shared prefixes prefilled and stored once) "
             "and with the stock attention (sdpa; eager for soft-capped models). Prints whether the tokens are "
-            "identical, the time and the KV-cache memory of each, and the nested sharing found.\n\n"
+            "identical, the time and the KV-cache memory of each, and the nested sharing found.",
             "Default: a tiny random-init Llama built in memory (no downloads), fp32 on CPU. Its text is "
-            "gibberish; the comparison is what matters."
+            "gibberish; the comparison is what matters.",
         ),
         epilog=(
             "examples:\n"
@@ -61,7 +68,9 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     demo.add_argument("--model", metavar="PATH", help="a local checkpoint directory (default: tiny random-init model)")
-    demo.add_argument("--family", default="llama", help="tiny model family when no --model (default: llama)")
+    demo.add_argument(
+        "--family", default="llama", choices=sorted(FAMILIES), help="tiny model family when no --model (default: llama)"
+    )
     demo.add_argument("--device", default="auto", help="cpu, cuda, cuda:1... (default: cuda if available, else cpu)")
     demo.add_argument(
         "--dtype",
@@ -74,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--shots", type=int, default=8, help="examples per few-shot block (default: 8)")
     demo.add_argument("--new-tokens", type=int, default=32, help="tokens to generate per row (default: 32)")
     demo.add_argument("--min-shared-tokens", type=int, default=4, help="shortest shared segment kept (default: 4)")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--seed", type=int, default=0, help="seeds the tiny model's weights and the questions")
     demo.add_argument("--show", type=int, default=2, metavar="N", help="print N example completions (default: 2)")
     demo.add_argument("--check", action="store_true", help="exit with status 1 if the tokens are not identical")
     demo.add_argument("--json", action="store_true", help="print the results as one JSON object instead")
@@ -82,12 +91,12 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser(
         "bench",
         help="run the GPU benchmark suites (benchmarks/bench_*.py), write JSON lines and a PNG plot",
-        description=(
+        description=_paragraphs(
             "Run the benchmark suites of a source checkout on a CUDA GPU: `kernels` (one decode step of attention, "
             "cascade kernels vs SDPA over replicated KV) and `generate` (end-to-end generate(): cascade vs sdpa vs "
             "continuous batching). Results are JSON lines (with GPU name, versions, git SHA); a PNG plots speedup "
-            "vs batch per prefix length and memory vs batch. With --plot, only draw the PNG from existing results "
-            "(no GPU needed)."
+            "vs batch per prefix length and memory vs batch.",
+            "With --plot, only draw the PNG from existing results (no GPU needed).",
         ),
         epilog=(
             "examples:\n"
@@ -103,7 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--output-dir", default="hf_cascade_bench", help="where results and the PNG go (default: ./hf_cascade_bench)"
     )
     bench.add_argument("--plot", nargs="+", metavar="RESULTS.jsonl", help="only plot these result files")
-    bench.add_argument("--png", metavar="PATH", help="PNG path (default: OUTPUT_DIR/bench.png or next to --plot)")
+    bench.add_argument(
+        "--png", metavar="PATH", help="PNG path (default: OUTPUT_DIR/bench-TIMESTAMP.png; with --plot: RESULTS.png)"
+    )
     bench.add_argument("suite_args", nargs=argparse.REMAINDER, help="after `--`: extra arguments for the suite script")
 
     info = sub.add_parser(
@@ -210,7 +221,8 @@ def cmd_info(args) -> int:
             )
     else:
         lines.append("GPU          none (torch.cuda.is_available() is False)")
-    lines.append(f"attention    'cascade' registered with transformers: {'yes' if info['attention_registered'] else 'NO'}")
+    registered = "yes" if info["attention_registered"] else "NO"
+    lines.append(f"attention    'cascade' registered with transformers: {registered}")
     lines.append(f"kernel path  {info['kernel_path']}")
     if info["triton_interpret"]:
         lines.append("             TRITON_INTERPRET=1: ops forced to backend='triton' run on Triton's CPU interpreter")
@@ -313,7 +325,7 @@ def run_demo(
     prompts, group_of = demo_prompts(batch, groups, shots, seed)
     enc = tokenizer(prompts, return_tensors="pt", padding=True).to(model.device)
     ids, mask = enc["input_ids"], enc["attention_mask"]
-    gen = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    gen = dict(do_sample=False, pad_token_id=tokenizer.pad_token_id)
 
     def run_cascade(rows=None, n=new_tokens):
         i, m = (ids, mask) if rows is None else (ids[:rows], mask[:rows])
@@ -365,8 +377,8 @@ def run_demo(
         "cascade_kv_bytes": int(cache.nbytes),
         "reference_kv_bytes": dynamic_cache_nbytes(reference_cache),
         "examples": [
-            {"prompt_tail": prompts[i][-40:], "completion": tokenizer.decode(cascade_tokens[i], skip_special_tokens=True)}
-            for i in range(batch)
+            {"prompt_tail": prompts[i][-40:], "completion": text}
+            for i, text in enumerate(tokenizer.batch_decode(cascade_tokens, skip_special_tokens=True))
         ],
     }
 
@@ -400,8 +412,8 @@ def cmd_demo(args) -> int:
     )
     print()
     print(f"{'':<26}{'cascade':>12}{ref:>12}")
-    print(f"{'time (' + str(r['new_tokens']) + ' new tokens/row)':<26}{r['cascade_s']:>10.2f} s{r['reference_s']:>10.2f} s"
-          f"   ({speed:.2f}x)")
+    time_label = f"time ({r['new_tokens']} new tokens/row)"
+    print(f"{time_label:<26}{r['cascade_s']:>10.2f} s{r['reference_s']:>10.2f} s   (speedup {speed:.2f}x)")
     print(f"{'KV cache':<26}{_mib(r['cascade_kv_bytes']):>12}{_mib(r['reference_kv_bytes']):>12}   "
           f"({kv_ratio:.1f}x smaller)")
     verdict = "yes" if r["identical"] else "NO"
@@ -413,8 +425,8 @@ def cmd_demo(args) -> int:
         print(f"  ...{example['prompt_tail']!r} -> {example['completion']!r}")
     if r["device"] == "cpu":
         print(
-            "\nOn CPU the times mostly measure Python overhead of a tiny model; cascade's speedup needs a GPU, long "
-            "shared prefixes and large batches (python -m hf_cascade bench). The KV saving holds everywhere."
+            "\nOn CPU, times mostly measure the Python overhead of a tiny model: cascade's speedup needs a GPU,\n"
+            "long shared prefixes and large batches (python -m hf_cascade bench). The KV saving holds everywhere."
         )
     return 0 if r["identical"] or not args.check else 1
 

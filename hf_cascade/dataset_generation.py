@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 CHECKPOINT_VERSION = 1
 # generate() arguments that generate_dataset builds itself.
-_RESERVED_KWARGS = ("input_ids", "attention_mask", "past_key_values", "inputs", "position_ids")
+_RESERVED_KWARGS = ("input_ids", "attention_mask", "past_key_values", "inputs", "position_ids", "cache_implementation")
 
 
 @dataclass
@@ -150,7 +150,8 @@ def generate_dataset(
 
     Rows are sorted by their prompt tokens, so rows sharing a prefix are batched together; batches are cut when
     the next row would exceed ``max_batch_size`` rows or ``max_batch_tokens`` tokens. The returned dataset keeps
-    the original row order.
+    the original row order. Greedy completions are those of a plain per-row ``generate()``; with sampling, the
+    draws depend on how rows were batched, as with any batched ``generate()``.
 
     Args:
         model: a causal LM loaded with ``attn_implementation="cascade"`` (after ``import hf_cascade``).
@@ -254,7 +255,8 @@ def generate_dataset(
         bar.close()
         partial = dataset.add_column(output_column, completions)
         where = f"; saved to {checkpoint.path} (rerun to resume)" if checkpoint else ""
-        message = f"generate_dataset interrupted: {stats.rows_generated + stats.rows_resumed}/{num_rows} rows done{where}"
+        finished = stats.rows_generated + stats.rows_resumed
+        message = f"generate_dataset interrupted: {finished}/{num_rows} rows done{where}"
         logger.warning("%s\n%s", message, stats.summary())
         raise GenerationInterrupted(message, partial, stats, checkpoint.path if checkpoint else None) from interrupt
     finally:
@@ -336,7 +338,7 @@ def _eos_ids(model, gen_kwargs) -> list[int]:
 
 def _tokenize(dataset, tokenizer, prompt_column, prompt_fn, add_special_tokens, model) -> list[list[int]]:
     """Every row's prompt token ids (lists of ints), in dataset order."""
-    prompts = [prompt_fn(row) for row in dataset] if prompt_fn is not None else dataset[prompt_column]
+    prompts = [prompt_fn(row) for row in dataset] if prompt_fn is not None else list(dataset[prompt_column])
     source = "prompt_fn" if prompt_fn is not None else f"column {prompt_column!r}"
     rows: list[list[int] | None] = [None] * len(prompts)
     text_index = []

@@ -89,3 +89,36 @@ def test_bench_plot_and_no_gpu_message(tmp_path, capsys):
     if not torch.cuda.is_available():
         assert main(["bench", "--output-dir", str(tmp_path / "out")]) == 2
         assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_bench_runs_suite_scripts_and_plots(tmp_path, monkeypatch, capsys):
+    """The orchestration, with a stand-in suite script (the real ones need a GPU): arguments passed through,
+    results collected, PNG written."""
+    pytest.importorskip("matplotlib")
+    import hf_cascade.cli as cli
+
+    bench_dir = tmp_path / "benchmarks"
+    bench_dir.mkdir()
+    (bench_dir / "bench_kernels.py").write_text(
+        "import argparse, json\n"
+        "p = argparse.ArgumentParser(); p.add_argument('--output'); p.add_argument('--quick', action='store_true')\n"
+        "p.add_argument('--batches', type=int, nargs='+', default=[8])\n"
+        "a = p.parse_args()\n"
+        "with open(a.output, 'w') as f:\n"
+        "    for b in a.batches:\n"
+        "        f.write(json.dumps({'bench': 'decode_step', 'batch': b, 'prefix': 4096,\n"
+        "                            'speedup_vs_sdpa': b / 8, 'quick': a.quick}) + '\\n')\n"
+    )
+    monkeypatch.setattr(cli, "find_benchmarks_dir", lambda: bench_dir)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    out_dir = tmp_path / "out"
+    code = main(["bench", "--suite", "kernels", "--quick", "--output-dir", str(out_dir), "--", "--batches", "8", "64"])
+    assert code == 0, capsys.readouterr().err
+    results = list(out_dir.glob("kernels-*.jsonl"))
+    assert len(results) == 1
+    records = [json.loads(line) for line in results[0].read_text().splitlines()]
+    assert [r["batch"] for r in records] == [8, 64] and all(r["quick"] for r in records)
+    assert list(out_dir.glob("bench-*.png"))
+    # The other suite's script is missing here: a clear message, not a traceback.
+    assert main(["bench", "--suite", "generate", "--output-dir", str(out_dir)]) == 2
+    assert "bench_generate.py" in capsys.readouterr().err

@@ -10,11 +10,11 @@ import random
 import pytest
 
 datasets = pytest.importorskip("datasets")
-import torch
+import torch  # noqa: E402
 
-import hf_cascade
-from hf_cascade.dataset_generation import GenerationInterrupted, generate_dataset
-from hf_cascade.tiny import tiny_model, tiny_tokenizer
+import hf_cascade  # noqa: E402
+from hf_cascade.dataset_generation import GenerationInterrupted, generate_dataset  # noqa: E402
+from hf_cascade.tiny import tiny_model, tiny_tokenizer  # noqa: E402
 
 MAX_NEW = 6
 SYSTEM = "You are a careful calculator. Reply with the number only.\n"

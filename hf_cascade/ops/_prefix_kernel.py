@@ -75,7 +75,7 @@ def _prefix_fwd_kernel(
     k_end = tl.load(node_starts_ptr + node + 1)
     chunk = tl.cdiv(tl.cdiv(k_end - k_start, num_splits), BLOCK_N) * BLOCK_N
     lo = k_start + split * chunk
-    hi = k_end
+    hi = tl.minimum(k_end, lo + chunk)
 
     k_base = k_ptr + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + kvh.to(tl.int64) * stride_vh

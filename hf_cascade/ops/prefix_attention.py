@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -55,6 +56,16 @@ class PrefixPlan:
     @property
     def has_rows_without_node(self) -> bool:
         return any(n < 0 for n in self.row_node)
+
+    @functools.cached_property
+    def covered_rows(self) -> int:
+        """Rows on a non-empty node; the others keep out 0 / lse -inf."""
+        return sum(r for n, r in enumerate(self.rows_per_node)
+                   if self.node_starts[n + 1] > self.node_starts[n])
+
+    @functools.cached_property
+    def max_node_len(self) -> int:
+        return max((b - a for a, b in zip(self.node_starts, self.node_starts[1:])), default=0)
 
     def tiles(self, m_per_row: int, block_m: int) -> tuple[Tensor, Tensor]:
         """(tile_node int32 [tiles], tile_m0 int32 [tiles]): BLOCK_M tiles over every node's M axis."""
@@ -236,8 +247,7 @@ def _prefix_config(D: int, device: torch.device) -> tuple[int, int, int]:
 
 def _num_splits(plan: PrefixPlan, tiles: int, hkv: int, block_n: int, device: torch.device) -> int:
     """KV splits so that tiles * Hkv * splits roughly fills the device, each split >= 256 keys."""
-    max_len = max((b - a for a, b in zip(plan.node_starts, plan.node_starts[1:])), default=0)
-    by_len = max(1, -(-max_len // max(_MIN_KEYS_PER_SPLIT, block_n)))
+    by_len = max(1, -(-plan.max_node_len // max(_MIN_KEYS_PER_SPLIT, block_n)))
     want = -(-num_programs_target(device) // max(1, tiles * hkv))
     return max(1, min(by_len, want))
 
@@ -268,9 +278,7 @@ def _prefix_triton(
     tile_node, tile_m0 = plan.tiles(G * Lq, block_m)
     tiles = tile_node.numel()
     # Rows without a node, or on an empty node, are not covered by any tile.
-    covered = sum(plan.rows_per_node[n] for n in range(plan.num_nodes)
-                  if plan.node_starts[n + 1] > plan.node_starts[n])
-    if covered == B:
+    if plan.covered_rows == B:
         out = torch.empty((B, Hq, Lq, D), dtype=torch.float32, device=dev)
         lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=dev)
     else:

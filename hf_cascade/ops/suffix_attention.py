@@ -168,9 +168,10 @@ def _suffix_triton(
     block_n = block_n or cfg_n
     if mask is not None:
         mask_arg = mask.expand(B, Lq, S).view(torch.uint8)  # no copy; stride 0 if broadcast
+        mask_strides = mask_arg.stride()
         mode = kernels.MASK_TENSOR.value
     else:
-        mask_arg = torch.empty((1, 1, 1), dtype=torch.uint8, device=dev)  # unused placeholder
+        mask_arg, mask_strides = key, (0, 0, 0)  # unused placeholder pointer
         mode = (kernels.MASK_CAUSAL if causal else kernels.MASK_FULL).value
     po = prefix_out if prefix_out is not None else out
     pl = prefix_lse if prefix_lse is not None else lse
@@ -179,7 +180,7 @@ def _suffix_triton(
         query, key, value, mask_arg, po, pl, out, lse,
         Lq, S, G, D,
         float(scale), float(softcap) if softcap is not None else 1.0,
-        *query.stride(), *key.stride(), *value.stride(), *mask_arg.stride(),
+        *query.stride(), *key.stride(), *value.stride(), *mask_strides,
         *po.stride(), *pl.stride(), *out.stride(), *lse.stride(),
         MASK_MODE=mode,
         HAS_SOFTCAP=softcap is not None,

@@ -5,13 +5,19 @@ attention exactly (:mod:`~hf_cascade.parallel.combine`: ``"tree"`` or ``"all_to_
 :class:`~hf_cascade.parallel.cache.ContextParallelCache`. Start with :func:`context_parallel_inputs`.
 """
 
+from hf_cascade.parallel.cache import ContextParallelCache
 from hf_cascade.parallel.combine import COMBINES, combine_all_to_all, combine_local, combine_tree
+from hf_cascade.parallel.inputs import context_parallel_inputs
 from hf_cascade.parallel.layout import ZigzagLayout
+from hf_cascade.parallel.ring import ring_attention
 
 __all__ = [
     "COMBINES",
+    "ContextParallelCache",
     "ZigzagLayout",
     "combine_all_to_all",
     "combine_local",
     "combine_tree",
+    "context_parallel_inputs",
+    "ring_attention",
 ]

@@ -3,8 +3,9 @@
 >>> from hf_cascade.parallel._testing import run_on_gloo
 >>> results = run_on_gloo(my_fn, world_size=2, args=(...,))   # my_fn(rank, world_size, *args) -> picklable
 
-``my_fn`` must be importable by module name (defined at the top level of a module), because the workers are
-started with the ``spawn`` method. Each worker runs with one intra-op thread (CI machines have few cores).
+``my_fn`` must be defined at the top level of an importable module (the ``spawn`` start method pickles it by
+name). Each worker runs with one intra-op thread (CI machines have few cores; forked workers must not use the
+parent's OpenMP pool).
 """
 
 from __future__ import annotations
@@ -61,21 +62,36 @@ def _failure_report(out_dir: str, failed: list[tuple[int, int]]) -> str:
     return "".join(text for _, text in sorted(reports, key=lambda r: r[0]))
 
 
-def run_on_gloo(fn, world_size: int, args: tuple = (), *, timeout_s: float = 600.0, pg_timeout_s: float = 120.0):
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes with a gloo default group.
+def run_on_gloo(
+    fn,
+    world_size: int,
+    args: tuple = (),
+    *,
+    timeout_s: float = 600.0,
+    pg_timeout_s: float = 120.0,
+    start_method: str | None = None,
+):
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` new processes with a gloo default group.
+
+    ``start_method``: "fork" (default where available: the workers inherit the imported modules, so starting
+    them costs milliseconds, not the seconds ``import transformers`` takes) or "spawn".
 
     Returns the list of the workers' return values (rank order). A worker that raises makes this raise (with the
     worker's traceback); workers still alive after ``timeout_s`` seconds are killed and a TimeoutError raised.
     """
+    import multiprocessing
+
     import torch.multiprocessing as mp
 
+    if start_method is None:
+        start_method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
             _worker,
             args=(fn, world_size, free_port(), out_dir, pg_timeout_s, args),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method=start_method,
         )
         deadline = time.monotonic() + timeout_s
         try:

@@ -1,0 +1,399 @@
+"""``ContextParallelCache``: a transformers ``Cache`` whose KV is sharded along the sequence over ranks.
+
+Every rank runs the whole model on the same decode tokens; only the attention is distributed. Per model layer a
+rank holds
+
+* its zigzag shard of the prompt's KV (``[batch, num_kv_heads, S_r, head_dim]``, ``S_r ~ prompt / N``), with the
+  global column of every key (``cols``, int64 ``[S_r]``),
+* the KV of the decode tokens placed on it: each forward's new tokens go to ONE rank, the least-loaded one
+  (``placement="least_loaded"``, default) or the next in turn (``"round_robin"``), so shards stay balanced,
+* optionally, its zigzag shard of a prefix shared by every row, stored once without a batch dimension
+  (``[num_kv_heads, P_r, head_dim]``; see :func:`~hf_cascade.parallel.inputs.context_parallel_inputs`'s
+  ``shared_prefix``); the rows' own columns (suffixes, decode tokens) are then placed as above.
+
+What generate() sees is a cache of the *logical* length (all ranks' columns): ``get_seq_length()`` and
+``get_mask_sizes(q_len) = (length + q_len, 0)`` are those of a ``DynamicCache`` holding the whole sequence, so
+transformers builds its masks and positions over global columns; :meth:`ContextParallelCache.attend` picks the
+columns this rank holds out of that mask.
+
+Attention (through the registered ``"cascade"`` attention, see :mod:`hf_cascade.attention`):
+
+* prefill (inside ``context_parallel_inputs``): zigzag ring attention (:func:`~hf_cascade.parallel.ring.ring_attention`);
+* decode: this rank's partial attention (shared-prefix shard merged with its row KV, fp32 LSE), then the exact
+  ``combine`` across ranks: ``"tree"``, ``"all_to_all"`` (:mod:`~hf_cascade.parallel.combine`), or the
+  ``"all_gather_kv"`` baseline (gathers every rank's KV; for benchmarks).
+
+All ranks must call the model in lockstep (same batch, same number of tokens): each attention layer is a
+collective operation.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from hf_cascade.attention import bind_layer, check_model_uses_cascade
+from hf_cascade.ops.prefix_attention import plan_shared_prefix, shared_prefix_attention
+from hf_cascade.ops.suffix_attention import suffix_attention
+from hf_cascade.parallel._group import GroupInfo
+from hf_cascade.parallel.combine import all_gather_kv, check_combine, combine_states
+from hf_cascade.parallel.layout import ZigzagLayout
+from hf_cascade.parallel.ring import ring_attention
+
+PLACEMENTS = ("least_loaded", "round_robin")
+
+
+class _ShardLayer(CacheLayerMixin):
+    """One model layer's slice of the sequence on this rank.
+
+    Attributes:
+        keys, values: ``[batch, num_kv_heads, S_r, head_dim]`` row KV held here (None before the first update).
+        cols: int64 ``[S_r]`` global column of each key, ascending.
+        length: columns of the whole (logical) sequence this layer has seen, shared prefix included.
+        prefix_keys, prefix_values: ``[num_kv_heads, P_r, head_dim]`` shared-prefix shard, or None.
+    """
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = True
+
+    def __init__(self):
+        super().__init__()
+        self.keys = self.values = self.cols = None
+        self.prefix_keys = self.prefix_values = None
+        self.length = 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.keys = key_states[:, :, :0]
+        self.values = value_states[:, :, :0]
+        self.cols = torch.zeros(0, dtype=torch.long, device=key_states.device)
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):  # the cache implements update itself
+        raise NotImplementedError("ContextParallelCache layers are updated through ContextParallelCache.update().")
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_max_cache_shape(self) -> int:  # transformers 5.17
+        return -1
+
+    def keep_columns_below(self, length: int) -> None:
+        if self.cols is not None:
+            keep = torch.nonzero(self.cols < length).flatten()
+            if keep.numel() != self.cols.numel():
+                self.keys = self.keys.index_select(2, keep)
+                self.values = self.values.index_select(2, keep)
+                self.cols = self.cols.index_select(0, keep)
+        self.length = min(self.length, length)
+
+    def _select(self, fn) -> None:
+        if self.keys is not None:
+            self.keys, self.values = fn(self.keys), fn(self.values)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._select(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._select(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._select(lambda t: t[indices])
+
+    def reset(self) -> None:
+        self.__init__()
+
+    @property
+    def nbytes(self) -> int:
+        tensors = (self.keys, self.values, self.prefix_keys, self.prefix_values)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _num_layers(config) -> int:
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(text_config.num_hidden_layers)
+
+
+class ContextParallelCache(Cache):
+    """KV cache sharded along the sequence over the ranks of a process group (see the module docstring).
+
+    Built and prefilled by :func:`hf_cascade.context_parallel_inputs`; pass it to ``model.generate()`` on every
+    rank. ``nbytes`` is the KV this rank holds (about ``1/N`` of the prompt's).
+
+    Args:
+        model: the causal LM (``attn_implementation="cascade"``) this cache serves.
+        info: the process group (:func:`hf_cascade.parallel._group.resolve_group`).
+        combine: ``"tree"`` (default), ``"all_to_all"`` or ``"all_gather_kv"`` (baseline).
+        placement: where each forward's new tokens go: ``"least_loaded"`` (default) or ``"round_robin"``.
+    """
+
+    def __init__(self, model: torch.nn.Module, info: GroupInfo, *, combine: str = "tree",
+                 placement: str = "least_loaded"):
+        check_model_uses_cascade(model)
+        if placement not in PLACEMENTS:
+            raise ValueError(f"`placement` must be one of {PLACEMENTS}; got {placement!r}.")
+        super().__init__(layers=[_ShardLayer() for _ in range(_num_layers(model.config))])
+        self.info = info
+        self.combine = check_combine(combine)
+        self.placement = placement
+        self._ring: tuple[ZigzagLayout, torch.Tensor | None, bool] | None = None  # set while prefilling
+        self._base_counts = [0] * info.world_size  # prompt / shared-prefix columns owned by each rank
+        self._base_length = 0  # columns placed by the prefill (zigzag); later ones are in _segments
+        self._segments: list[tuple[int, int, int]] = []  # (start, end, owner rank) of each later forward
+        self._prefix_length = 0
+        self._prefix_plan = None
+        self._prompt_length = 0  # what generate() starts from (see _is_user_defined)
+        self._user_defined = False
+        self._modules = {id(m) for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int)}
+        self._model_ref = weakref.ref(model)
+
+    # ------------------------------------------------------------------ prefill (driven by context_parallel_inputs)
+    def begin_ring_prefill(self, layout: ZigzagLayout, key_valid: torch.Tensor | None, *, shared: bool) -> None:
+        """Next forward runs this rank's zigzag shard of ``layout.length`` columns through ring attention.
+
+        ``key_valid``: bool ``[B, layout.padded_length]`` (False = left padding) or None. ``shared``: the sequence
+        is a prefix shared by every row (batch 1), stored without a batch dimension afterwards.
+        """
+        if layout.world_size != self.info.world_size:
+            raise ValueError(f"layout is for {layout.world_size} ranks, the group has {self.info.world_size}.")
+        if self.get_seq_length() != 0:
+            raise ValueError("begin_ring_prefill: the ring prefill must be the first thing written to the cache.")
+        self._ring = (layout, key_valid, shared)
+
+    def end_ring_prefill(self) -> None:
+        """Drop the end padding; switch to decode. The sequence now holds ``layout.length`` columns."""
+        layout, _, shared = self._ring
+        for layer in self.layers:
+            if layer.cols is None:
+                raise RuntimeError("end_ring_prefill: a layer saw no update during the ring prefill forward.")
+            layer.keep_columns_below(layout.length)
+            layer.length = layout.length
+            if shared:  # batch 1 -> [Hkv, P_r, D], stored once; rows get their own KV later
+                layer.prefix_keys, layer.prefix_values = layer.keys[0], layer.values[0]
+                layer.keys = layer.values = layer.cols = None
+        self._ring = None
+        self._base_counts = [layout.num_real(r) for r in range(layout.world_size)]
+        self._base_length = layout.length
+        self._prefix_length = layout.length if shared else 0
+        self._prompt_length = layout.length
+
+    def mark_prompt(self) -> None:
+        """Record the current length as the prompt: each later generate() call starts again from here."""
+        self._prompt_length = self.get_seq_length()
+
+    # ------------------------------------------------------------------ placement of new columns
+    def rank_token_counts(self) -> list[int]:
+        """Columns (keys) held by every rank, shared prefix included; identical on every rank."""
+        counts = list(self._base_counts)
+        for start, end, owner in self._segments:
+            counts[owner] += end - start
+        return counts
+
+    def _owner(self, start: int, q_len: int) -> int:
+        """Rank that stores columns ``[start, start + q_len)``; the first layer to see them decides."""
+        placed = self._segments[-1][1] if self._segments else self._base_length
+        if start == placed:
+            if self.placement == "round_robin":
+                owner = len(self._segments) % self.info.world_size
+            else:
+                counts = self.rank_token_counts()
+                owner = counts.index(min(counts))
+            self._segments.append((start, start + q_len, owner))
+            return owner
+        for seg_start, seg_end, owner in reversed(self._segments):
+            if seg_start == start and seg_end == start + q_len:
+                return owner
+        raise RuntimeError(
+            f"ContextParallelCache: layer update for columns [{start}, {start + q_len}) does not match the columns "
+            f"placed so far (up to {placed}); every layer must see the same tokens."
+        )
+
+    # ------------------------------------------------------------------ what generate() calls
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        """Store ``[batch, num_kv_heads, q_len, head_dim]`` new KV if this rank owns it; return this rank's row KV."""
+        layer = self.layers[layer_idx]
+        if layer.keys is None:
+            layer.lazy_initialization(key_states, value_states)
+        if self._ring is not None:  # ring prefill: this rank's zigzag shard, all of it
+            layout = self._ring[0]
+            layer.keys, layer.values = key_states, value_states
+            layer.cols = layout.columns(self.info.rank, key_states.device)
+        else:
+            self._match_rows(layer, key_states.shape[0])
+            q_len = key_states.shape[2]
+            if self._owner(layer.length, q_len) == self.info.rank:
+                new_cols = torch.arange(layer.length, layer.length + q_len, device=key_states.device)
+                layer.keys = torch.cat([layer.keys, key_states], dim=2)
+                layer.values = torch.cat([layer.values, value_states], dim=2)
+                layer.cols = torch.cat([layer.cols, new_cols])
+            layer.length += q_len
+        bind_layer(self, layer_idx, layer.keys)
+        return layer.keys, layer.values
+
+    @staticmethod
+    def _match_rows(layer: _ShardLayer, batch_size: int) -> None:
+        """num_return_sequences / num_beams expand generate()'s tensors, never the cache: expand the rows alike."""
+        rows = layer.keys.shape[0]
+        if rows == batch_size:
+            return
+        if rows == 0 or batch_size % rows:
+            raise ValueError(
+                f"ContextParallelCache holds {rows} rows but the model got a batch of {batch_size}; pass the inputs "
+                "returned by context_parallel_inputs (or a multiple of them, as num_return_sequences/num_beams make)."
+            )
+        layer.batch_repeat_interleave(batch_size // rows)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].length
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.layers[layer_idx].length + query_length, 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.get_seq_length(layer_idx)
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:  # transformers 5.17
+        return -1
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop ``-tokens_to_remove`` columns from the end (transformers >= 5.18) or keep an absolute length
+        (positive, 5.17's legacy convention). The shared prefix and the ring-prefilled prompt cannot be cropped."""
+        length = self.get_seq_length()
+        new_length = tokens_to_remove if tokens_to_remove > 0 else length + tokens_to_remove
+        new_length = min(new_length, length)
+        if new_length < self._base_length:
+            raise ValueError(
+                f"Cannot crop a ContextParallelCache to {new_length} columns: its first {self._base_length} columns "
+                "were prefilled with ring attention and cannot be cut. Call context_parallel_inputs again."
+            )
+        for layer in self.layers:
+            layer.keep_columns_below(new_length)
+        self._segments = [(s, min(e, new_length), o) for s, e, o in self._segments if s < new_length]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        for layer in self.layers:
+            layer.reorder_cache(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        for layer in self.layers:
+            layer.batch_repeat_interleave(repeats)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        for layer in self.layers:
+            layer.batch_select_indices(indices)
+
+    # generate() sets `_is_user_defined = True` on a cache passed to it: start again from the prompt, so the dict
+    # returned by context_parallel_inputs can be passed to several generate() calls.
+    @property
+    def _is_user_defined(self) -> bool:
+        return self._user_defined
+
+    @_is_user_defined.setter
+    def _is_user_defined(self, value: bool) -> None:
+        self._user_defined = value
+        if value and self.get_seq_length() > self._prompt_length:
+            self.crop(self._prompt_length)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of KV this rank holds (its shards of the prompt / shared prefix, plus its decode tokens)."""
+        return sum(layer.nbytes for layer in self.layers)
+
+    def __repr__(self) -> str:
+        return (
+            f"ContextParallelCache(rank={self.info.rank}/{self.info.world_size}, length={self.get_seq_length()}, "
+            f"shared_prefix={self._prefix_length}, combine={self.combine!r}, keys per rank="
+            f"{self.rank_token_counts()}, nbytes={self.nbytes})"
+        )
+
+    # ------------------------------------------------------------------ attention
+    def attend(self, module, query, key, value, attention_mask, *, scaling, softcap=None, sliding_window=None,
+               **kwargs):
+        """This layer's attention over the whole sharded sequence.
+
+        Args:
+            query: ``[batch, num_heads, q_len, head_dim]`` (this rank's zigzag shard during the ring prefill, the
+                same new tokens on every rank afterwards).
+            key, value: this rank's row KV ``[batch, num_kv_heads, S_r, head_dim]`` as returned by ``update``.
+            attention_mask: None (causal) or bool ``[batch, q_len, length + q_len]`` over global columns.
+        Returns:
+            ``[batch, q_len, num_heads, head_dim]`` in ``query.dtype``, identical on every rank after decode.
+        """
+        if id(module) not in self._modules:
+            raise ValueError(
+                "This ContextParallelCache was built for a different model; call context_parallel_inputs with the "
+                "model you generate with."
+            )
+        layer = self.layers[module.layer_idx]
+        if sliding_window is not None and layer.length > sliding_window:
+            raise NotImplementedError(
+                f"{type(module).__name__} (layer {module.layer_idx}) uses a sliding window of {sliding_window} "
+                f"tokens and the sequence has {layer.length}: context parallelism supports full attention only. "
+                "Keep prompt + new tokens within the window, or use a model without sliding-window layers."
+            )
+        if self._ring is not None:
+            layout, key_valid, _ = self._ring
+            out, _ = ring_attention(query, key, value, layout=layout, info=self.info, scale=scaling,
+                                    key_valid=key_valid, softcap=softcap)
+            return out.transpose(1, 2)
+        if self.combine == "all_gather_kv":
+            return self._attend_all_gather_kv(layer, query, key, value, attention_mask, scaling, softcap)
+
+        q_len = query.shape[2]
+        start = layer.length - q_len  # first new column
+        prefix_out = prefix_lse = None
+        if layer.prefix_keys is not None and layer.prefix_keys.shape[1] > 0:
+            prefix_out, prefix_lse = shared_prefix_attention(
+                query, layer.prefix_keys, layer.prefix_values, *self._shared_plan_args(query, layer),
+                scale=scaling, softcap=softcap, plan=self._prefix_plan,
+            )
+        mask, causal = None, False
+        if attention_mask is not None:
+            if attention_mask.shape[-1] != layer.length:
+                raise ValueError(
+                    f"ContextParallelCache.attend: the attention mask covers {attention_mask.shape[-1]} columns but "
+                    f"the sequence has {layer.length}; pass the attention_mask returned by context_parallel_inputs "
+                    "(generate() extends it)."
+                )
+            mask = attention_mask.index_select(-1, layer.cols)
+        else:  # causal: only the rank holding the new tokens has keys at or after column `start`
+            causal = layer.cols.numel() > 0 and bool(self._owner(start, q_len) == self.info.rank)
+        out, lse = suffix_attention(query, key, value, scale=scaling, mask=mask, causal=causal, softcap=softcap,
+                                    prefix_out=prefix_out, prefix_lse=prefix_lse)
+        out, _ = combine_states(out, lse, self.info, self.combine)
+        return out.transpose(1, 2)
+
+    def _shared_plan_args(self, query: torch.Tensor, layer: _ShardLayer) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row_node, node_starts) for the shared-prefix shard: every row uses node 0; plan built once per batch."""
+        batch, keys = query.shape[0], layer.prefix_keys.shape[1]
+        plan = self._prefix_plan
+        if plan is None or plan.batch_size != batch or plan.total_keys != keys or plan.device != query.device:
+            row_node = torch.zeros(batch, dtype=torch.long, device=query.device)
+            starts = torch.tensor([0, keys], dtype=torch.long)
+            self._prefix_plan = plan_shared_prefix(row_node, starts, device=query.device)
+            self._prefix_args = (row_node, starts)
+        return self._prefix_args
+
+    def _attend_all_gather_kv(self, layer, query, key, value, attention_mask, scaling, softcap):
+        """Baseline: gather every rank's row KV, then plain attention over the whole sequence on every rank."""
+        if layer.prefix_keys is not None:
+            raise NotImplementedError("combine='all_gather_kv' (a benchmark baseline) does not support shared_prefix.")
+        counts = self.rank_token_counts()
+        k, v, cols = all_gather_kv(key, value, layer.cols, counts, self.info)
+        q_len = query.shape[2]
+        if attention_mask is not None:
+            mask = attention_mask.index_select(-1, cols)
+        else:
+            new_cols = torch.arange(layer.length - q_len, layer.length, device=query.device)
+            mask = (cols[None, :] <= new_cols[:, None])[None]
+        out, _ = suffix_attention(query, k, v, scale=scaling, mask=mask, causal=False, softcap=softcap)
+        return out.transpose(1, 2)

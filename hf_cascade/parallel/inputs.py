@@ -1,0 +1,240 @@
+"""``context_parallel_inputs``: shard one long prompt's KV over the ranks of a process group, then ``generate()``.
+
+Run the same script on every rank (``torchrun --nproc_per_node N`` / ``accelerate launch --num_processes N``)::
+
+    state = accelerate.PartialState()                       # cpu=True on CPU (gloo)
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="cascade").to(state.device)
+    inputs = hf_cascade.context_parallel_inputs(model, input_ids.to(state.device))
+    out = model.generate(**inputs, max_new_tokens=64)       # the same tokens on every rank
+
+What happens: every rank runs the model over ONLY its zigzag shard of the prompt (all but the last token; global
+``position_ids``), with ring attention inside the registered ``"cascade"`` attention; the KV stays where it was
+computed, so no rank ever holds the whole prompt's KV. ``generate()`` then feeds the last prompt token and the
+decode tokens to every rank; each attention layer combines the ranks' partial results exactly (``combine``).
+
+Same tokens on every rank: greedy/beam decoding is deterministic and the combined attention output is bitwise
+identical on all ranks (an all-reduce / all-gather result), so the logits are too. For sampling,
+``context_parallel_inputs`` re-seeds torch's RNG on every rank with a seed drawn on rank 0 (``sync_rng=True``), so
+``do_sample=True`` draws the same tokens everywhere. Seed rank 0 (``torch.manual_seed``) before the call for
+reproducible samples.
+
+Failures: every attention layer is a collective; if one rank raises or dies, the others fail when the process
+group's timeout expires (gloo also as soon as the dead peer's connection drops; NCCL aborts with
+``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``, the default). Set the timeout where the group is created:
+``torch.distributed.init_process_group(..., timeout=datetime.timedelta(seconds=60))``, or with Accelerate
+``PartialState(timeout=datetime.timedelta(seconds=60))`` / ``InitProcessGroupKwargs(timeout=...)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from hf_cascade.attention import check_model_uses_cascade
+from hf_cascade.parallel._group import check_device, resolve_group
+from hf_cascade.parallel.cache import ContextParallelCache
+from hf_cascade.parallel.layout import ZigzagLayout
+
+_OPTIONS = ("placement", "shared_prefix", "min_shared_tokens", "pad_token_id", "sync_rng", "check_inputs")
+
+
+def _validate(model, input_ids, attention_mask):
+    device = model.device
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        shape = tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else type(input_ids).__name__
+        raise ValueError(
+            f"`input_ids` must be a [batch, seq] tensor of token ids with seq > 0; got {shape}. For one prompt use "
+            "`input_ids[None]`."
+        )
+    if input_ids.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"`input_ids` must hold integer token ids (torch.int64); got {input_ids.dtype}.")
+    if input_ids.device != device:
+        raise ValueError(
+            f"`input_ids` is on {input_ids.device} but the model is on {device}; move it with "
+            "`input_ids.to(model.device)`."
+        )
+    if attention_mask is None:
+        return input_ids.long(), torch.ones_like(input_ids, dtype=torch.long)
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+        shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
+        raise ValueError(
+            f"`attention_mask` must have the shape of `input_ids` {tuple(input_ids.shape)}; got {shape}."
+        )
+    if attention_mask.device != device:
+        raise ValueError(f"`attention_mask` is on {attention_mask.device}; move it to {device}.")
+    mask = attention_mask.long()
+    real = mask.bool()
+    if not real[:, -1].all():
+        raise ValueError(
+            "`attention_mask` has padding in the last column: pad batches on the left (tokenizer.padding_side = "
+            "'left'), as generate() needs."
+        )
+    first = real.long().argmax(dim=1)
+    if not torch.equal(real.long().sum(dim=1), input_ids.shape[1] - first):
+        raise ValueError("`attention_mask` has padding between real tokens; pass a left-padded batch.")
+    return input_ids.long(), mask
+
+
+def _check_same_on_all_ranks(input_ids, mask, info) -> None:
+    """Every rank must pass the same prompt: compare shapes and a position-weighted checksum (one all-gather)."""
+    weights = torch.arange(1, input_ids.numel() + 1, device=input_ids.device).view_as(input_ids)
+    mine = torch.stack([
+        torch.tensor(input_ids.shape[0], device=input_ids.device),
+        torch.tensor(input_ids.shape[1], device=input_ids.device),
+        (input_ids * weights).sum() % (2**61 - 1),
+        (mask * weights).sum() % (2**61 - 1),
+    ]).long()
+    everyone = [torch.empty_like(mine) for _ in range(info.world_size)]
+    dist.all_gather(everyone, mine, group=info.group)
+    different = [r for r, t in enumerate(everyone) if not torch.equal(t, everyone[0])]
+    if different:
+        raise ValueError(
+            f"context_parallel_inputs: ranks {different} got a different `input_ids`/`attention_mask` than rank 0 "
+            f"(this rank: shape {tuple(input_ids.shape)}). Every rank must pass the same prompt batch."
+        )
+
+
+def _sync_rng(info, device) -> None:
+    """Seed every rank's RNG (CPU and CUDA) with a seed drawn on rank 0."""
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.long) if info.rank == 0 else torch.zeros(1, dtype=torch.long)
+    seed = seed.to(device)
+    dist.broadcast(seed, src=info.global_ranks[0], group=info.group)
+    torch.manual_seed(int(seed.item()))
+
+
+def _shared_prefix_length(input_ids, mask, min_tokens: int) -> int:
+    """Longest prefix of real tokens common to every row, leaving each row at least one token after it."""
+    rows = [ids[m.bool()].tolist() for ids, m in zip(input_ids.cpu(), mask.cpu())]
+    limit = min(len(r) for r in rows) - 1
+    length = 0
+    while length < limit and all(r[length] == rows[0][length] for r in rows):
+        length += 1
+    return length if length >= min_tokens else 0
+
+
+def _default_pad_id(model) -> int:
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "pad_token_id", None)
+        if isinstance(value, int):
+            return value
+    return 0
+
+
+def _ring_prefill(model, cache, ids, positions, key_valid, *, shared: bool) -> None:
+    """Run this rank's zigzag shard of ``ids`` ``[B, T]`` (global ``positions``) through the model."""
+    info = cache.info
+    layout = ZigzagLayout(ids.shape[1], info.world_size)
+    if layout.length == 0:
+        return
+    if key_valid is not None:
+        pad = torch.ones(ids.shape[0], layout.padded_length - layout.length, dtype=torch.bool, device=ids.device)
+        key_valid = torch.cat([key_valid, pad], dim=1)
+    local_ids = layout.shard(ids, info.rank, dim=1, pad_value=0)
+    local_positions = layout.shard(positions, info.rank, dim=1, pad_value=0)
+    cache.begin_ring_prefill(layout, key_valid, shared=shared)
+    model.base_model(input_ids=local_ids, position_ids=local_positions, past_key_values=cache, use_cache=True)
+    cache.end_ring_prefill()
+
+
+@torch.no_grad()
+def context_parallel_inputs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    *,
+    combine: str = "tree",
+    group=None,
+    **options,
+) -> dict:
+    """Prefill ``input_ids`` with its KV sharded over the ranks and return ``generate()`` inputs.
+
+    Call it on every rank with the same arguments (a collective operation), then
+    ``model.generate(**inputs, ...)`` on every rank.
+
+    Args:
+        model: a causal LM loaded with ``attn_implementation="cascade"`` on this rank's device (full attention
+            layers; sliding windows only while the sequence fits the window).
+        input_ids: ``[batch, seq]`` int64 token ids on the model's device, left-padded when rows differ.
+        attention_mask: ``[batch, seq]`` 1 = real token, 0 = padding (left only); None = no padding.
+        combine: how decode merges the ranks' partial attention: ``"tree"`` (all-reduce max + one all-reduce,
+            default), ``"all_to_all"`` (vLLM DCP style), or ``"all_gather_kv"`` (baseline: gathers the KV).
+        group: the process group (default: the default group set up by torchrun / Accelerate).
+        **options:
+            placement: ``"least_loaded"`` (default) or ``"round_robin"``: which rank stores each new token's KV.
+            shared_prefix: ``"auto"`` (default), True or False. With True (auto: batch > 1 and the rows share at
+                least ``min_shared_tokens`` leading tokens) the common prefix is prefilled once (batch 1) and
+                sharded over the ranks, stored without a batch dimension (cascade); the rows' suffixes are
+                prefilled afterwards and stay on one rank. The returned rows are then laid out
+                ``[prefix | pads | suffix]``: the completions are ``out[:, inputs["input_ids"].shape[1]:]``.
+            min_shared_tokens: shortest prefix ``"auto"`` shares (default 16).
+            pad_token_id: id written in padding columns (never attended; default the model's pad id, else 0).
+            sync_rng: re-seed every rank's RNG from rank 0 so sampling agrees (default True).
+            check_inputs: verify every rank passed the same prompt (default True; one small all-gather).
+    Returns:
+        ``{"input_ids", "attention_mask", "past_key_values"}`` for ``model.generate(**inputs, ...)``; the cache is a
+        :class:`~hf_cascade.parallel.cache.ContextParallelCache` holding this rank's shard (``.nbytes``). The
+        same dict may be passed to several generate() calls: each starts again from the prompt.
+    Raises:
+        ValueError: no process group is initialised (the message explains how to launch), bad arguments, or
+            ranks passing different prompts.
+    """
+    unknown = sorted(set(options) - set(_OPTIONS))
+    if unknown:
+        raise ValueError(f"context_parallel_inputs: unknown option(s) {unknown}; valid options are {_OPTIONS}.")
+    info = resolve_group(group)
+    check_model_uses_cascade(model)
+    check_device(info, model.device, "context_parallel_inputs")
+    input_ids, mask = _validate(model, input_ids, attention_mask)
+    shared_prefix = options.get("shared_prefix", "auto")
+    if shared_prefix not in ("auto", True, False):
+        raise ValueError(f"`shared_prefix` must be 'auto', True or False; got {shared_prefix!r}.")
+    pad_id = options.get("pad_token_id")
+    pad_id = _default_pad_id(model) if pad_id is None else int(pad_id)
+    if options.get("check_inputs", True):
+        _check_same_on_all_ranks(input_ids, mask, info)
+    if options.get("sync_rng", True):
+        _sync_rng(info, input_ids.device)
+
+    cache = ContextParallelCache(model, info, combine=combine, placement=options.get("placement", "least_loaded"))
+    prefix = 0
+    if shared_prefix is not False and input_ids.shape[0] > 1:
+        prefix = _shared_prefix_length(input_ids, mask, 1 if shared_prefix is True else
+                                       int(options.get("min_shared_tokens", 16)))
+    if prefix and combine == "all_gather_kv":
+        raise ValueError("combine='all_gather_kv' (a benchmark baseline) cannot be used with a shared prefix; "
+                         "pass shared_prefix=False.")
+    if prefix == 0:
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+        body = slice(0, input_ids.shape[1] - 1)  # generate() feeds the last column itself
+        key_valid = mask[:, body].bool()
+        key_valid = None if bool(key_valid.all()) else key_valid
+        _ring_prefill(model, cache, input_ids[:, body], positions[:, body], key_valid, shared=False)
+        new_ids, new_mask = input_ids, mask
+    else:
+        new_ids, new_mask = _relayout_shared(input_ids, mask, prefix, pad_id)
+        positions = (new_mask.cumsum(-1) - 1).masked_fill(new_mask == 0, 1)
+        _ring_prefill(model, cache, new_ids[:1, :prefix], positions[:1, :prefix], None, shared=True)
+        end = new_ids.shape[1] - 1
+        if end > prefix:  # the rows' suffixes but their last token: an ordinary forward, placed on one rank
+            model.base_model(input_ids=new_ids[:, prefix:end], attention_mask=new_mask[:, :end],
+                             position_ids=positions[:, prefix:end], past_key_values=cache, use_cache=True)
+    cache.mark_prompt()
+    inputs = {"input_ids": new_ids, "attention_mask": new_mask, "past_key_values": cache}
+    if getattr(getattr(model, "generation_config", None), "cache_implementation", None) is not None:
+        inputs["cache_implementation"] = None
+    return inputs
+
+
+def _relayout_shared(input_ids, mask, prefix: int, pad_id: int):
+    """Left-padded rows -> ``[prefix | pads | suffix]`` (``[B, prefix + max suffix]``)."""
+    rows = [ids[m.bool()] for ids, m in zip(input_ids, mask)]
+    width = max(r.numel() for r in rows) - prefix
+    new_ids = input_ids.new_full((len(rows), prefix + width), pad_id)
+    new_mask = mask.new_zeros((len(rows), prefix + width))
+    for i, row in enumerate(rows):
+        suffix = row.numel() - prefix
+        new_ids[i, :prefix] = row[:prefix]
+        new_ids[i, prefix + width - suffix:] = row[prefix:]
+        new_mask[i, :prefix] = 1
+        new_mask[i, prefix + width - suffix:] = 1
+    return new_ids, new_mask

@@ -1,0 +1,151 @@
+"""GPU checks of the Triton kernels: bf16/fp16/fp32 against the fp32 reference on random shapes.
+
+Run on the device machine: ``python -m pytest -q -m gpu tests/test_ops_gpu.py``. Compiled Triton
+(not the interpreter) is what runs here, so this also catches compile-only problems (constexpr
+globals, dot shapes, int64 offsets) that TRITON_INTERPRET=1 does not.
+"""
+
+import random
+
+import pytest
+import torch
+
+from hf_cascade.ops import (
+    merge_attention_states,
+    merge_attention_states_ref,
+    plan_shared_prefix,
+    shared_prefix_attention,
+    shared_prefix_attention_ref,
+    suffix_attention,
+    suffix_attention_ref,
+    triton_available,
+)
+from hf_cascade.ops.prefix_attention import _prefix_triton
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.skipif(not triton_available(), reason="needs triton"),
+]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+HEADS = [(32, 8), (8, 8), (16, 1), (6, 2)]  # Llama-3-8B GQA, MHA, MQA, odd group
+
+
+def assert_within_rounding(actual, ref32, dtype, floor=1e-5):
+    """Flash-attention rule: error <= 2x the error of rounding the fp32 reference to ``dtype``.
+
+    fp32 inputs: the kernel uses exact ("ieee") fp32 dots, so compare tightly instead.
+    """
+    err = (actual.float() - ref32).abs().max().item()
+    if dtype == torch.float32:
+        assert err <= 1e-4, f"fp32 max error {err:.3g}"
+        return
+    rounding = (ref32.to(dtype).float() - ref32).abs().max().item()
+    assert err <= 2 * rounding + floor, f"max error {err:.3g} > 2 x rounding {rounding:.3g} + {floor}"
+
+
+def assert_lse_close(actual, expected, atol):
+    assert torch.equal(torch.isneginf(actual), torch.isneginf(expected)), "-inf pattern differs"
+    fin = torch.isfinite(expected)
+    torch.testing.assert_close(actual[fin], expected[fin], atol=atol, rtol=1e-4)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_prefix_random_shapes(seed, dtype):
+    rng = random.Random(seed)
+    hq, hkv = rng.choice(HEADS)
+    d = rng.choice([64, 80, 96, 128, 256])
+    lq = rng.choice([1, 1, 7, 64])
+    lens = [rng.choice([0, 1, 17, 300, 511, 4096]) for _ in range(rng.randint(1, 4))]
+    B = rng.randint(1, 24)
+    row_node = torch.tensor([rng.randrange(-1, len(lens)) for _ in range(B)], device="cuda")
+    starts = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+    gen = torch.Generator("cuda").manual_seed(seed)
+    q = torch.randn(B, hq, lq, d, device="cuda", generator=gen).to(dtype)
+    k = torch.randn(hkv, int(starts[-1]), d, device="cuda", generator=gen).to(dtype)
+    v = torch.randn_like(k)
+    scale = d ** -0.5
+    out, lse = shared_prefix_attention(q, k, v, row_node, starts, scale=scale)  # auto -> triton
+    ref_out, ref_lse = shared_prefix_attention_ref(q, k, v, row_node, starts, scale=scale)
+    assert out.dtype == torch.float32
+    assert_within_rounding(out, ref_out, dtype)
+    assert_lse_close(lse, ref_lse, atol=1e-3)
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 7])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_prefix_splits_agree(num_splits, dtype):
+    B, hq, hkv, d = 64, 32, 8, 128  # Llama-3-8B decode step
+    q = torch.randn(B, hq, 1, d, device="cuda").to(dtype)
+    k = torch.randn(hkv, 4096, d, device="cuda").to(dtype)
+    v = torch.randn_like(k)
+    rows = torch.zeros(B, dtype=torch.int64, device="cuda")
+    starts = torch.tensor([0, 4096])
+    plan = plan_shared_prefix(rows, starts)
+    out, lse = _prefix_triton(q, k, v, plan, scale=d ** -0.5, softcap=None, num_splits=num_splits)
+    ref_out, ref_lse = shared_prefix_attention_ref(q, k, v, rows, starts, scale=d ** -0.5)
+    assert_within_rounding(out, ref_out, dtype)
+    assert_lse_close(lse, ref_lse, atol=1e-3)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_suffix_random_shapes(seed, dtype):
+    rng = random.Random(100 + seed)
+    hq, hkv = rng.choice(HEADS)
+    d = rng.choice([64, 80, 96, 128, 256])
+    B = rng.randint(1, 16)
+    lq = rng.choice([1, 1, 17, 128])
+    S = lq + rng.choice([0, 3, 64, 700])
+    mode = rng.choice(["causal", "full", "mask"])
+    softcap = rng.choice([None, None, 50.0])
+    q = torch.randn(B, hq, lq, d, device="cuda").to(dtype)
+    k = torch.randn(B, hkv, S, d, device="cuda").to(dtype)
+    v = torch.randn_like(k)
+    mask = None
+    if mode == "mask":  # left padding, one row fully padded
+        pads = torch.randint(0, S + 1, (B,), device="cuda")
+        mask = torch.arange(S, device="cuda")[None, None, :] >= pads[:, None, None]
+        mask = mask & (torch.arange(S, device="cuda")[None, :] <= S - lq + torch.arange(lq, device="cuda")[:, None])
+    with_prefix = rng.random() < 0.5
+    po = torch.randn(B, hq, lq, d, device="cuda") if with_prefix else None
+    pl = torch.randn(B, hq, lq, device="cuda") if with_prefix else None
+    kwargs = dict(scale=d ** -0.5, mask=mask, causal=mode == "causal", softcap=softcap,
+                  prefix_out=po, prefix_lse=pl)
+    out, lse = suffix_attention(q, k, v, **kwargs)  # auto -> triton
+    ref_out, ref_lse = suffix_attention_ref(q, k, v, **kwargs)
+    assert out.dtype == dtype
+    assert_within_rounding(out, ref_out, dtype)
+    assert_lse_close(lse, ref_lse, atol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_merge(dtype):
+    out_a = torch.randn(64, 32, 1, 128, device="cuda").to(dtype)
+    out_b = torch.randn(64, 32, 1, 128, device="cuda")
+    lse_a = torch.randn(64, 32, 1, device="cuda")
+    lse_b = torch.randn(64, 32, 1, device="cuda")
+    lse_a[0] = float("-inf")
+    lse_b[1] = float("inf")
+    out, lse = merge_attention_states(out_a, lse_a, out_b, lse_b)
+    ref_out, ref_lse = merge_attention_states_ref(out_a, lse_a, out_b, lse_b)
+    assert_within_rounding(out, ref_out, dtype)
+    assert_lse_close(lse, ref_lse, atol=1e-5)
+
+
+def test_gpu_fused_cascade_matches_plain_attention_bf16():
+    """Prefix pass + fused suffix pass == plain causal attention over [prefix | suffix] per row."""
+    B, hq, hkv, d, P, S, lq = 8, 32, 8, 128, 1000, 37, 5
+    q = torch.randn(B, hq, lq, d, device="cuda").to(torch.bfloat16)
+    kp = torch.randn(hkv, P, d, device="cuda").to(torch.bfloat16)
+    vp = torch.randn_like(kp)
+    ks = torch.randn(B, hkv, S, d, device="cuda").to(torch.bfloat16)
+    vs = torch.randn_like(ks)
+    rows = torch.zeros(B, dtype=torch.int64, device="cuda")
+    po, pl = shared_prefix_attention(q, kp, vp, rows, torch.tensor([0, P]), scale=d ** -0.5)
+    out, _ = suffix_attention(q, ks, vs, scale=d ** -0.5, prefix_out=po, prefix_lse=pl)
+    k_full = torch.cat([kp.expand(B, -1, -1, -1), ks], 2)
+    v_full = torch.cat([vp.expand(B, -1, -1, -1), vs], 2)
+    ref, _ = suffix_attention_ref(q, k_full, v_full, scale=d ** -0.5)  # causal bottom-right
+    assert_within_rounding(out, ref, torch.bfloat16)

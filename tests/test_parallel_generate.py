@@ -1,0 +1,206 @@
+"""Context-parallel generate() on CPU/gloo (2 and 4 ranks) == single-process sdpa generate(), fp32.
+
+Tiny random Llama / Qwen3 models (GQA: 4 query heads, 2 KV heads, 2 layers; Llama-3-8B: 32/8, 32 layers).
+One spawn per world size runs every scenario; the workers return tokens, logits and cache sizes, and the tests
+compare them with the reference computed here. Tolerance on logits: 1e-4 (fp32; observed ~2e-6).
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import pytest
+import torch
+
+import hf_cascade
+from hf_cascade.model_zoo import tiny_model
+from hf_cascade.parallel._testing import run_on_gloo
+
+LOGIT_TOL = 1e-4
+MAX_NEW = 6
+
+
+def _rows(lengths, seed, shared=0):
+    g = torch.Generator().manual_seed(seed)
+    common = torch.randint(3, 128, (shared,), generator=g).tolist()
+    return [common + torch.randint(3, 128, (n - shared,), generator=g).tolist() for n in lengths]
+
+
+def _left_pad(rows):
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):] = torch.tensor(r)
+        mask[i, width - len(r):] = 1
+    return ids, mask
+
+
+# name -> (family, row lengths, shared leading tokens, context_parallel_inputs options, generate kwargs)
+SCENARIOS = {
+    # Prompt of 23 tokens: 22 prefilled, divisible by neither 2N = 4 nor 8.
+    "llama_tree_odd_length": ("llama", [23], 0, dict(combine="tree"), {}),
+    "llama_all_to_all_odd_length": ("llama", [23], 0, dict(combine="all_to_all"), {}),
+    "llama_all_gather_kv_baseline": ("llama", [23], 0, dict(combine="all_gather_kv"), {}),
+    "qwen3_tree_left_padded_batch": ("qwen3", [17, 9, 12], 0, dict(combine="tree"), {}),
+    "qwen3_all_to_all_left_padded_batch": ("qwen3", [17, 9, 12], 0, dict(combine="all_to_all", placement="round_robin"), {}),
+    # Cascade composition: 13 shared tokens prefilled once and sharded, per-row suffixes local.
+    "llama_shared_prefix": ("llama", [16, 18, 15], 13, dict(combine="all_to_all", shared_prefix=True), {}),
+    "qwen3_beam_search": ("qwen3", [19, 14], 0, dict(combine="tree"), dict(num_beams=2)),
+}
+SAMPLING = ("llama", [21, 15], 0, dict(combine="tree"), dict(do_sample=True, top_k=20, num_return_sequences=2))
+
+
+def _generate_kwargs(extra):
+    kwargs = dict(max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+                  output_logits=True)
+    kwargs.update(extra)
+    return kwargs
+
+
+def _generate_worker(rank, world):
+    results = {}
+    models = {}
+    for name, (family, lengths, shared, options, extra) in {**SCENARIOS, "sampling": SAMPLING}.items():
+        model = models.setdefault(family, tiny_model(family, "cascade", seed=0))
+        ids, mask = _left_pad(_rows(lengths, seed=sum(lengths), shared=shared))
+        if name == "sampling":
+            torch.manual_seed(100 + rank)  # different seeds: context_parallel_inputs must sync them
+        inputs = hf_cascade.context_parallel_inputs(model, ids, mask, **options)
+        cache = inputs["past_key_values"]
+        prompt_nbytes = cache.nbytes
+        out = model.generate(**inputs, **_generate_kwargs(extra))
+        again = model.generate(**inputs, **_generate_kwargs(extra)) if name == "llama_tree_odd_length" else None
+        results[name] = dict(
+            sequences=out.sequences,
+            new_tokens=out.sequences[:, inputs["input_ids"].shape[1]:],
+            logits=torch.stack(out.logits) if not extra else None,
+            prompt_nbytes=prompt_nbytes,
+            counts=cache.rank_token_counts(),
+            again=None if again is None else again.sequences,
+        )
+    return results
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
+def cp_results(request):
+    return request.param, run_on_gloo(_generate_worker, request.param, timeout_s=300)
+
+
+@pytest.fixture(scope="module")
+def references():
+    refs, models = {}, {}
+    for name, (family, lengths, shared, _, extra) in SCENARIOS.items():
+        model = models.setdefault(family, tiny_model(family, "sdpa", seed=0))
+        assert model.config._attn_implementation == "sdpa"
+        ids, mask = _left_pad(_rows(lengths, seed=sum(lengths), shared=shared))
+        out = model.generate(input_ids=ids, attention_mask=mask, **_generate_kwargs(extra))
+        refs[name] = dict(new_tokens=out.sequences[:, ids.shape[1]:], logits=torch.stack(out.logits),
+                          prompt_tokens=(ids.shape[1] - 1) * len(lengths), config=model.config)
+    return refs
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_context_parallel_generate_matches_sdpa(cp_results, references, name):
+    world, results = cp_results
+    ref = references[name]
+    for rank in range(world):
+        got = results[rank][name]
+        assert torch.equal(got["new_tokens"], ref["new_tokens"]), f"rank {rank}: tokens differ from sdpa"
+        assert torch.equal(got["sequences"], results[0][name]["sequences"]), f"rank {rank} differs from rank 0"
+        if got["logits"] is not None:
+            err = (got["logits"] - ref["logits"]).abs().max().item()
+            assert err < LOGIT_TOL, f"rank {rank}: logits differ by {err}"
+
+
+def test_tree_and_all_to_all_agree(cp_results):
+    world, results = cp_results
+    for rank in range(world):
+        for a, b in (("llama_tree_odd_length", "llama_all_to_all_odd_length"),
+                     ("qwen3_tree_left_padded_batch", "qwen3_all_to_all_left_padded_batch")):
+            assert torch.equal(results[rank][a]["sequences"], results[rank][b]["sequences"])
+            assert (results[rank][a]["logits"] - results[rank][b]["logits"]).abs().max() < LOGIT_TOL
+
+
+@pytest.mark.parametrize("name", ["llama_tree_odd_length", "qwen3_tree_left_padded_batch", "llama_shared_prefix"])
+def test_each_rank_holds_about_one_nth_of_the_prompt_kv(cp_results, references, name):
+    world, results = cp_results
+    config = references[name]["config"]
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_token = 2 * config.num_key_value_heads * head_dim * 4 * config.num_hidden_layers  # K and V, fp32, all layers
+    family, lengths, shared, _, _ = SCENARIOS[name]
+    nbytes = [results[rank][name]["prompt_nbytes"] for rank in range(world)]
+    if shared:
+        # The shared prefix is stored once (no batch dim) and sharded; the suffixes (all but the last token) once.
+        width = max(lengths) - shared
+        assert sum(nbytes) == per_token * (shared + len(lengths) * (width - 1))
+        prefix_share = per_token * -(-shared // (2 * world)) * 2
+        assert sorted(nbytes)[-2] <= prefix_share  # only the suffix owner holds more than its prefix shard
+        return
+    total = per_token * references[name]["prompt_tokens"]
+    assert sum(nbytes) == total, "every prompt key must be stored exactly once over the ranks"
+    rows, prefilled = len(lengths), references[name]["prompt_tokens"] // len(lengths)
+    bound = per_token * rows * 2 * -(-prefilled // (2 * world))  # 2 zigzag chunks
+    assert max(nbytes) <= bound and max(nbytes) <= total / world + per_token * rows * 2 * world
+    # Decode tokens keep the shards balanced.
+    counts = results[0][name]["counts"]
+    assert max(counts) - min(counts) <= 2 * world + 1
+
+
+def test_sampling_gives_the_same_tokens_on_every_rank(cp_results):
+    world, results = cp_results
+    seqs = [results[rank]["sampling"]["sequences"] for rank in range(world)]
+    assert seqs[0].shape[0] == 4  # 2 prompts x num_return_sequences=2
+    assert all(torch.equal(s, seqs[0]) for s in seqs)
+
+
+def test_generate_twice_from_the_same_inputs(cp_results):
+    world, results = cp_results
+    for rank in range(world):
+        got = results[rank]["llama_tree_odd_length"]
+        assert torch.equal(got["again"], got["sequences"])
+
+
+# ----------------------------------------------------------------------------- errors and failures
+def test_without_process_group_explains_how_to_launch():
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    model = tiny_model("llama", "cascade", seed=0)
+    with pytest.raises(ValueError, match="torchrun --nproc_per_node"):
+        hf_cascade.context_parallel_inputs(model, torch.tensor([[1, 5, 7]]))
+
+
+def _stalled_peer_worker(rank, world):
+    """Rank 1 joins the input check, then stops participating; rank 0 must fail in the ring, not hang."""
+    from hf_cascade.parallel._group import resolve_group
+    from hf_cascade.parallel.inputs import _check_same_on_all_ranks, _sync_rng
+
+    model = tiny_model("llama", "cascade", seed=0)
+    ids = torch.tensor([_rows([40], seed=0)[0]])
+    if rank == 1:
+        info = resolve_group()
+        _check_same_on_all_ranks(ids, torch.ones_like(ids), info)
+        _sync_rng(info, ids.device)
+        time.sleep(8)  # alive but silent, past rank 0's timeout
+        return None
+    start = time.monotonic()
+    try:
+        hf_cascade.context_parallel_inputs(model, ids)
+    except RuntimeError as err:  # gloo: "Timed out waiting ... for send operation to complete"
+        return time.monotonic() - start, str(err)
+    return None
+
+
+def test_a_stalled_rank_makes_the_others_fail_within_the_timeout():
+    results = run_on_gloo(_stalled_peer_worker, 2, pg_timeout_s=3, timeout_s=120)
+    assert results[0] is not None, "rank 0 should have raised"
+    elapsed, message = results[0]
+    assert elapsed < 30, f"rank 0 failed only after {elapsed:.1f} s"
+    assert "imed out" in message or "closed" in message.lower()
+
+
+def test_bad_options_are_rejected():
+    with pytest.raises(ValueError, match="unknown option"):
+        hf_cascade.context_parallel_inputs(tiny_model("llama", "cascade"), torch.tensor([[1, 2]]), bogus=1)
