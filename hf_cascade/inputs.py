@@ -6,6 +6,7 @@ import torch
 
 from hf_cascade.attention import check_model_uses_cascade
 from hf_cascade.cache import CascadeCache
+from hf_cascade.cost_model import CascadeCostModel
 from hf_cascade.prefill import prefill_levels, validate_token_ids
 from hf_cascade.prefix_tree import find_shared_prefixes
 
@@ -40,6 +41,7 @@ def shared_prefix_inputs(
     layout: str = "full",
     pad_token_id: int | None = None,
     prefix_cache: CascadeCache | None = None,
+    cost_model: CascadeCostModel | str | None = "auto",
 ) -> dict:
     """Find what the rows share, prefill each shared segment once, and return ``generate()`` inputs.
 
@@ -103,8 +105,16 @@ def shared_prefix_inputs(
                     "the cache from the prefix these rows share."
                 )
     offset = len(base_tokens)
+    if cost_model == "auto":
+        cost_model = CascadeCostModel() if input_ids.device.type == "cuda" else None
+    elif cost_model is not None and not isinstance(cost_model, CascadeCostModel):
+        raise ValueError(f"`cost_model` must be 'auto', None or a CascadeCostModel; got {cost_model!r}.")
     tree = find_shared_prefixes(
-        [row[offset:] for row in rows], min_shared_tokens=min_shared_tokens, min_rows=min_rows, max_levels=max_levels
+        [row[offset:] for row in rows],
+        min_shared_tokens=min_shared_tokens,
+        min_rows=min_rows,
+        max_levels=max_levels,
+        keep_node=cost_model.for_model(model) if cost_model is not None else None,
     )
     node_levels = [
         [(node.tokens, node.parent if level else (0 if base_levels else None), offset + node.start) for node in nodes]

@@ -16,7 +16,7 @@ The last token of every row is never shared: generate() must run it through the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -88,6 +88,7 @@ def find_shared_prefixes(
     min_shared_tokens: int = 4,
     min_rows: int = 2,
     max_levels: int = 4,
+    keep_node: Callable[[int, int], bool] | None = None,
 ) -> PrefixTree:
     """Build the tree of nested shared prefixes of ``rows`` (lists of token ids, no padding).
 
@@ -96,6 +97,8 @@ def find_shared_prefixes(
         min_shared_tokens: shortest segment worth a node of its own (shorter runs fold into their children).
         min_rows: fewest rows that must share a segment.
         max_levels: deepest nesting kept; deeper sharing stays in the rows' suffixes.
+        keep_node: optional ``(rows, tokens) -> bool`` veto (e.g. :meth:`CascadeCostModel.for_model`): a segment
+            it rejects is treated like a too-short one (folded into its children or left in the suffixes).
     Returns:
         A :class:`PrefixTree`; row order is the order of ``rows``.
     """
@@ -137,7 +140,8 @@ def find_shared_prefixes(
             if len(group) < min_rows:
                 continue
             end = _common_prefix_end(seqs, group, split_at)
-            if end - node_start < min_shared_tokens:
+            too_small = end - node_start < min_shared_tokens
+            if too_small or (keep_node is not None and not keep_node(len(group), end - node_start)):
                 # Too short for a node: keep it pending and let the sub-groups carry it.
                 children.append((group, end, level, parent, node_start))
             else:

@@ -45,6 +45,9 @@ SCENARIOS = {
     "llama_all_gather_kv_baseline": ("llama", [23], 0, dict(combine="all_gather_kv"), {}),
     "qwen3_tree_left_padded_batch": ("qwen3", [17, 9, 12], 0, dict(combine="tree"), {}),
     "qwen3_all_to_all_left_padded_batch": ("qwen3", [17, 9, 12], 0, dict(combine="all_to_all", placement="round_robin"), {}),
+    # Fewer prompt tokens than ranks: some ranks hold nothing; a 1-token prompt prefills nothing.
+    "llama_two_token_prompt": ("llama", [2], 0, dict(combine="tree"), {}),
+    "llama_one_token_prompt": ("llama", [1], 0, dict(combine="all_to_all"), {}),
     # Cascade composition: 13 shared tokens prefilled once and sharded, per-row suffixes local.
     "llama_shared_prefix": ("llama", [16, 18, 15], 13, dict(combine="all_to_all", shared_prefix=True), {}),
     "qwen3_beam_search": ("qwen3", [19, 14], 0, dict(combine="tree"), dict(num_beams=2)),

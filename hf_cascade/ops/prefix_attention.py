@@ -189,7 +189,7 @@ def shared_prefix_attention(
     _check_plan(plan, query, key)
     if resolve_backend(backend, query.device, _OP) == "torch":
         return shared_prefix_attention_ref(
-            query, key, value, row_node, node_starts, scale=scale, softcap=softcap,
+            query, key, value, row_node, plan.node_starts, scale=scale, softcap=softcap,
             rows_by_node=plan.rows_by_node,
         )
     return _prefix_triton(query, key, value, plan, scale=scale, softcap=softcap)

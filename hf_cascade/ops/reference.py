@@ -89,7 +89,7 @@ def shared_prefix_attention_ref(
         query: [B, Hq, Lq, D] float.
         key, value: [Hkv, T, D] float; node n owns ``key[:, node_starts[n]:node_starts[n+1]]``.
         row_node: int64 [B]; node of each row, -1 for none (out 0, lse -inf).
-        node_starts: int64 [N+1], nondecreasing, 0 .. T.
+        node_starts: int64 [N+1], nondecreasing, 0 .. T (or a host sequence of ints: no sync).
         rows_by_node: optional precomputed ``[rows of node n as int64 index tensor or None]``
             (``PrefixPlan`` holds it) to avoid a host sync per call.
 
@@ -101,7 +101,7 @@ def shared_prefix_attention_ref(
     g = Hq // Hkv
     out = query.new_zeros((B, Hq, Lq, D), dtype=torch.float32)
     lse = query.new_full((B, Hq, Lq), _NEG_INF, dtype=torch.float32)
-    starts = [int(x) for x in node_starts.tolist()]
+    starts = [int(x) for x in (node_starts.tolist() if isinstance(node_starts, Tensor) else node_starts)]
     if rows_by_node is None:
         row_node = row_node.to(query.device)
         rows_by_node = []

@@ -43,6 +43,7 @@ from hf_cascade.parallel.layout import ZigzagLayout
 from hf_cascade.parallel.ring import ring_attention
 
 PLACEMENTS = ("least_loaded", "round_robin")
+_GROW = 256  # columns of spare capacity added when a rank's row KV storage is full
 
 
 class _ShardLayer(CacheLayerMixin):
@@ -64,6 +65,7 @@ class _ShardLayer(CacheLayerMixin):
         self.keys = self.values = self.cols = None
         self.prefix_keys = self.prefix_values = None
         self.length = 0
+        self._buffers = None  # (keys, values, cols) storage with spare capacity; keys/values/cols are views
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -87,6 +89,29 @@ class _ShardLayer(CacheLayerMixin):
     def get_max_cache_shape(self) -> int:  # transformers 5.17
         return -1
 
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int) -> None:
+        """Append ``[batch, num_kv_heads, q_len, head_dim]`` new KV at global columns ``start, start + 1, ...``.
+
+        Storage grows in steps of at least ``_GROW`` columns (a buffer with spare capacity; ``keys``/``values``
+        are views of it), so a decode step does not copy this rank's whole shard as ``torch.cat`` would.
+        """
+        size, q_len = self.keys.shape[2], key_states.shape[2]
+        if self._buffers is None or self._buffers[0].shape[2] < size + q_len:
+            capacity = size + max(q_len, _GROW)
+            buffers = []
+            for old in (self.keys, self.values):
+                buf = old.new_empty((old.shape[0], old.shape[1], capacity, old.shape[3]))
+                buf[:, :, :size] = old
+                buffers.append(buf)
+            cols = self.cols.new_empty(capacity)
+            cols[:size] = self.cols
+            self._buffers = (*buffers, cols)
+        kbuf, vbuf, cbuf = self._buffers
+        kbuf[:, :, size:size + q_len] = key_states
+        vbuf[:, :, size:size + q_len] = value_states
+        cbuf[size:size + q_len] = torch.arange(start, start + q_len, device=cbuf.device)
+        self.keys, self.values, self.cols = kbuf[:, :, :size + q_len], vbuf[:, :, :size + q_len], cbuf[:size + q_len]
+
     def keep_columns_below(self, length: int) -> None:
         if self.cols is not None:
             keep = torch.nonzero(self.cols < length).flatten()
@@ -94,11 +119,13 @@ class _ShardLayer(CacheLayerMixin):
                 self.keys = self.keys.index_select(2, keep)
                 self.values = self.values.index_select(2, keep)
                 self.cols = self.cols.index_select(0, keep)
+                self._buffers = None
         self.length = min(self.length, length)
 
     def _select(self, fn) -> None:
         if self.keys is not None:
             self.keys, self.values = fn(self.keys), fn(self.values)
+            self._buffers = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         self._select(lambda t: t.index_select(0, beam_idx.to(t.device)))
@@ -114,6 +141,7 @@ class _ShardLayer(CacheLayerMixin):
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the KV held (used columns; spare capacity of the growth buffer not counted)."""
         tensors = (self.keys, self.values, self.prefix_keys, self.prefix_values)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
@@ -231,10 +259,7 @@ class ContextParallelCache(Cache):
             self._match_rows(layer, key_states.shape[0])
             q_len = key_states.shape[2]
             if self._owner(layer.length, q_len) == self.info.rank:
-                new_cols = torch.arange(layer.length, layer.length + q_len, device=key_states.device)
-                layer.keys = torch.cat([layer.keys, key_states], dim=2)
-                layer.values = torch.cat([layer.values, value_states], dim=2)
-                layer.cols = torch.cat([layer.cols, new_cols])
+                layer.append(key_states, value_states, layer.length)
             layer.length += q_len
         bind_layer(self, layer_idx, layer.keys)
         return layer.keys, layer.values

@@ -1,0 +1,387 @@
+"""Context-parallel prefill / decode benchmark: Llama-3-8B-shaped random bf16 model, 1..N GPUs of one host.
+
+One invocation per machine checks correctness and then times everything, on sub-groups of the launched ranks
+(ranks [0], [0, 1], [0..3], ... : the 1-GPU baseline and every power of two up to N):
+
+    torchrun --nproc_per_node 4 benchmarks/bench_context_parallel.py --out benchmarks/results
+    torchrun --nproc_per_node 2 benchmarks/bench_context_parallel.py --lengths 32768,131072
+
+Workloads (each record is one JSON line in ``<out>/context_parallel.jsonl``; GPU name, versions, git SHA in each):
+
+* ``check_fp32``: 2-layer Llama-3-8B-width model, fp32, odd prompt: context-parallel generate() (tree and
+  all-to-all, every group size) must give the tokens of single-GPU sdpa generate(), logits within 1e-3.
+* ``check_bf16``: the full bf16 model, 4K prompt: first-step logits vs single-GPU sdpa (cosine, max abs diff,
+  top-1), greedy tokens agreement, tree == all-to-all, every rank the same tokens.
+* ``prefill``: ``context_parallel_inputs`` time per prompt length and GPU count (median of ``--reps`` for prompts
+  <= 128K, else one run), % of ideal scaling ``t_1 / (n * t_n)``, peak memory and KV bytes per GPU. 1-GPU runs above
+  ``--max-1gpu-tokens`` (or that run out of memory) are extrapolated from the measured ones (``t = a L + b L^2``,
+  flagged ``extrapolated``). Plus the 1-GPU sdpa prefill (transformers, no hf_cascade) for reference.
+* ``decode``: per-step latency at each ``--decode-contexts`` length, per GPU count, for ``tree``, ``all_to_all``,
+  the ``all_gather_kv`` baseline, and ``no_combine`` (communication removed: wrong numbers, same compute), which
+  gives the combine's share of a step.
+* ``longest``: the longest prompt per GPU count estimated from the measured memory (weights + per-token slope).
+
+CPU smoke test of this script (gloo, tiny model): ``torchrun --nproc_per_node 2 benchmarks/bench_context_parallel.py --tiny``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+
+import torch
+import torch.distributed as dist
+
+import hf_cascade
+import hf_cascade.parallel.cache as cp_cache
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", default=None, help="prefill lengths (default 32768,131072 and 524288 on >= 4 GPUs)")
+    p.add_argument("--decode-contexts", default="32768,131072", help="context lengths of the decode timings")
+    p.add_argument("--decode-steps", type=int, default=32)
+    p.add_argument("--reps", type=int, default=3, help="repetitions of each prefill <= 128K (median reported)")
+    p.add_argument("--max-1gpu-tokens", type=int, default=262144, help="longer 1-GPU prefills are extrapolated")
+    p.add_argument("--layers", type=int, default=32, help="decoder layers (32 in Llama-3-8B)")
+    p.add_argument("--skip-check", action="store_true")
+    p.add_argument("--tiny", action="store_true", help="CPU/gloo smoke test with a tiny model")
+    p.add_argument("--out", default="benchmarks/results", help="directory of context_parallel.jsonl")
+    return p.parse_args()
+
+
+# ----------------------------------------------------------------------------- setup
+def llama3_8b_config(layers: int, tiny: bool):
+    from transformers import LlamaConfig
+
+    if tiny:
+        return LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                           num_key_value_heads=2, vocab_size=128, max_position_embeddings=1 << 20)
+    return LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32,
+                       num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
+                       max_position_embeddings=1 << 21, bos_token_id=128000, eos_token_id=128001)
+
+
+def build_model(config, dtype, device, seed=0):
+    """Random-init model, identical on every rank (same seed, same device type)."""
+    import copy
+
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="cascade", dtype=dtype)
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def env_info(world: int) -> dict:
+    def version(name):
+        try:
+            return __import__(name).__version__
+        except Exception:
+            return None
+
+    try:
+        sha = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10).stdout.strip()
+    except Exception:
+        sha = ""
+    cuda = torch.cuda.is_available()
+    return dict(
+        gpu=torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu",
+        gpus_launched=world, torch=torch.__version__, transformers=version("transformers"),
+        triton=version("triton"), hf_cascade=hf_cascade.__version__, cuda=torch.version.cuda,
+        git_sha=sha or os.environ.get("GIT_SHA", "unknown"), backend=dist.get_backend(),
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    )
+
+
+class Recorder:
+    def __init__(self, out_dir: str, env: dict):
+        self.env, self.path = env, os.path.join(out_dir, "context_parallel.jsonl")
+        if dist.get_rank() == 0:
+            os.makedirs(out_dir, exist_ok=True)
+
+    def __call__(self, record: dict) -> None:
+        if dist.get_rank() == 0:
+            record = {"bench": "context_parallel", **record, **self.env}
+            print(json.dumps(record), flush=True)
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(fn, group) -> tuple[float, object]:
+    """Run ``fn`` on the ranks of ``group``; seconds = the slowest rank's."""
+    dist.barrier(group=group)
+    sync()
+    start = time.perf_counter()
+    result = fn()
+    sync()
+    elapsed = torch.tensor([time.perf_counter() - start], device=_device())
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+    return float(elapsed), result
+
+
+def _device():
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def group_max(value: float, group) -> float:
+    t = torch.tensor([float(value)], device=_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return float(t)
+
+
+def peak_memory() -> int:
+    return torch.cuda.max_memory_allocated() if torch.cuda.is_available() else 0
+
+
+def reset_peak():
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def prompt(length: int, vocab: int, batch: int = 1) -> torch.Tensor:
+    g = torch.Generator().manual_seed(length)  # identical on every rank
+    return torch.randint(3, vocab, (batch, length), generator=g).to(_device())
+
+
+# ----------------------------------------------------------------------------- workloads
+def check_fp32(args, groups, record):
+    """Exactness on the GPU path (NCCL + Triton): fp32, tokens identical to 1-GPU sdpa, logits within 1e-3."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    config = llama3_8b_config(2, args.tiny)
+    model = build_model(config, torch.float32, _device(), seed=1)
+    ids = prompt(4099 if not args.tiny else 37, config.vocab_size)
+    gen = dict(max_new_tokens=8, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), **gen)  # no hf_cascade cache: plain sdpa
+    for n, group in groups.items():
+        for combine in ("tree", "all_to_all"):
+            if group is None:
+                continue
+            out = model.generate(**hf_cascade.context_parallel_inputs(model, ids, combine=combine, group=group), **gen)
+            err = group_max((torch.stack(out.logits) - torch.stack(ref.logits)).abs().max().item(), group)
+            same = group_max(float(not torch.equal(out.sequences, ref.sequences)), group) == 0
+            record(dict(kind="check_fp32", gpus=n, combine=combine, tokens_match=same, max_logit_err=err,
+                        passed=same and err < 1e-3, prompt_tokens=ids.shape[1]))
+    del model
+    torch.backends.cuda.matmul.allow_tf32 = True
+
+
+def check_bf16(args, model, groups, record):
+    """bf16, real model shape: first-step logits vs 1-GPU sdpa, token agreement, tree == all-to-all."""
+    ids = prompt(4096 if not args.tiny else 40, model.config.vocab_size)
+    gen = dict(max_new_tokens=16, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), **gen)
+    ref_first = ref.logits[0].float()
+    for n, group in groups.items():
+        if group is None:
+            continue
+        outs = {c: model.generate(**hf_cascade.context_parallel_inputs(model, ids, combine=c, group=group), **gen)
+                for c in ("tree", "all_to_all")}
+        first = outs["tree"].logits[0].float()
+        cos = torch.nn.functional.cosine_similarity(first, ref_first, dim=-1).min().item()
+        new = outs["tree"].sequences[:, ids.shape[1]:]
+        ref_new = ref.sequences[:, ids.shape[1]:]
+        agree = (new == ref_new).float().mean().item()
+        gathered = [torch.empty_like(new) for _ in range(n)]
+        dist.all_gather(gathered, new, group=group)
+        ranks_agree = all(torch.equal(g, gathered[0]) for g in gathered)
+        tree_eq_a2a = torch.equal(outs["tree"].sequences, outs["all_to_all"].sequences)
+        top1 = bool((first.argmax(-1) == ref_first.argmax(-1)).all())
+        record(dict(kind="check_bf16", gpus=n, first_logits_cosine=cos,
+                    first_logits_max_abs_diff=(first - ref_first).abs().max().item(), top1_match=top1,
+                    greedy_token_agreement=agree, ranks_agree=ranks_agree, tree_equals_all_to_all=tree_eq_a2a,
+                    passed=ranks_agree and top1 and cos > 0.999, prompt_tokens=ids.shape[1]))
+
+
+def bench_prefill(args, model, groups, lengths, record):
+    measured = {}  # (n, length) -> seconds
+    for length in lengths:
+        ids = prompt(length, model.config.vocab_size)
+        for n, group in groups.items():
+            if n == 1 and length > args.max_1gpu_tokens:
+                continue
+            if group is None:
+                dist.barrier()
+                continue
+            reps = args.reps if length <= 131072 else 1
+            times, oom = [], False
+            reset_peak()
+            try:
+                for _ in range(reps):
+                    seconds, inputs = timed(lambda: hf_cascade.context_parallel_inputs(model, ids, group=group), group)
+                    times.append(seconds)
+                    nbytes = inputs["past_key_values"].nbytes
+                    del inputs
+            except torch.cuda.OutOfMemoryError:
+                if n != 1:
+                    raise
+                oom = True  # 1 GPU: no peer waits on this rank
+            dist.barrier()
+            if oom:
+                record(dict(kind="prefill", gpus=n, tokens=length, out_of_memory=True))
+                continue
+            seconds = statistics.median(times)
+            measured[(n, length)] = seconds
+            record(dict(kind="prefill", gpus=n, tokens=length, seconds=seconds, reps=len(times),
+                        tokens_per_s=length / seconds, peak_memory_gib=group_max(peak_memory(), group) / 2**30,
+                        kv_gib_per_gpu=group_max(nbytes, group) / 2**30))
+    # 1-GPU times that were not measured: fit t = a L + b L^2 through the measured 1-GPU points.
+    ones = sorted((length, t) for (n, length), t in measured.items() if n == 1)
+    for length in lengths:
+        base, extrapolated = measured.get((1, length)), False
+        if base is None and len(ones) >= 2:
+            (l1, t1), (l2, t2) = ones[-2], ones[-1]
+            b = (t2 / l2 - t1 / l1) / (l2 - l1)
+            base, extrapolated = (t1 / l1 - b * l1) * length + b * length**2, True
+        for n in groups:
+            if n > 1 and base is not None and (n, length) in measured:
+                record(dict(kind="prefill_scaling", gpus=n, tokens=length, seconds=measured[(n, length)],
+                            one_gpu_seconds=base, one_gpu_extrapolated=extrapolated,
+                            pct_of_ideal=100.0 * base / (n * measured[(n, length)])))
+    # Reference: transformers' own single-GPU prefill (sdpa, DynamicCache), no hf_cascade.
+    for length in lengths:
+        if length > min(args.max_1gpu_tokens, 131072):
+            continue
+        if dist.get_rank() == 0:
+            from transformers import DynamicCache
+
+            ids = prompt(length, model.config.vocab_size)
+            try:
+                seconds, _ = timed(lambda: model.base_model(input_ids=ids, past_key_values=DynamicCache(),
+                                                            use_cache=True), groups[1])
+                record(dict(kind="prefill_sdpa_1gpu", gpus=1, tokens=length, seconds=seconds))
+            except torch.cuda.OutOfMemoryError:
+                record(dict(kind="prefill_sdpa_1gpu", gpus=1, tokens=length, out_of_memory=True))
+        dist.barrier()
+    return measured
+
+
+def _no_combine(out, lse, info, combine):
+    return out, lse
+
+
+def bench_decode(args, model, groups, contexts, record):
+    steps = args.decode_steps
+    for context in contexts:
+        ids = prompt(context, model.config.vocab_size)
+        for n, group in groups.items():
+            if group is None or (n == 1 and context > args.max_1gpu_tokens):
+                dist.barrier()
+                continue
+            try:
+                inputs = hf_cascade.context_parallel_inputs(model, ids, group=group)
+            except torch.cuda.OutOfMemoryError:
+                if n != 1:
+                    raise
+                inputs = None
+            dist.barrier()
+            if inputs is None:
+                record(dict(kind="decode", gpus=n, context=context, out_of_memory=True))
+                continue
+            cache = inputs["past_key_values"]
+            methods = ("tree",) if n == 1 else ("tree", "all_to_all", "all_gather_kv", "no_combine")
+            step_ms = {}
+            for method in methods:
+                cache.combine = "tree" if method == "no_combine" else method
+                original = cp_cache.combine_states
+                if method == "no_combine":
+                    cp_cache.combine_states = _no_combine
+                try:
+                    gen = lambda k: model.generate(**inputs, max_new_tokens=k, min_new_tokens=k, do_sample=False)  # noqa
+                    gen(2)  # warm-up
+                    t1, _ = timed(lambda: gen(1), group)
+                    tk, _ = timed(lambda: gen(1 + steps), group)
+                finally:
+                    cp_cache.combine_states = original
+                step_ms[method] = 1000.0 * (tk - t1) / steps
+                record(dict(kind="decode", gpus=n, context=context, combine=method, step_ms=step_ms[method],
+                            steps=steps, kv_gib_per_gpu=group_max(cache.nbytes, group) / 2**30))
+            if "no_combine" in step_ms:
+                for method in ("tree", "all_to_all"):
+                    record(dict(kind="decode_combine_overhead", gpus=n, context=context, combine=method,
+                                pct_of_step=100.0 * (step_ms[method] - step_ms["no_combine"]) / step_ms[method]))
+            del inputs, cache
+            reset_peak()
+        dist.barrier()
+
+
+def estimate_longest(prefill_records, capacity_gib, record):
+    """From (tokens, peak GiB) per GPU count: peak = fixed + slope * tokens -> tokens at the GPU's capacity."""
+    by_n = {}
+    for r in prefill_records:
+        if "peak_memory_gib" in r:
+            by_n.setdefault(r["gpus"], []).append((r["tokens"], r["peak_memory_gib"]))
+    for n, points in sorted(by_n.items()):
+        points.sort()
+        if len(points) < 2:
+            continue
+        (l1, m1), (l2, m2) = points[-2], points[-1]
+        slope = (m2 - m1) / (l2 - l1)
+        longest = int(l2 + (capacity_gib - m2) / slope) if slope > 0 else None
+        record(dict(kind="longest", gpus=n, longest_tested=l2, peak_gib_at_longest_tested=m2,
+                    gib_per_1k_tokens=slope * 1024, estimated_longest_prompt=longest, capacity_gib=capacity_gib))
+
+
+def main():
+    args = parse_args()
+    timeout = datetime.timedelta(minutes=30)  # 1-GPU runs make the other ranks wait in a barrier
+    if args.tiny or not torch.cuda.is_available():
+        dist.init_process_group("gloo", timeout=timeout)
+        args.tiny = True
+    else:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl", timeout=timeout)
+    world = dist.get_world_size()
+    sizes = [n for n in (1, 2, 4, 8, 16) if n <= world]
+    # Every rank must create every group; non-members get None.
+    groups = {}
+    for n in sizes:
+        g = dist.new_group(list(range(n)))
+        groups[n] = g if dist.get_rank() < n else None
+    record = Recorder(args.out, env_info(world))
+    if args.tiny:
+        lengths = [int(x) for x in (args.lengths or "64,256").split(",")]
+        contexts = [128]
+    else:
+        lengths = [int(x) for x in (args.lengths or ("32768,131072,524288" if world >= 4 else "32768,131072")).split(",")]
+        contexts = [int(x) for x in args.decode_contexts.split(",")]
+
+    records = []
+    recorder = lambda r: (records.append(r), record(r))  # noqa: E731
+    if not args.skip_check:
+        check_fp32(args, groups, recorder)
+    model = build_model(llama3_8b_config(args.layers, args.tiny), torch.bfloat16 if not args.tiny else torch.float32,
+                        _device())
+    if not args.skip_check:
+        check_bf16(args, model, groups, recorder)
+    with torch.no_grad():
+        bench_prefill(args, model, groups, lengths, recorder)
+        bench_decode(args, model, groups, contexts, recorder)
+    capacity = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 0.0
+    if capacity:
+        estimate_longest([r for r in records if r.get("kind") == "prefill"], capacity, recorder)
+    dist.barrier()
+    failed = [r for r in records if r.get("passed") is False]
+    if dist.get_rank() == 0:
+        print(f"checks: {'FAILED ' + str(len(failed)) if failed else 'all passed'}; results in {record.path}")
+    dist.destroy_process_group()
+    if failed:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

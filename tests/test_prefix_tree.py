@@ -1,0 +1,51 @@
+"""find_shared_prefixes: nested sharing, folding of short segments, the last-token rule, the cost model veto."""
+
+import pytest
+
+from hf_cascade import find_shared_prefixes
+from hf_cascade.cost_model import CascadeCostModel
+
+
+def test_nested_levels_and_row_chains():
+    system, a, b = list(range(10, 20)), list(range(30, 36)), list(range(40, 46))
+    rows = [system + a + [1, 2], system + b + [3], system + a + [4, 5, 6], system + b + [7, 8], [99, 98, 97]]
+    tree = find_shared_prefixes(rows, min_shared_tokens=3)
+    assert [len(level) for level in tree.levels] == [1, 2]
+    assert tree.levels[0][0].tokens == tuple(system) and tree.levels[0][0].rows == (0, 1, 2, 3)
+    assert {n.tokens for n in tree.levels[1]} == {tuple(a), tuple(b)}
+    assert tree.row_prefix_len == [16, 16, 16, 16, 0]
+    assert tree.row_nodes[0] == [0, 0, 0, 0, -1]
+    assert tree.row_nodes[1][0] == tree.row_nodes[1][2] != tree.row_nodes[1][1] == tree.row_nodes[1][3]
+    assert tree.levels[1][0].parent == 0 and tree.levels[1][0].start == 10
+    assert tree.saved_tokens == 16 * 4 - (10 + 6 + 6)
+
+
+def test_short_common_run_folds_into_children():
+    # Rows share 2 tokens, then two groups share 6 more each: with min_shared_tokens=4 the 2-token run
+    # cannot be a node; each child node carries it (8 tokens), at level 0.
+    rows = [[5, 6, 10, 11, 12, 13, 14, 15, 1], [5, 6, 10, 11, 12, 13, 14, 15, 2],
+            [5, 6, 20, 21, 22, 23, 24, 25, 3], [5, 6, 20, 21, 22, 23, 24, 25, 4]]
+    tree = find_shared_prefixes(rows, min_shared_tokens=4)
+    assert len(tree.levels) == 1 and len(tree.levels[0]) == 2
+    assert all(len(n.tokens) == 8 and n.start == 0 for n in tree.levels[0])
+
+
+def test_last_token_never_shared_and_limits():
+    rows = [[3, 4, 5, 6], [3, 4, 5, 6], [3, 4, 5, 6, 7]]
+    tree = find_shared_prefixes(rows, min_shared_tokens=1)
+    assert tree.row_prefix_len == [3, 3, 3]  # identical rows still feed their last token to the model
+    assert find_shared_prefixes(rows, min_shared_tokens=1, max_levels=0).levels == []
+    assert find_shared_prefixes([[1, 2, 3]], min_shared_tokens=1).levels == []
+    with pytest.raises(ValueError, match="min_rows"):
+        find_shared_prefixes(rows, min_rows=1)
+
+
+def test_cost_model_vetoes_small_nodes_only():
+    model = CascadeCostModel()
+    gqa = dict(num_kv_heads=8, head_dim=128, dtype_bytes=2)
+    assert model.share(64, 4096, **gqa)  # the showcase: long prefix, wide batch
+    assert not model.share(2, 16, **gqa)  # two rows sharing a few tokens: an extra level costs more
+    assert not model.share(2, 64, num_kv_heads=1, head_dim=64, dtype_bytes=2)  # MQA: few bytes per token
+    rows = [list(range(10, 30)) + [i] for i in range(3)]
+    veto = find_shared_prefixes(rows, min_shared_tokens=1, keep_node=lambda r, t: t >= 100)
+    assert veto.levels == []
