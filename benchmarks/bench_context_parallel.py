@@ -12,16 +12,17 @@ Workloads (each record is one JSON line in ``<out>/context_parallel.jsonl``; GPU
   all-to-all, every group size) must give the tokens of single-GPU sdpa generate(), logits within 1e-3.
 * ``check_bf16``: the full bf16 model, 4K prompt: first-step logits vs single-GPU sdpa (cosine, max abs diff,
   top-1), greedy tokens agreement, tree == all-to-all, every rank the same tokens.
-* ``prefill``: ``context_parallel_inputs`` time per prompt length and GPU count (median of ``--reps`` for prompts
-  <= 128K, else one run), % of ideal scaling ``t_1 / (n * t_n)``, peak memory and KV bytes per GPU. 1-GPU runs above
-  ``--max-1gpu-tokens`` (or that run out of memory) are extrapolated from the measured ones (``t = a L + b L^2``,
+* ``prefill``: ``context_parallel_inputs`` time per prompt length and GPU count (after a warm-up; median of
+  ``--reps`` for prompts <= 32K, else one run), % of ideal scaling ``t_1 / (n * t_n)``, peak memory and KV bytes
+  per GPU. 1-GPU runs above ``--max-1gpu-tokens`` (or that run out of memory) are extrapolated from the measured ones (``t = a L + b L^2``,
   flagged ``extrapolated``). Plus the 1-GPU sdpa prefill (transformers, no hf_cascade) for reference.
 * ``decode``: per-step latency at each ``--decode-contexts`` length, per GPU count, for ``tree``, ``all_to_all``,
   the ``all_gather_kv`` baseline, and ``no_combine`` (communication removed: wrong numbers, same compute), which
   gives the combine's share of a step.
 * ``longest``: the longest prompt per GPU count estimated from the measured memory (weights + per-token slope).
 
-CPU smoke test of this script (gloo, tiny model): ``torchrun --nproc_per_node 2 benchmarks/bench_context_parallel.py --tiny``.
+CPU smoke test of this script (gloo, tiny model):
+``torchrun --nproc_per_node 2 benchmarks/bench_context_parallel.py --tiny --out /tmp/cp``.
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ def parse_args():
     p.add_argument("--layers", type=int, default=32, help="decoder layers (32 in Llama-3-8B)")
     p.add_argument("--skip-check", action="store_true")
     p.add_argument("--tiny", action="store_true", help="CPU/gloo smoke test with a tiny model")
+    p.add_argument("--phases", default="check,prefill,decode", help="subset of check,prefill,decode to run")
+    p.add_argument("--budget-s", type=float, default=540.0,
+                   help="stop starting new measurements after this many seconds (the device tool's 10-min limit)")
     p.add_argument("--out", default="benchmarks/results", help="directory of context_parallel.jsonl")
     return p.parse_args()
 
@@ -110,10 +114,19 @@ class Recorder:
 
     def __call__(self, record: dict) -> None:
         if dist.get_rank() == 0:
-            record = {"bench": "context_parallel", **record, **self.env}
-            print(json.dumps(record), flush=True)
+            print(json.dumps(record), flush=True)  # compact on stdout; the file gets the machine info too
             with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+                f.write(json.dumps({"bench": "context_parallel", **record, **self.env}) + "\n")
+
+
+_START = time.monotonic()
+
+
+def out_of_time(args, group=None) -> bool:
+    """Same answer on every rank of ``group`` (rank 0's clock decides)."""
+    flag = torch.tensor([float(time.monotonic() - _START > args.budget_s)], device=_device())
+    dist.broadcast(flag, src=0, group=group)
+    return bool(flag.item())
 
 
 def sync():
@@ -209,15 +222,23 @@ def check_bf16(args, model, groups, record):
 
 def bench_prefill(args, model, groups, lengths, record):
     measured = {}  # (n, length) -> seconds
+    for n, group in groups.items():  # warm-up: Triton compilation, NCCL communicators
+        if group is not None:
+            hf_cascade.context_parallel_inputs(model, prompt(4096 if not args.tiny else 32, model.config.vocab_size),
+                                               group=group)
+        dist.barrier()
     for length in lengths:
         ids = prompt(length, model.config.vocab_size)
         for n, group in groups.items():
+            if out_of_time(args):
+                record(dict(kind="prefill", gpus=n, tokens=length, skipped="time budget"))
+                continue
             if n == 1 and length > args.max_1gpu_tokens:
                 continue
             if group is None:
                 dist.barrier()
                 continue
-            reps = args.reps if length <= 131072 else 1
+            reps = args.reps if length <= 32768 else 1
             times, oom = [], False
             reset_peak()
             try:
@@ -254,7 +275,7 @@ def bench_prefill(args, model, groups, lengths, record):
                             pct_of_ideal=100.0 * base / (n * measured[(n, length)])))
     # Reference: transformers' own single-GPU prefill (sdpa, DynamicCache), no hf_cascade.
     for length in lengths:
-        if length > min(args.max_1gpu_tokens, 131072):
+        if length > min(args.max_1gpu_tokens, 131072) or out_of_time(args):
             continue
         if dist.get_rank() == 0:
             from transformers import DynamicCache
@@ -279,6 +300,9 @@ def bench_decode(args, model, groups, contexts, record):
     for context in contexts:
         ids = prompt(context, model.config.vocab_size)
         for n, group in groups.items():
+            if out_of_time(args):
+                record(dict(kind="decode", gpus=n, context=context, skipped="time budget"))
+                continue
             if group is None or (n == 1 and context > args.max_1gpu_tokens):
                 dist.barrier()
                 continue
@@ -301,7 +325,9 @@ def bench_decode(args, model, groups, contexts, record):
                 if method == "no_combine":
                     cp_cache.combine_states = _no_combine
                 try:
-                    gen = lambda k: model.generate(**inputs, max_new_tokens=k, min_new_tokens=k, do_sample=False)  # noqa
+                    def gen(k):
+                        return model.generate(**inputs, max_new_tokens=k, min_new_tokens=k, do_sample=False)
+
                     gen(2)  # warm-up
                     t1, _ = timed(lambda: gen(1), group)
                     tk, _ = timed(lambda: gen(1 + steps), group)
@@ -357,20 +383,25 @@ def main():
         lengths = [int(x) for x in (args.lengths or "64,256").split(",")]
         contexts = [128]
     else:
-        lengths = [int(x) for x in (args.lengths or ("32768,131072,524288" if world >= 4 else "32768,131072")).split(",")]
+        default = "32768,131072,524288" if world >= 4 else "32768,131072"
+        lengths = [int(x) for x in (args.lengths or default).split(",")]
         contexts = [int(x) for x in args.decode_contexts.split(",")]
 
     records = []
     recorder = lambda r: (records.append(r), record(r))  # noqa: E731
-    if not args.skip_check:
+    phases = set(args.phases.split(","))
+    check = "check" in phases and not args.skip_check
+    if check:
         check_fp32(args, groups, recorder)
     model = build_model(llama3_8b_config(args.layers, args.tiny), torch.bfloat16 if not args.tiny else torch.float32,
                         _device())
-    if not args.skip_check:
+    if check:
         check_bf16(args, model, groups, recorder)
     with torch.no_grad():
-        bench_prefill(args, model, groups, lengths, recorder)
-        bench_decode(args, model, groups, contexts, recorder)
+        if "prefill" in phases:
+            bench_prefill(args, model, groups, lengths, recorder)
+        if "decode" in phases:
+            bench_decode(args, model, groups, contexts, recorder)
     capacity = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 0.0
     if capacity:
         estimate_longest([r for r in records if r.get("kind") == "prefill"], capacity, recorder)

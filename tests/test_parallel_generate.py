@@ -7,7 +7,6 @@ compare them with the reference computed here. Tolerance on logits: 1e-4 (fp32; 
 
 from __future__ import annotations
 
-import datetime
 import time
 
 import pytest
@@ -44,7 +43,8 @@ SCENARIOS = {
     "llama_all_to_all_odd_length": ("llama", [23], 0, dict(combine="all_to_all"), {}),
     "llama_all_gather_kv_baseline": ("llama", [23], 0, dict(combine="all_gather_kv"), {}),
     "qwen3_tree_left_padded_batch": ("qwen3", [17, 9, 12], 0, dict(combine="tree"), {}),
-    "qwen3_all_to_all_left_padded_batch": ("qwen3", [17, 9, 12], 0, dict(combine="all_to_all", placement="round_robin"), {}),
+    "qwen3_all_to_all_left_padded_batch": ("qwen3", [17, 9, 12], 0,
+                                           dict(combine="all_to_all", placement="round_robin"), {}),
     # Fewer prompt tokens than ranks: some ranks hold nothing; a 1-token prompt prefills nothing.
     "llama_two_token_prompt": ("llama", [2], 0, dict(combine="tree"), {}),
     "llama_one_token_prompt": ("llama", [1], 0, dict(combine="all_to_all"), {}),

@@ -1,14 +1,20 @@
 """Triton kernels for the shared-prefix pass. Imported only when Triton runs.
 
-Work decomposition (built on the host by ``PrefixPlan``):
-  * rows of one node are gathered by index (``rows``, sorted by node; ``node_row_start`` [N+1]);
-  * the query rows of node n, heads of one KV head's group and positions are folded into one
-    M axis, ``m = ((r_local * Lq) + q) * G + group`` with ``M_n = rows_n * Lq * G``;
-  * ``tile_node`` / ``tile_m0`` list the BLOCK_M tiles of every node;
-  * grid = (tiles, Hkv, kv_splits): every split reads a contiguous chunk of its node's keys once
-    for the whole tile (the prefix is stored once and read once per tile, never per row).
-With more than one split each program writes a normalised partial (out, lse) in tile order and
-``_prefix_combine_kernel`` reduces the splits (flash-decoding).
+Work decomposition (built once on the host by ``PrefixPlan.schedule``):
+  * the rows of one node are gathered by index (``rows``: covered rows sorted by node, then the rows
+    without keys at this level as a last pseudo-node with an empty key range; ``row_start`` [N+2]);
+  * the query rows of node n, the G query heads of one KV head and the Lq positions are folded into
+    one M axis, ``m = (r_local * Lq + q) * G + group`` with ``M_n = rows_n * Lq * G``, so one
+    ``tl.dot`` multiplies every query of the node that reads a KV tile (tensor cores, M large);
+  * ``tile_node`` / ``tile_m0`` list the BLOCK_M tiles of every node (pseudo-node included);
+  * grid = (tiles, Hkv, kv_splits), tile fastest: the M tiles of one (KV head, split) run side by
+    side, so a KV tile comes from HBM once and from L2 for the other M tiles.
+Every program writes a normalised state (out, natural-log lse) for its rows and split slot; the
+pseudo-node's programs read no keys and write out 0 / lse -inf, so every output element is written
+and the wrapper needs no zero-fill launch. Outputs are addressed as
+``o + slot*o_s + row*o_b + kvh*o_kvh + group*o_g + q*o_l + d`` (same for lse without d): the final
+[B, Hq, Lq, D] tensor when there is one split, else fp32 partials [slots, Hkv, B*Lq*G, D] in batch
+row order, reduced by ``_prefix_combine_kernel`` or by the suffix kernel's prologue (flash-decoding).
 """
 
 import triton
@@ -19,38 +25,19 @@ LN2 = tl.constexpr(0.6931471805599453)  # ln(2): back to natural-log LSE on the 
 
 
 @triton.jit
-def _tile_rows(rows_ptr, node_row_start_ptr, tile_node_ptr, tile_m0_ptr, tile, Lq, G,
-               BLOCK_M: tl.constexpr):
-    """Decode one tile's M axis into (batch row, q head offset in group, q position, valid)."""
-    node = tl.load(tile_node_ptr + tile)
-    m = tl.load(tile_m0_ptr + tile) + tl.arange(0, BLOCK_M)
-    r_start = tl.load(node_row_start_ptr + node)
-    n_rows = tl.load(node_row_start_ptr + node + 1) - r_start
-    valid = m < n_rows * Lq * G
-    group = m % G
-    pos = (m // G) % Lq
-    r_local = m // (G * Lq)
-    row = tl.load(rows_ptr + r_start + r_local, mask=valid, other=0).to(tl.int64)
-    return node, row, group, pos, valid
-
-
-@triton.jit
 def _prefix_fwd_kernel(
     q_ptr, k_ptr, v_ptr,
-    out_ptr, lse_ptr,  # final [B, Hq, Lq, D] fp32 / [B, Hq, Lq] fp32 (NUM_SPLITS == 1)
-    part_out_ptr, part_lse_ptr,  # partials [splits, Hkv, tiles*BLOCK_M, D] / [..., tiles*BLOCK_M]
-    rows_ptr, node_row_start_ptr, node_starts_ptr, tile_node_ptr, tile_m0_ptr,
-    Lq, G, D, num_splits,
+    o_ptr, l_ptr,  # outputs (final or partials, see module docstring), fp32
+    rows_ptr, row_start_ptr, node_starts_ptr, tile_node_ptr, tile_m0_ptr,
+    Lq, G, D, num_splits, slot0,
     sm_scale, softcap,
     stride_qb, stride_qh, stride_ql, stride_qd,
-    stride_kh, stride_kt, stride_kd,
-    stride_vh, stride_vt, stride_vd,
-    stride_ob, stride_oh, stride_ol,
-    stride_lb, stride_lh, stride_ll,
-    stride_ps, stride_ph, stride_pm,
-    stride_pls, stride_plh,
+    stride_kh, stride_kt,
+    stride_vh, stride_vt,
+    o_s, o_b, o_kvh, o_g, o_l,
+    l_s, l_b, l_kvh, l_g, l_l,
     HAS_SOFTCAP: tl.constexpr,
-    SPLIT: tl.constexpr,
+    EVEN_D: tl.constexpr,  # D == BLOCK_D: no head_dim mask (keeps loads 16 bytes wide)
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -59,36 +46,48 @@ def _prefix_fwd_kernel(
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
-    node, row, group, pos, valid = _tile_rows(
-        rows_ptr, node_row_start_ptr, tile_node_ptr, tile_m0_ptr, tile, Lq, G, BLOCK_M)
-    head = kvh * G + group
+    # Decode this tile's M axis into (batch row, group, position).
+    node = tl.load(tile_node_ptr + tile)
+    m = tl.load(tile_m0_ptr + tile) + tl.arange(0, BLOCK_M)
+    r_start = tl.load(row_start_ptr + node)
+    n_rows = tl.load(row_start_ptr + node + 1) - r_start
+    valid = m < n_rows * Lq * G
+    group = m % G
+    pos = (m // G) % Lq
+    row = tl.load(rows_ptr + r_start + m // (G * Lq), mask=valid, other=0).to(tl.int64)
+    head = (kvh * G + group).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
+    if EVEN_D:
+        qo_mask = valid[:, None]
+    else:
+        qo_mask = valid[:, None] & (d[None, :] < D)
 
-    # Gather the tile's queries: rows of a node need not be contiguous in the batch.
-    q_off = row * stride_qb + head.to(tl.int64) * stride_qh + pos.to(tl.int64) * stride_ql
-    q = tl.load(q_ptr + q_off[:, None] + d[None, :] * stride_qd,
-                mask=valid[:, None] & d_ok[None, :], other=0.0)
+    # Gather the tile's queries: the rows of a node need not be contiguous in the batch.
+    q = tl.load(q_ptr + (row * stride_qb + head * stride_qh + pos.to(tl.int64) * stride_ql)[:, None]
+                + d[None, :] * stride_qd, mask=qo_mask, other=0.0)
 
-    # This split's chunk of the node's keys (chunk rounded to BLOCK_N; trailing splits may be empty).
+    # This split's chunk of the node's keys (rounded to BLOCK_N; trailing splits may be empty).
     k_start = tl.load(node_starts_ptr + node)
     k_end = tl.load(node_starts_ptr + node + 1)
     chunk = tl.cdiv(tl.cdiv(k_end - k_start, num_splits), BLOCK_N) * BLOCK_N
     lo = k_start + split * chunk
     hi = tl.minimum(k_end, lo + chunk)
 
-    k_base = k_ptr + kvh.to(tl.int64) * stride_kh
-    v_base = v_ptr + kvh.to(tl.int64) * stride_vh
+    offs_n = tl.arange(0, BLOCK_N)
+    k_ptrs = k_ptr + kvh.to(tl.int64) * stride_kh + (offs_n * stride_kt)[:, None] + d[None, :]
+    v_ptrs = v_ptr + kvh.to(tl.int64) * stride_vh + (offs_n * stride_vt)[:, None] + d[None, :]
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     for start in range(lo, hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_ok = n < hi
-        kt = tl.load(k_base + n[None, :].to(tl.int64) * stride_kt + d[:, None] * stride_kd,
-                     mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+        n_ok = start + offs_n < hi
+        if EVEN_D:
+            kv_mask = n_ok[:, None]
+        else:
+            kv_mask = n_ok[:, None] & (d[None, :] < D)
+        k = tl.load(k_ptrs + start.to(tl.int64) * stride_kt, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         # Scores in base 2: s2 = log2(e) * (softcapped) scale * q.k
-        s = tl.dot(q, kt, input_precision=INPUT_PRECISION)
+        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
         if HAS_SOFTCAP:
             x = s * (sm_scale / softcap)
             s = (softcap * LOG2E) * (2.0 * tl.sigmoid(2.0 * x) - 1.0)  # tanh(x), Triton-3.6 safe
@@ -100,8 +99,7 @@ def _prefix_fwd_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + n[:, None].to(tl.int64) * stride_vt + d[None, :] * stride_vd,
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_ptrs + start.to(tl.int64) * stride_vt, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
         m_i = m_new
 
@@ -110,63 +108,59 @@ def _prefix_fwd_kernel(
     l_safe = tl.where(has_keys, l_i, 1.0)
     o = acc / l_safe[:, None]
     lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
-    if SPLIT:
-        mt = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        po = (part_out_ptr + split.to(tl.int64) * stride_ps + kvh.to(tl.int64) * stride_ph
-              + mt[:, None].to(tl.int64) * stride_pm + d[None, :])
-        tl.store(po, o, mask=valid[:, None] & d_ok[None, :])
-        tl.store(part_lse_ptr + split.to(tl.int64) * stride_pls + kvh * stride_plh + mt, lse,
-                 mask=valid)
-    else:
-        o_off = row * stride_ob + head.to(tl.int64) * stride_oh + pos.to(tl.int64) * stride_ol
-        tl.store(out_ptr + o_off[:, None] + d[None, :], o, mask=valid[:, None] & d_ok[None, :])
-        l_off = row * stride_lb + head.to(tl.int64) * stride_lh + pos.to(tl.int64) * stride_ll
-        tl.store(lse_ptr + l_off, lse, mask=valid)
+    slot = (slot0 + split).to(tl.int64)
+    o_off = slot * o_s + row * o_b + kvh.to(tl.int64) * o_kvh + group.to(tl.int64) * o_g + pos.to(tl.int64) * o_l
+    tl.store(o_ptr + o_off[:, None] + d[None, :], o, mask=qo_mask)
+    l_off = slot * l_s + row * l_b + kvh.to(tl.int64) * l_kvh + group.to(tl.int64) * l_g + pos.to(tl.int64) * l_l
+    tl.store(l_ptr + l_off, lse, mask=valid)
 
 
 @triton.jit
 def _prefix_combine_kernel(
     out_ptr, lse_ptr,  # final [B, Hq, Lq, D] fp32 / [B, Hq, Lq] fp32
-    part_out_ptr, part_lse_ptr,  # [splits, Hkv, tiles*BLOCK_M, D] / [splits, Hkv, tiles*BLOCK_M]
-    rows_ptr, node_row_start_ptr, tile_node_ptr, tile_m0_ptr,
-    Lq, G, D, num_splits,
+    part_out_ptr, part_lse_ptr,  # [slots, Hkv, B*Lq*G, D] / [slots, Hkv, B*Lq*G], batch-row order
+    M_total, Lq, G, D, num_splits,
     stride_ob, stride_oh, stride_ol,
     stride_lb, stride_lh, stride_ll,
-    stride_ps, stride_ph, stride_pm,
-    stride_pls, stride_plh,
+    stride_ps, stride_ph, stride_pls, stride_plh,
+    EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    tile = tl.program_id(0)
     kvh = tl.program_id(1)
-    node, row, group, pos, valid = _tile_rows(
-        rows_ptr, node_row_start_ptr, tile_node_ptr, tile_m0_ptr, tile, Lq, G, BLOCK_M)
-    head = kvh * G + group
+    m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # m = (b * Lq + q) * G + group
+    valid = m < M_total
+    group = m % G
+    pos = (m // G) % Lq
+    row = (m // (G * Lq)).to(tl.int64)
+    head = (kvh * G + group).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
-    mt = (tile * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    pl_base = part_lse_ptr + kvh * stride_plh + mt
-    po_base = part_out_ptr + kvh.to(tl.int64) * stride_ph + mt[:, None] * stride_pm + d[None, :]
-
-    # Pass 1: the largest split LSE (-inf when every split was empty).
-    m = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    for s in range(0, num_splits):
-        m = tl.maximum(m, tl.load(pl_base + s * stride_pls, mask=valid, other=float("-inf")))
-    m = tl.where(m == float("-inf"), 0.0, m)
-    # Pass 2: LSE-weighted sum of the normalised partial outputs.
+    if EVEN_D:
+        o_mask = valid[:, None]
+    else:
+        o_mask = valid[:, None] & (d[None, :] < D)
+    m64 = m.to(tl.int64)
+    pl_base = part_lse_ptr + kvh.to(tl.int64) * stride_plh + m64
+    po_base = part_out_ptr + kvh.to(tl.int64) * stride_ph + m64[:, None] * D + d[None, :]
+    # Online LSE-weighted sum of the normalised split states (an empty split has lse -inf).
+    mx = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     total = tl.zeros([BLOCK_M], dtype=tl.float32)
     for s in range(0, num_splits):
-        w = tl.exp(tl.load(pl_base + s * stride_pls, mask=valid, other=float("-inf")) - m)
-        o = tl.load(po_base + s * stride_ps, mask=(valid & (w > 0))[:, None] & d_ok[None, :],
-                    other=0.0)
-        acc += o * w[:, None]
-        total += w
+        ls = tl.load(pl_base + s * stride_pls, mask=valid, other=float("-inf"))
+        m_new = tl.maximum(mx, ls)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(mx - m_safe)
+        w = tl.exp(ls - m_safe)
+        o = tl.load(po_base + s * stride_ps, mask=o_mask & (w > 0)[:, None], other=0.0)
+        acc = acc * alpha[:, None] + o * w[:, None]
+        total = total * alpha + w
+        mx = m_new
     has_keys = total > 0
-    total = tl.where(has_keys, total, 1.0)
-    o = acc / total[:, None]
-    lse = tl.where(has_keys, m + tl.log(total), float("-inf"))
-    o_off = row * stride_ob + head.to(tl.int64) * stride_oh + pos.to(tl.int64) * stride_ol
-    tl.store(out_ptr + o_off[:, None] + d[None, :], o, mask=valid[:, None] & d_ok[None, :])
-    l_off = row * stride_lb + head.to(tl.int64) * stride_lh + pos.to(tl.int64) * stride_ll
+    t_safe = tl.where(has_keys, total, 1.0)
+    o = acc / t_safe[:, None]
+    lse = tl.where(has_keys, mx + tl.log(t_safe), float("-inf"))
+    o_off = row * stride_ob + head * stride_oh + pos.to(tl.int64) * stride_ol
+    tl.store(out_ptr + o_off[:, None] + d[None, :], o, mask=o_mask)
+    l_off = row * stride_lb + head * stride_lh + pos.to(tl.int64) * stride_ll
     tl.store(lse_ptr + l_off, lse, mask=valid)

@@ -1,9 +1,15 @@
-"""Triton kernel for the per-row suffix pass, with the prefix merge fused into the epilogue.
+"""Triton kernel for the per-row suffix pass, with the prefix merge fused into its prologue.
 
 Grid = (M tiles, Hkv, B). For one batch row and KV head, the query positions and the G query
 heads sharing that KV head are folded into one M axis, ``m = q * G + group`` (M = Lq * G), so a
 KV block is loaded once for the whole group (no repeat_kv). Consecutive m share a position, so a
 tile covers a contiguous position range and the causal bound is tight.
+
+Prefix states (``NUM_PREFIX`` > 0 of them: a merged prefix state, or the un-combined split
+partials of the shared-prefix kernel) seed the online softmax: a normalised state (o, lse) is the
+running state (m = lse, l = 1, acc = o). So the split combine and the prefix/suffix merge cost no
+launch of their own and no fp32 round trip through memory. State s of query (b, head, q) lives at
+``p + s*p_s + b*p_b + kvh*p_kvh + group*p_g + q*p_l + d*p_d``.
 """
 
 import triton
@@ -20,21 +26,22 @@ MASK_TENSOR = tl.constexpr(2)  # bool mask [B, Lq, S] (read as uint8), True = at
 @triton.jit
 def _suffix_fwd_kernel(
     q_ptr, k_ptr, v_ptr, mask_ptr,
-    prefix_out_ptr, prefix_lse_ptr,  # fp32 [B, Hq, Lq, D] / [B, Hq, Lq] (HAS_PREFIX)
+    po_ptr, pl_ptr,  # prefix states, fp32 (see module docstring); unused when NUM_PREFIX == 0
     out_ptr, lse_ptr,  # [B, Hq, Lq, D] query dtype / [B, Hq, Lq] fp32
-    Lq, S, G, D,
+    Lq, S, G, D, num_prefix,
     sm_scale, softcap,
     stride_qb, stride_qh, stride_ql, stride_qd,
-    stride_kb, stride_kh, stride_ks, stride_kd,
-    stride_vb, stride_vh, stride_vs, stride_vd,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
     stride_mb, stride_mq, stride_ms,
-    stride_pob, stride_poh, stride_pol, stride_pod,
-    stride_plb, stride_plh, stride_pll,
+    po_s, po_b, po_kvh, po_g, po_l, po_d,
+    pl_s, pl_b, pl_kvh, pl_g, pl_l,
     stride_ob, stride_oh, stride_ol, stride_od,
     stride_lb, stride_lh, stride_ll,
     MASK_MODE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
+    EVEN_D: tl.constexpr,  # D == BLOCK_D: no head_dim mask (keeps loads 16 bytes wide)
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -46,13 +53,39 @@ def _suffix_fwd_kernel(
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     valid = m < Lq * G
     pos = m // G
-    head = (kvh * G + m % G).to(tl.int64)
+    group = m % G
+    head = (kvh * G + group).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
-    tile_ok = valid[:, None] & d_ok[None, :]
+    if EVEN_D:
+        tile_ok = valid[:, None]
+    else:
+        tile_ok = valid[:, None] & (d[None, :] < D)
 
     q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + pos[:, None] * stride_ql
                 + d[None, :] * stride_qd, mask=tile_ok, other=0.0)
+
+    # Running state in base 2, seeded with the prefix states (split combine + merge, fused).
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if HAS_PREFIX:
+        kvh64 = kvh.to(tl.int64)
+        pl_base = pl_ptr + b * pl_b + kvh64 * pl_kvh + group * pl_g + pos * pl_l
+        po_base = (po_ptr + b * po_b + kvh64 * po_kvh + (group * po_g + pos * po_l)[:, None]
+                   + d[None, :] * po_d)
+        for s in range(0, num_prefix):
+            ls = tl.load(pl_base + s * pl_s, mask=valid, other=float("-inf"))
+            # Empty guard: +inf (FlashAttention-2's empty rows) and NaN mean "no keys".
+            ls = tl.where((ls == float("inf")) | (ls != ls), float("-inf"), ls) * LOG2E
+            m_new = tl.maximum(m_i, ls)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_safe)
+            w = tl.exp2(ls - m_safe)
+            # An empty state's out may be NaN garbage: load it only where its weight is nonzero.
+            o = tl.load(po_base + s * po_s, mask=tile_ok & (w > 0)[:, None], other=0.0)
+            acc = acc * alpha[:, None] + o * w[:, None]
+            l_i = l_i * alpha + w
+            m_i = m_new
 
     # Keys this tile can see: causal stops after the last visible key of its last position.
     hi = S
@@ -60,18 +93,19 @@ def _suffix_fwd_kernel(
         last_pos = tl.minimum(pid_m * BLOCK_M + BLOCK_M - 1, Lq * G - 1) // G
         hi = tl.maximum(tl.minimum(S, S - Lq + last_pos + 1), 0)
 
-    k_base = k_ptr + b * stride_kb + kvh.to(tl.int64) * stride_kh
-    v_base = v_ptr + b * stride_vb + kvh.to(tl.int64) * stride_vh
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    k_ptrs = k_ptr + b * stride_kb + kvh.to(tl.int64) * stride_kh + (offs_n * stride_ks)[:, None] + d[None, :]
+    v_ptrs = v_ptr + b * stride_vb + kvh.to(tl.int64) * stride_vh + (offs_n * stride_vs)[:, None] + d[None, :]
     for start in range(0, hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
+        n = start + offs_n
         n_ok = n < S
-        kt = tl.load(k_base + n[None, :] * stride_ks + d[:, None] * stride_kd,
-                     mask=n_ok[None, :] & d_ok[:, None], other=0.0)  # [BLOCK_D, BLOCK_N]
+        if EVEN_D:
+            kv_mask = n_ok[:, None]
+        else:
+            kv_mask = n_ok[:, None] & (d[None, :] < D)
+        k = tl.load(k_ptrs + start * stride_ks, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         # Scores in base 2: s2 = log2(e) * (softcapped) scale * q.k
-        s = tl.dot(q, kt, input_precision=INPUT_PRECISION)
+        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
         if HAS_SOFTCAP:
             x = s * (sm_scale / softcap)
             s = (softcap * LOG2E) * (2.0 * tl.sigmoid(2.0 * x) - 1.0)  # tanh(x), Triton-3.6 safe
@@ -92,34 +126,15 @@ def _suffix_fwd_kernel(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + n[:, None] * stride_vs + d[None, :] * stride_vd,
-                    mask=n_ok[:, None] & d_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_ptrs + start * stride_vs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
         m_i = m_new
 
-    # Suffix state in base 2; no visible key: l_i == 0 -> LSE -inf, out 0.
+    # No visible key and no prefix: l_i == 0 -> LSE -inf, out 0.
     has_keys = l_i > 0
     l_safe = tl.where(has_keys, l_i, 1.0)  # where() evaluates both sides: keep log/div finite
     lse2 = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))
     o = acc / l_safe[:, None]
-    if HAS_PREFIX:
-        # Fused exact merge with the prefix state (empty guard: +inf/NaN prefix LSE = no keys).
-        pl = tl.load(prefix_lse_ptr + b * stride_plb + head * stride_plh + pos * stride_pll,
-                     mask=valid, other=float("-inf"))
-        pl = tl.where((pl == float("inf")) | (pl != pl), float("-inf"), pl) * LOG2E
-        mm = tl.maximum(lse2, pl)
-        mm = tl.where(mm == float("-inf"), 0.0, mm)
-        ws = tl.exp2(lse2 - mm)
-        wp = tl.exp2(pl - mm)
-        total = ws + wp
-        nonempty = total > 0
-        total = tl.where(nonempty, total, 1.0)
-        inv = tl.where(nonempty, 1.0 / total, 0.0)
-        po = tl.load(prefix_out_ptr + b * stride_pob + head[:, None] * stride_poh
-                     + pos[:, None] * stride_pol + d[None, :] * stride_pod,
-                     mask=tile_ok & (wp > 0)[:, None], other=0.0)
-        o = o * (ws * inv)[:, None] + po * (wp * inv)[:, None]
-        lse2 = tl.where(nonempty, mm + tl.log2(total), float("-inf"))
     tl.store(out_ptr + b * stride_ob + head[:, None] * stride_oh + pos[:, None] * stride_ol
              + d[None, :] * stride_od, o.to(out_ptr.dtype.element_ty), mask=tile_ok)
     tl.store(lse_ptr + b * stride_lb + head * stride_lh + pos * stride_ll, lse2 * LN2, mask=valid)

@@ -67,22 +67,57 @@ class PrefixPlan:
     def max_node_len(self) -> int:
         return max((b - a for a, b in zip(self.node_starts, self.node_starts[1:])), default=0)
 
-    def tiles(self, m_per_row: int, block_m: int) -> tuple[Tensor, Tensor]:
-        """(tile_node int32 [tiles], tile_m0 int32 [tiles]): BLOCK_M tiles over every node's M axis."""
+    def schedule(self, m_per_row: int, block_m: int) -> "_Schedule":
+        """The kernel's tile list for ``m_per_row = G * Lq`` query rows per batch row (cached).
+
+        Rows without keys at this level (row_node -1, or an empty node) form a last pseudo-node
+        with an empty key range: its tiles write out 0 / lse -inf, so no zero-fill is needed.
+        """
         key = (m_per_row, block_m)
-        if key not in self._tiles:
-            tile_node, tile_m0 = [], []
-            for n, r in enumerate(self.rows_per_node):
-                if self.node_starts[n + 1] == self.node_starts[n]:
-                    continue  # empty node: its rows keep out 0, lse -inf
-                for m0 in range(0, r * m_per_row, block_m):
-                    tile_node.append(n)
-                    tile_m0.append(m0)
-            self._tiles[key] = (
-                torch.tensor(tile_node, dtype=torch.int32, device=self.device),
-                torch.tensor(tile_m0, dtype=torch.int32, device=self.device),
-            )
-        return self._tiles[key]
+        sched = self._tiles.get(key)
+        if sched is None:
+            sched = self._tiles[key] = _build_schedule(self, m_per_row, block_m)
+        return sched
+
+
+@dataclass(eq=False)
+class _Schedule:
+    """Device index tensors of one (plan, G * Lq, BLOCK_M): see ``_prefix_kernel``'s docstring."""
+
+    rows: Tensor  # int32 [B]: covered rows sorted by node, then the uncovered rows
+    row_start: Tensor  # int32 [N+2]
+    node_starts: Tensor  # int64 [N+2]: node_starts + [T] (the pseudo-node is empty)
+    tile_node: Tensor  # int32 [tiles]
+    tile_m0: Tensor  # int32 [tiles]
+    num_tiles: int
+    max_node_rows: int  # most rows on one node with keys
+    splits: dict = field(default_factory=dict, repr=False)  # launch choices cached per call shape
+
+
+def _build_schedule(plan: PrefixPlan, m_per_row: int, block_m: int) -> _Schedule:
+    starts = plan.node_starts
+    groups: list[list[int]] = [[] for _ in range(plan.num_nodes + 1)]
+    for b, n in enumerate(plan.row_node):
+        has_keys = n >= 0 and starts[n + 1] > starts[n]
+        groups[n if has_keys else plan.num_nodes].append(b)
+    rows, row_start, tile_node, tile_m0 = [], [0], [], []
+    for n, members in enumerate(groups):
+        rows.extend(members)
+        row_start.append(len(rows))
+        for m0 in range(0, len(members) * m_per_row, block_m):
+            tile_node.append(n)
+            tile_m0.append(m0)
+    dev = plan.device
+    as_dev = lambda x, dt: torch.tensor(x, dtype=dt, device=dev)  # noqa: E731
+    return _Schedule(
+        rows=as_dev(rows, torch.int32),
+        row_start=as_dev(row_start, torch.int32),
+        node_starts=as_dev([*starts, starts[-1]], torch.int64),
+        tile_node=as_dev(tile_node, torch.int32),
+        tile_m0=as_dev(tile_m0, torch.int32),
+        num_tiles=len(tile_node),
+        max_node_rows=max((len(g) for g in groups[:-1]), default=0),
+    )
 
 
 def plan_shared_prefix(
@@ -235,14 +270,21 @@ def _check_plan(plan: PrefixPlan, query: Tensor, key: Tensor) -> None:
         )
 
 
-def _prefix_config(D: int, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps). Untuned first cut; the GPU pass replaces it with autotuning."""
+def _prefix_config(D: int, m_node: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for ``m_node`` query rows on the largest node.
+
+    BLOCK_M covers the node's rows x group x positions up to 128 (tensor-core M; 64 and 128 use
+    Hopper's wgmma with 4 / 8 warps); measured on an H100 (benchmarks/NOTES.md).
+    """
     block_d = padded_head_dim(D)
     if device.type != "cuda":
-        return 32, 64, 4  # interpreter: small tiles keep numpy work per step low
+        return 32, 64, 4, 1  # interpreter: small tiles keep numpy work per step low
+    block_m = min(128, max(16, 1 << max(m_node - 1, 0).bit_length()))
     if block_d >= 256:
-        return 64, 32, 8  # 256-wide tiles: keep q + k + v + acc in shared memory / registers
-    return 64, 64, 4
+        return min(block_m, 64), 32, 4 if block_m <= 16 else 8, 2
+    if block_m >= 128:
+        return 128, 64, 8, 3
+    return block_m, 64, 4, 3
 
 
 def _num_splits(plan: PrefixPlan, tiles: int, hkv: int, block_n: int, device: torch.device) -> int:
@@ -250,6 +292,63 @@ def _num_splits(plan: PrefixPlan, tiles: int, hkv: int, block_n: int, device: to
     by_len = max(1, -(-plan.max_node_len // max(_MIN_KEYS_PER_SPLIT, block_n)))
     want = -(-num_programs_target(device) // max(1, tiles * hkv))
     return max(1, min(by_len, want))
+
+
+def _prefix_launch_config(query: Tensor, key: Tensor, plan: PrefixPlan, num_splits: int | None,
+                          block_m: int | None, block_n: int | None):
+    """(schedule, splits, BLOCK_M, BLOCK_N, num_warps, num_stages); cached per call shape."""
+    B, Hq, Lq, D = query.shape
+    Hkv = key.shape[0]
+    G = Hq // Hkv
+    cfg_key = (G, Lq, D, Hkv, num_splits, block_m, block_n)
+    cached = plan._tiles.get(cfg_key)
+    if cached is None:
+        m_node = max(plan.rows_per_node, default=0) * G * Lq
+        cfg_m, cfg_n, num_warps, num_stages = _prefix_config(D, m_node, query.device)
+        bm, bn = block_m or cfg_m, block_n or cfg_n
+        sched = plan.schedule(G * Lq, bm)
+        splits = num_splits or _num_splits(plan, sched.num_tiles, Hkv, bn, query.device)
+        cached = plan._tiles[cfg_key] = (sched, splits, bm, bn, num_warps, num_stages)
+    return cached
+
+
+def launch_prefix(query: Tensor, key: Tensor, value: Tensor, plan: PrefixPlan, config, o: Tensor,
+                  lse: Tensor, o_strides, lse_strides, slot0: int, *, scale: float,
+                  softcap: float | None) -> None:
+    """One prefix-kernel launch writing every (row, head, position) state into o / lse.
+
+    ``o_strides`` = (slot, b, kvh, group, q) element strides of ``o`` (head_dim stride 1),
+    ``lse_strides`` the same for ``lse``; split s goes to slot ``slot0 + s``.
+    """
+    from . import _prefix_kernel as kernels  # lazy: triton is optional
+
+    sched, splits, block_m, block_n, num_warps, num_stages = config
+    Hkv = key.shape[0]
+    B, Hq, Lq, D = query.shape
+    if key.stride(-1) != 1:
+        key = key.contiguous()
+    if value.stride(-1) != 1:
+        value = value.contiguous()
+    block_d = padded_head_dim(D)
+    kernels._prefix_fwd_kernel[(sched.num_tiles, Hkv, splits)](
+        query, key, value, o, lse,
+        sched.rows, sched.row_start, sched.node_starts, sched.tile_node, sched.tile_m0,
+        Lq, Hq // Hkv, D, splits, slot0,
+        float(scale), float(softcap) if softcap is not None else 1.0,
+        *query.stride(), *key.stride()[:2], *value.stride()[:2],
+        *o_strides, *lse_strides,
+        HAS_SOFTCAP=softcap is not None,
+        EVEN_D=block_d == D,
+        INPUT_PRECISION=dot_precision(query.dtype),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+
+
+def partial_strides(part_out: Tensor, part_lse: Tensor, Lq: int, G: int, D: int):
+    """(slot, b, kvh, group, q) strides of split partials [slots, Hkv, B*Lq*G, D] / [..., B*Lq*G]."""
+    return ((part_out.stride(0), Lq * G * D, part_out.stride(1), D, G * D),
+            (part_lse.stride(0), Lq * G, part_lse.stride(1), 1, G))
 
 
 def _prefix_triton(
@@ -265,55 +364,36 @@ def _prefix_triton(
     block_n: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Triton launch. ``num_splits`` / ``block_m`` / ``block_n`` override the heuristics (tests)."""
-    from . import _prefix_kernel as kernels  # lazy: triton is optional
-
     B, Hq, Lq, D = query.shape
     Hkv = key.shape[0]
     G = Hq // Hkv
     dev = query.device
-    cfg_m, cfg_n, num_warps = _prefix_config(D, dev)
-    block_m = block_m or cfg_m
-    block_n = block_n or cfg_n
-    block_d = padded_head_dim(D)
-    tile_node, tile_m0 = plan.tiles(G * Lq, block_m)
-    tiles = tile_node.numel()
-    # Rows without a node, or on an empty node, are not covered by any tile.
-    if plan.covered_rows == B:
-        out = torch.empty((B, Hq, Lq, D), dtype=torch.float32, device=dev)
-        lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=dev)
-    else:
-        out = torch.zeros((B, Hq, Lq, D), dtype=torch.float32, device=dev)
-        lse = torch.full((B, Hq, Lq), float("-inf"), dtype=torch.float32, device=dev)
-    if tiles == 0 or out.numel() == 0:
+    out = torch.empty((B, Hq, Lq, D), dtype=torch.float32, device=dev)
+    lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=dev)
+    if out.numel() == 0:
         return out, lse
-    splits = num_splits or _num_splits(plan, tiles, Hkv, block_n, dev)
-    if splits > 1:
-        part_out = torch.empty((splits, Hkv, tiles * block_m, D), dtype=torch.float32, device=dev)
-        part_lse = torch.empty((splits, Hkv, tiles * block_m), dtype=torch.float32, device=dev)
-    else:
-        part_out, part_lse = out, lse  # unused placeholders
-    common = (plan.rows, plan.node_row_start)
-    kernels._prefix_fwd_kernel[(tiles, Hkv, splits)](
-        query, key, value, out, lse, part_out, part_lse,
-        *common, plan.node_starts_dev, tile_node, tile_m0,
-        Lq, G, D, splits,
-        float(scale), float(softcap) if softcap is not None else 1.0,
-        *query.stride(), *key.stride(), *value.stride(),
+    config = _prefix_launch_config(query, key, plan, num_splits, block_m, block_n)
+    splits = config[1]
+    if splits == 1:  # states go straight to out / lse
+        launch_prefix(query, key, value, plan, config, out, lse,
+                      (0, out.stride(0), G * out.stride(1), out.stride(1), out.stride(2)),
+                      (0, lse.stride(0), G * lse.stride(1), lse.stride(1), lse.stride(2)),
+                      0, scale=scale, softcap=softcap)
+        return out, lse
+    from . import _prefix_kernel as kernels  # lazy: triton is optional
+
+    m_total = B * Lq * G
+    part_out = torch.empty((splits, Hkv, m_total, D), dtype=torch.float32, device=dev)
+    part_lse = torch.empty((splits, Hkv, m_total), dtype=torch.float32, device=dev)
+    launch_prefix(query, key, value, plan, config, part_out, part_lse,
+                  *partial_strides(part_out, part_lse, Lq, G, D), 0, scale=scale, softcap=softcap)
+    block_d = padded_head_dim(D)
+    block_c = 32 if dev.type == "cuda" else 16
+    kernels._prefix_combine_kernel[(-(-m_total // block_c), Hkv)](
+        out, lse, part_out, part_lse,
+        m_total, Lq, G, D, splits,
         *out.stride()[:3], *lse.stride(),
-        *part_out.stride()[:3], *part_lse.stride()[:2],
-        HAS_SOFTCAP=softcap is not None,
-        SPLIT=splits > 1,
-        INPUT_PRECISION=dot_precision(query.dtype),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        num_warps=num_warps, num_stages=2,
+        part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1),
+        EVEN_D=block_d == D, BLOCK_M=block_c, BLOCK_D=block_d, num_warps=4,
     )
-    if splits > 1:
-        kernels._prefix_combine_kernel[(tiles, Hkv)](
-            out, lse, part_out, part_lse,
-            *common, tile_node, tile_m0,
-            Lq, G, D, splits,
-            *out.stride()[:3], *lse.stride(),
-            *part_out.stride()[:3], *part_lse.stride()[:2],
-            BLOCK_M=block_m, BLOCK_D=block_d, num_warps=4,
-        )
     return out, lse

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from ._backend import check_float_dtype, check_lse, dot_precision, padded_head_dim, resolve_backend
-from .reference import _empty_guard, suffix_attention_ref
+from .reference import suffix_attention_ref
 
 __all__ = ["suffix_attention"]
 
@@ -120,14 +120,14 @@ def _validate(query, key, value, scale, mask, softcap, prefix_out, prefix_lse) -
     return mask
 
 
-def _suffix_config(D: int, m_total: int, device: torch.device) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps). Untuned first cut; the GPU pass replaces it with autotuning."""
+def _suffix_config(D: int, m_total: int, device: torch.device) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a suffix launch with ``m_total = G * Lq`` rows."""
     block_m = min(64, max(16, 1 << max(m_total - 1, 0).bit_length()))  # decode: M = G is small
     if device.type != "cuda":
-        return min(block_m, 32), 32, 4  # interpreter: small tiles keep numpy work per step low
+        return min(block_m, 32), 32, 4, 1  # interpreter: small tiles keep numpy work per step low
     if padded_head_dim(D) >= 256:
-        return block_m, 32, 8
-    return block_m, 64, 4
+        return block_m, 32, 4 if block_m <= 16 else 8, 2
+    return block_m, 64, 4, 3
 
 
 def _suffix_triton(
@@ -146,6 +146,38 @@ def _suffix_triton(
 ) -> tuple[Tensor, Tensor]:
     """Triton launch. ``block_m`` / ``block_n`` override the heuristics (tests)."""
     B, Hq, Lq, D = query.shape
+    S = key.shape[2]
+    G = Hq // key.shape[1]
+    if prefix_out is None:
+        states = None
+    else:  # one merged prefix state [B, Hq, Lq, D] seen as a single state slot
+        po, pl = prefix_out, prefix_lse
+        states = (po, pl, 1,
+                  (0, po.stride(0), G * po.stride(1), po.stride(1), po.stride(2), po.stride(3)),
+                  (0, pl.stride(0), G * pl.stride(1), pl.stride(1), pl.stride(2)))
+    return launch_suffix(query, key, value, scale=scale, mask=mask, causal=causal, softcap=softcap,
+                         states=states, block_m=block_m, block_n=block_n)
+
+
+def launch_suffix(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    *,
+    scale: float,
+    mask: Tensor | None,
+    causal: bool,
+    softcap: float | None,
+    states: tuple | None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Launch the suffix kernel (inputs already validated); ``states`` seeds it with prefix states.
+
+    ``states = (out fp32, lse fp32, num_states, out strides (slot, b, kvh, group, q, d),
+    lse strides (slot, b, kvh, group, q))``: every state slot is merged exactly into the result.
+    """
+    B, Hq, Lq, D = query.shape
     Hkv, S = key.shape[1], key.shape[2]
     G = Hq // Hkv
     dev = query.device
@@ -154,16 +186,16 @@ def _suffix_triton(
     lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=dev)
     if out.numel() == 0:
         return out, lse
-    if S == 0:  # no suffix keys: the result is the prefix state (or empty)
-        if prefix_out is None:
-            return out.zero_(), lse.fill_(float("-inf"))
-        pl = _empty_guard(prefix_lse)
-        out.copy_(torch.where((pl > float("-inf")).unsqueeze(-1), prefix_out, 0.0))
-        return out, lse.copy_(pl)
+    if S == 0 and states is None:  # no keys at all
+        return out.zero_(), lse.fill_(float("-inf"))
 
     from . import _suffix_kernel as kernels  # lazy: triton is optional
 
-    cfg_m, cfg_n, num_warps = _suffix_config(D, G * Lq, dev)
+    if key.stride(-1) != 1:
+        key = key.contiguous()
+    if value.stride(-1) != 1:
+        value = value.contiguous()
+    cfg_m, cfg_n, num_warps, num_stages = _suffix_config(D, G * Lq, dev)
     block_m = block_m or cfg_m
     block_n = block_n or cfg_n
     if mask is not None:
@@ -173,20 +205,24 @@ def _suffix_triton(
     else:
         mask_arg, mask_strides = key, (0, 0, 0)  # unused placeholder pointer
         mode = (kernels.MASK_CAUSAL if causal else kernels.MASK_FULL).value
-    po = prefix_out if prefix_out is not None else out
-    pl = prefix_lse if prefix_lse is not None else lse
+    if states is None:
+        po, pl, n_states, po_strides, pl_strides = out, lse, 0, (0,) * 6, (0,) * 5
+    else:
+        po, pl, n_states, po_strides, pl_strides = states
+    block_d = padded_head_dim(D)
     grid = (-(-(G * Lq) // block_m), Hkv, B)
     kernels._suffix_fwd_kernel[grid](
         query, key, value, mask_arg, po, pl, out, lse,
-        Lq, S, G, D,
+        Lq, S, G, D, n_states,
         float(scale), float(softcap) if softcap is not None else 1.0,
-        *query.stride(), *key.stride(), *value.stride(), *mask_strides,
-        *po.stride(), *pl.stride(), *out.stride(), *lse.stride(),
+        *query.stride(), *key.stride()[:3], *value.stride()[:3], *mask_strides,
+        *po_strides, *pl_strides, *out.stride(), *lse.stride(),
         MASK_MODE=mode,
         HAS_SOFTCAP=softcap is not None,
-        HAS_PREFIX=prefix_out is not None,
+        HAS_PREFIX=states is not None,
+        EVEN_D=block_d == D,
         INPUT_PRECISION=dot_precision(query.dtype),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=padded_head_dim(D),
-        num_warps=num_warps, num_stages=2,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        num_warps=num_warps, num_stages=num_stages,
     )
     return out, lse

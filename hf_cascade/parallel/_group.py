@@ -4,11 +4,13 @@ torch.distributed is the only transport. The group is the default group (the one
 ``accelerate launch`` + ``accelerate.PartialState()`` / ``torch.distributed.init_process_group`` set up)
 unless a sub-group is passed explicitly.
 
-Failure behaviour: every collective and P2P transfer here waits at most the group's timeout
-(``init_process_group(timeout=datetime.timedelta(seconds=...))``, or with Accelerate
-``PartialState(timeout=...)`` / ``InitProcessGroupKwargs(timeout=...)``); gloo raises once it expires or as
-soon as a peer's connection closes, NCCL aborts the communicator when ``TORCH_NCCL_ASYNC_ERROR_HANDLING``
-is on (the default in torch >= 2.2). A rank that dies therefore makes the others fail instead of hanging.
+Failure behaviour: every collective and P2P transfer here waits at most the group's timeout, set where the
+group is created: ``init_process_group(..., timeout=datetime.timedelta(seconds=60))``, or with Accelerate
+``PartialState(timeout=datetime.timedelta(seconds=60))`` / ``Accelerator(kwargs_handlers=[InitProcessGroupKwargs(
+timeout=...)])`` (torch's defaults: 10 min for NCCL, 30 min for gloo). gloo raises once it expires, or as soon as a
+dead peer's connection closes; for NCCL the watchdog aborts the communicator and fails the process when an operation
+exceeds the timeout (``TORCH_NCCL_ASYNC_ERROR_HANDLING``, on by default). A rank that errors or dies therefore makes
+the others fail within the timeout instead of hanging.
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ columns this rank holds out of that mask.
 
 Attention (through the registered ``"cascade"`` attention, see :mod:`hf_cascade.attention`):
 
-* prefill (inside ``context_parallel_inputs``): zigzag ring attention (:func:`~hf_cascade.parallel.ring.ring_attention`);
+* prefill (inside ``context_parallel_inputs``): zigzag ring attention
+  (:func:`~hf_cascade.parallel.ring.ring_attention`);
 * decode: this rank's partial attention (shared-prefix shard merged with its row KV, fp32 LSE), then the exact
   ``combine`` across ranks: ``"tree"``, ``"all_to_all"`` (:mod:`~hf_cascade.parallel.combine`), or the
   ``"all_gather_kv"`` baseline (gathers every rank's KV; for benchmarks).
@@ -28,8 +29,6 @@ collective operation.
 """
 
 from __future__ import annotations
-
-import weakref
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -177,12 +176,12 @@ class ContextParallelCache(Cache):
         self._base_counts = [0] * info.world_size  # prompt / shared-prefix columns owned by each rank
         self._base_length = 0  # columns placed by the prefill (zigzag); later ones are in _segments
         self._segments: list[tuple[int, int, int]] = []  # (start, end, owner rank) of each later forward
+        self._counts = [0] * info.world_size  # keys held by each rank (= rank_token_counts())
         self._prefix_length = 0
         self._prefix_plan = None
         self._prompt_length = 0  # what generate() starts from (see _is_user_defined)
         self._user_defined = False
         self._modules = {id(m) for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int)}
-        self._model_ref = weakref.ref(model)
 
     # ------------------------------------------------------------------ prefill (driven by context_parallel_inputs)
     def begin_ring_prefill(self, layout: ZigzagLayout, key_valid: torch.Tensor | None, *, shared: bool) -> None:
@@ -206,10 +205,11 @@ class ContextParallelCache(Cache):
             layer.keep_columns_below(layout.length)
             layer.length = layout.length
             if shared:  # batch 1 -> [Hkv, P_r, D], stored once; rows get their own KV later
-                layer.prefix_keys, layer.prefix_values = layer.keys[0], layer.values[0]
+                layer.prefix_keys, layer.prefix_values = layer.keys[0].contiguous(), layer.values[0].contiguous()
                 layer.keys = layer.values = layer.cols = None
         self._ring = None
         self._base_counts = [layout.num_real(r) for r in range(layout.world_size)]
+        self._counts = list(self._base_counts)
         self._base_length = layout.length
         self._prefix_length = layout.length if shared else 0
         self._prompt_length = layout.length
@@ -221,10 +221,7 @@ class ContextParallelCache(Cache):
     # ------------------------------------------------------------------ placement of new columns
     def rank_token_counts(self) -> list[int]:
         """Columns (keys) held by every rank, shared prefix included; identical on every rank."""
-        counts = list(self._base_counts)
-        for start, end, owner in self._segments:
-            counts[owner] += end - start
-        return counts
+        return list(self._counts)
 
     def _owner(self, start: int, q_len: int) -> int:
         """Rank that stores columns ``[start, start + q_len)``; the first layer to see them decides."""
@@ -233,9 +230,9 @@ class ContextParallelCache(Cache):
             if self.placement == "round_robin":
                 owner = len(self._segments) % self.info.world_size
             else:
-                counts = self.rank_token_counts()
-                owner = counts.index(min(counts))
+                owner = self._counts.index(min(self._counts))
             self._segments.append((start, start + q_len, owner))
+            self._counts[owner] += q_len
             return owner
         for seg_start, seg_end, owner in reversed(self._segments):
             if seg_start == start and seg_end == start + q_len:
@@ -303,6 +300,9 @@ class ContextParallelCache(Cache):
         for layer in self.layers:
             layer.keep_columns_below(new_length)
         self._segments = [(s, min(e, new_length), o) for s, e, o in self._segments if s < new_length]
+        self._counts = list(self._base_counts)
+        for start, end, owner in self._segments:
+            self._counts[owner] += end - start
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         for layer in self.layers:

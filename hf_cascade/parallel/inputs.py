@@ -19,8 +19,8 @@ identical on all ranks (an all-reduce / all-gather result), so the logits are to
 reproducible samples.
 
 Failures: every attention layer is a collective; if one rank raises or dies, the others fail when the process
-group's timeout expires (gloo also as soon as the dead peer's connection drops; NCCL aborts with
-``TORCH_NCCL_ASYNC_ERROR_HANDLING=1``, the default). Set the timeout where the group is created:
+group's timeout expires (gloo also as soon as the dead peer's connection drops; NCCL's watchdog aborts, on by
+default). Set the timeout where the group is created (torch's defaults: 10 min NCCL, 30 min gloo):
 ``torch.distributed.init_process_group(..., timeout=datetime.timedelta(seconds=60))``, or with Accelerate
 ``PartialState(timeout=datetime.timedelta(seconds=60))`` / ``InitProcessGroupKwargs(timeout=...)``.
 """

@@ -75,9 +75,10 @@ class ZigzagLayout:
         """Global column indices held by ``rank``, padding included: int64 ``[2 * chunk]``, ascending."""
         first, second = self.chunk_ids(rank)
         c = self.chunk
-        return torch.cat(
-            [torch.arange(first * c, (first + 1) * c, device=device), torch.arange(second * c, (second + 1) * c, device=device)]
-        )
+        return torch.cat([
+            torch.arange(first * c, (first + 1) * c, device=device),
+            torch.arange(second * c, (second + 1) * c, device=device),
+        ])
 
     def real_columns(self, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
         """Global column indices of ``rank``'s real (non end-padding) tokens: int64 ``[n_r]``, ascending."""
@@ -97,7 +98,7 @@ class ZigzagLayout:
         return torch.where(chunk_of < self.world_size, chunk_of, self.num_chunks - 1 - chunk_of)
 
     def shard(self, x: torch.Tensor, rank: int, dim: int = 1, pad_value: float | int = 0) -> torch.Tensor:
-        """``rank``'s zigzag shard of ``x`` along ``dim`` (which must have size ``length``), end-padded with ``pad_value``.
+        """``rank``'s zigzag shard of ``x`` along ``dim`` (of size ``length``), end-padded with ``pad_value``.
 
         Args:
             x: any tensor whose ``dim`` axis is the sequence (e.g. ``input_ids [batch, length]``).
