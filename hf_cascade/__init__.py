@@ -18,6 +18,8 @@ __version__ = "0.1.0"
 __all__ = [
     "ATTENTION_NAME",
     "CascadeCache",
+    "ContextParallelCache",
+    "context_parallel_inputs",
     "PrefixTree",
     "find_shared_prefixes",
     "generate_dataset",
@@ -30,8 +32,8 @@ __all__ = [
 
 def __getattr__(name):
     # Context parallelism pulls in torch.distributed machinery; import it on first use.
-    if name == "context_parallel_inputs":
-        from hf_cascade.parallel import context_parallel_inputs
+    if name in ("context_parallel_inputs", "ContextParallelCache"):
+        import hf_cascade.parallel
 
-        return context_parallel_inputs
+        return getattr(hf_cascade.parallel, name)
     raise AttributeError(f"module 'hf_cascade' has no attribute {name!r}")

@@ -1,4 +1,5 @@
-"""Cascade attention ops: shared-prefix pass, per-row suffix pass, exact LSE merge.
+"""Cascade attention ops: shared-prefix pass, per-row suffix pass, exact LSE merge, and
+``cascade_attention`` (all of them in one call: one launch per prefix level + one).
 
 Every op has a Triton kernel (CUDA, or CPU with ``TRITON_INTERPRET=1``) and an fp32 PyTorch path
 (``backend="torch"``, the CPU path). LSE is the natural log, float32, everywhere; an attention
@@ -6,6 +7,7 @@ state over no keys has ``lse = -inf``. Importing this package never imports Trit
 """
 
 from ._backend import triton_available
+from .cascade_attention import cascade_attention
 from .merge import merge_attention_states
 from .prefix_attention import PrefixPlan, plan_shared_prefix, shared_prefix_attention
 from .reference import (
@@ -17,6 +19,7 @@ from .suffix_attention import suffix_attention
 
 __all__ = [
     "PrefixPlan",
+    "cascade_attention",
     "merge_attention_states",
     "merge_attention_states_ref",
     "plan_shared_prefix",
