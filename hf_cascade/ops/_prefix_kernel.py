@@ -85,7 +85,7 @@ def _prefix_fwd_kernel(
             kv_mask = n_ok[:, None]
         else:
             kv_mask = n_ok[:, None] & (d[None, :] < D)
-        k = tl.load(k_ptrs + start.to(tl.int64) * stride_kt, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        k = tl.load(k_ptrs + start * stride_kt, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         # Scores in base 2: s2 = log2(e) * (softcapped) scale * q.k
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
         if HAS_SOFTCAP:
@@ -99,7 +99,7 @@ def _prefix_fwd_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptrs + start.to(tl.int64) * stride_vt, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_ptrs + start * stride_vt, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
         m_i = m_new
 

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from ._backend import check_float_dtype, check_lse, dot_precision, padded_head_dim, resolve_backend
-from .reference import suffix_attention_ref
+from .reference import _empty_guard, suffix_attention_ref
 
 __all__ = ["suffix_attention"]
 
@@ -150,6 +150,11 @@ def _suffix_triton(
     G = Hq // key.shape[1]
     if prefix_out is None:
         states = None
+    elif S == 0:  # no suffix keys: the result is the prefix state, bit for bit
+        out = torch.empty((B, Lq, Hq, D), dtype=query.dtype, device=query.device).transpose(1, 2)
+        pl = _empty_guard(prefix_lse)
+        out.copy_(torch.where((pl > float("-inf")).unsqueeze(-1), prefix_out, 0.0))
+        return out, pl
     else:  # one merged prefix state [B, Hq, Lq, D] seen as a single state slot
         po, pl = prefix_out, prefix_lse
         states = (po, pl, 1,

@@ -1,0 +1,134 @@
+"""cascade_attention (prefix levels + suffix in L + 1 launches) against float64 attention per row.
+
+Each row attends, per level, all keys of its node at that level (none when its node is -1 or
+empty), then its own suffix keys under the causal / bool mask. The float64 check concatenates
+those keys per row and runs plain softmax attention. Triton cases run under TRITON_INTERPRET=1
+(CI) or on CUDA; bf16 is in tests/test_ops_gpu.py.
+"""
+
+import os
+
+import pytest
+import torch
+
+from hf_cascade.ops import cascade_attention, plan_shared_prefix, triton_available
+
+CUDA = torch.cuda.is_available()
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+DEVICE = "cuda" if CUDA and not INTERPRET else "cpu"
+TRITON_OK = triton_available() and (CUDA or INTERPRET)
+needs_triton = pytest.mark.skipif(
+    not TRITON_OK, reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (and triton installed)"
+)
+BACKENDS = ["torch", pytest.param("triton", marks=needs_triton)]
+NEG_INF = float("-inf")
+
+
+def make_level(hkv, d, dtype, lens, row_node):
+    starts = torch.tensor([0, *torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int64)
+    T = int(starts[-1])
+    k = torch.randn(hkv, T, d, device=DEVICE).to(dtype)
+    v = torch.randn(hkv, T, d, device=DEVICE).to(dtype)
+    rows = torch.tensor(row_node, dtype=torch.int64)
+    return k, v, rows, starts
+
+
+def cascade_f64(q, ks, vs, levels, scale, visible):
+    """Per row: keys of its node at every level (seen by every query), then its masked suffix."""
+    B, Hq, Lq, D = q.shape
+    g = Hq // ks.shape[1]
+    out = torch.zeros(B, Hq, Lq, D, dtype=torch.float64)
+    lse = torch.full((B, Hq, Lq), NEG_INF, dtype=torch.float64)
+    for b in range(B):
+        kk, vv, vis = [], [], []
+        for k, v, rows, starts in levels:
+            n = int(rows[b])
+            if n >= 0:
+                a, e = int(starts[n]), int(starts[n + 1])
+                kk.append(k[:, a:e])
+                vv.append(v[:, a:e])
+                vis.append(torch.ones(Lq, e - a, dtype=torch.bool))
+        kk.append(ks[b])
+        vv.append(vs[b])
+        vis.append(visible[b].cpu())
+        kk = torch.cat(kk, 1).double().cpu().repeat_interleave(g, 0)
+        vv = torch.cat(vv, 1).double().cpu().repeat_interleave(g, 0)
+        s = (q[b].double().cpu() @ kk.transpose(1, 2) * scale).masked_fill(~torch.cat(vis, 1)[None], NEG_INF)
+        row_lse = torch.logsumexp(s, -1)
+        p = torch.exp(s - torch.where(torch.isneginf(row_lse), 0.0, row_lse)[..., None])
+        out[b] = p @ vv
+        lse[b] = row_lse
+    return out, lse
+
+
+def check(out, lse, q, exp_out, exp_lse):
+    assert out.dtype == q.dtype and lse.dtype == torch.float32
+    tol = 2e-5 if q.dtype == torch.float32 else 2e-3  # fp16: P rounded before the PV product
+    torch.testing.assert_close(out.double().cpu(), exp_out, atol=tol, rtol=tol)
+    assert torch.equal(torch.isneginf(lse).cpu(), torch.isneginf(exp_lse)), "-inf pattern differs"
+    fin = torch.isfinite(exp_lse)
+    torch.testing.assert_close(lse.double().cpu()[fin], exp_lse[fin], atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("lq,masked", [(1, False), (5, False), (5, True)], ids=["decode", "causal", "mask"])
+def test_cascade_two_levels_matches_float64(backend, dtype, lq, masked):
+    B, hq, hkv, d, S = 5, 6, 2, 64, 9
+    # Level 0: one shared prompt for rows 0-3, row 4 has none. Level 1: three nodes, one empty
+    # (row 2), non-adjacent rows on node 2, and 300 keys so that the KV splits are exercised.
+    levels = [make_level(hkv, d, dtype, (70,), (0, 0, 0, 0, -1)),
+              make_level(hkv, d, dtype, (300, 0, 33), (2, 0, 1, 2, 0))]
+    q = torch.randn(B, hq, lq, d, device=DEVICE).to(dtype)
+    ks = torch.randn(B, hkv, S, d, device=DEVICE).to(dtype)
+    vs = torch.randn(B, hkv, S, d, device=DEVICE).to(dtype)
+    i, j = torch.arange(lq)[:, None], torch.arange(S)[None, :]
+    visible = (j <= S - lq + i).expand(B, lq, S).clone()
+    mask = None
+    if masked:  # left padding; row 4 sees no suffix key and has no prefix at level 0
+        visible &= (torch.arange(S) >= torch.tensor([0, 2, 4, 0, S])[:, None])[:, None, :]
+        mask = visible.to(DEVICE)
+    prefixes = [(k, v, plan_shared_prefix(rows, starts, device=DEVICE)) for k, v, rows, starts in levels]
+    out, lse = cascade_attention(q, ks, vs, prefixes, scale=0.125, mask=mask, causal=True, backend=backend)
+    if backend == "triton":
+        assert out.transpose(1, 2).is_contiguous()  # transformers' layout is free
+    check(out, lse, q, *cascade_f64(q, ks, vs, levels, 0.125, visible))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cascade_no_suffix_keys_and_no_prefix_rows(backend):
+    """S = 0: the result is the prefix state; a row with no keys anywhere gets out 0, lse -inf."""
+    B, hq, hkv, d = 3, 4, 2, 64
+    k, v, rows, starts = make_level(hkv, d, torch.float32, (40,), (0, -1, 0))
+    q = torch.randn(B, hq, 1, d, device=DEVICE)
+    ks = torch.zeros(B, hkv, 0, d, device=DEVICE)
+    plan = plan_shared_prefix(rows, starts, device=DEVICE)
+    out, lse = cascade_attention(q, ks, ks, [(k, v, plan)], scale=0.125, backend=backend)
+    exp_out, exp_lse = cascade_f64(q, ks, ks, [(k, v, rows, starts)], 0.125, torch.ones(B, 1, 0, dtype=torch.bool))
+    check(out, lse, q, exp_out, exp_lse)
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()
+
+
+@needs_triton
+def test_cascade_plan_reuse_is_deterministic():
+    """The cached launch schedule gives the same bits on every call (no state left between calls)."""
+    k, v, rows, starts = make_level(2, 64, torch.float32, (129, 7), (1, 0, 0, 1))
+    plan = plan_shared_prefix(rows, starts, device=DEVICE)
+    q = torch.randn(4, 4, 1, 64, device=DEVICE)
+    ks = torch.randn(4, 2, 3, 64, device=DEVICE)
+    first = cascade_attention(q, ks, ks, [(k, v, plan)], scale=0.1, backend="triton")
+    again = cascade_attention(q, ks, ks, [(k, v, plan)], scale=0.1, backend="triton")
+    assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+
+
+def test_cascade_rejects_bad_inputs():
+    k, v, rows, starts = make_level(2, 64, torch.float32, (10,), (0, 0))
+    plan = plan_shared_prefix(rows, starts, device=DEVICE)
+    q = torch.randn(2, 4, 1, 64, device=DEVICE)
+    ks = torch.randn(2, 2, 3, 64, device=DEVICE)
+    with pytest.raises(ValueError, match="prefix key heads"):
+        cascade_attention(q, ks, ks, [(k[:1], v[:1], plan)], scale=0.1)
+    with pytest.raises(ValueError, match="PrefixPlan"):
+        cascade_attention(q, ks, ks, [(k, v, None)], scale=0.1)
+    with pytest.raises(ValueError, match="plan"):
+        cascade_attention(q, ks, ks, [(k, v, plan_shared_prefix(rows[:1], starts, device=DEVICE))], scale=0.1)
