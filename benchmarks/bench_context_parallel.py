@@ -51,6 +51,8 @@ def parse_args():
     p.add_argument("--reps", type=int, default=3, help="repetitions of each prefill <= 128K (median reported)")
     p.add_argument("--max-1gpu-tokens", type=int, default=262144, help="longer 1-GPU prefills are extrapolated")
     p.add_argument("--layers", type=int, default=32, help="decoder layers (32 in Llama-3-8B)")
+    p.add_argument("--max-tokens-per-gpu", type=int, default=None,
+                   help="skip (GPUs, length) points above this many prompt tokens per GPU (saves time on big grids)")
     p.add_argument("--skip-check", action="store_true")
     p.add_argument("--tiny", action="store_true", help="CPU/gloo smoke test with a tiny model")
     p.add_argument("--phases", default="check,prefill,decode", help="subset of check,prefill,decode to run")
@@ -233,7 +235,7 @@ def bench_prefill(args, model, groups, lengths, record):
             if out_of_time(args):
                 record(dict(kind="prefill", gpus=n, tokens=length, skipped="time budget"))
                 continue
-            if n == 1 and length > args.max_1gpu_tokens:
+            if (n == 1 and length > args.max_1gpu_tokens) or too_many_per_gpu(args, length, n):
                 continue
             if group is None:
                 dist.barrier()
@@ -295,6 +297,11 @@ def _no_combine(out, lse, info, combine):
     return out, lse
 
 
+def too_many_per_gpu(args, tokens, gpus):
+    """Whether --max-tokens-per-gpu rules this point out (the same answer on every rank: no barrier needed)."""
+    return args.max_tokens_per_gpu is not None and tokens > args.max_tokens_per_gpu * gpus
+
+
 def bench_decode(args, model, groups, contexts, record):
     steps = args.decode_steps
     for context in contexts:
@@ -302,6 +309,8 @@ def bench_decode(args, model, groups, contexts, record):
         for n, group in groups.items():
             if out_of_time(args):
                 record(dict(kind="decode", gpus=n, context=context, skipped="time budget"))
+                continue
+            if too_many_per_gpu(args, context, n):
                 continue
             if group is None or (n == 1 and context > args.max_1gpu_tokens):
                 dist.barrier()
@@ -398,10 +407,11 @@ def main():
     if check:
         check_bf16(args, model, groups, recorder)
     with torch.no_grad():
-        if "prefill" in phases:
-            bench_prefill(args, model, groups, lengths, recorder)
-        if "decode" in phases:
-            bench_decode(args, model, groups, contexts, recorder)
+        for phase in args.phases.split(","):  # in the order given: the first phases get the time budget first
+            if phase == "prefill":
+                bench_prefill(args, model, groups, lengths, recorder)
+            elif phase == "decode":
+                bench_decode(args, model, groups, contexts, recorder)
     capacity = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 0.0
     if capacity:
         estimate_longest([r for r in records if r.get("kind") == "prefill"], capacity, recorder)

@@ -1,21 +1,28 @@
 """One decode step of attention: cascade kernels vs SDPA over per-row (replicated) KV, on the GPU.
 
 For each (heads, B, P, S): every row has one new query token, a P-token prefix shared by all rows and its own
-S-token suffix. Cascade = shared-prefix pass (prefix stored once) + suffix pass with the merge fused. The peer is
-``torch.nn.functional.scaled_dot_product_attention`` on KV replicated per row ``[B, Hkv, P + S, D]`` (what
-transformers' sdpa path reads). Each point is checked against an fp32 reference before it is timed.
+S-token suffix. Cascade = ``hf_cascade.ops.cascade_attention`` (shared-prefix kernel + suffix kernel with the KV-split
+combine and the prefix merge fused: 2 launches). The peer is ``torch.nn.functional.scaled_dot_product_attention`` on
+KV replicated per row ``[B, Hkv, P + S, D]`` (what transformers' sdpa path reads). Each point is checked against a
+float64 reference before it is timed.
+
+Timing: device time from CUDA-graph replays (launch gaps drop out; in a decode step the launches overlap earlier
+layers' work), cycling over enough copies of the inputs that they do not sit in the 50 MB L2 between calls (a real
+decode step streams every layer's weights through L2 in between). ``eager ms`` is one plain Python call.
 
 Reported: median ms (p20/p80), achieved GB/s on *unique* bytes (prefix once + suffixes + q + out), that as a % of
 the device-to-device copy bandwidth measured in the same run, and the speedup over SDPA.
 
     python benchmarks/bench_kernels.py               # the issue's grid
     python benchmarks/bench_kernels.py --quick       # a few points
+    python benchmarks/bench_kernels.py --tune        # sweep kernel configs / KV splits per shape (NOTES.md)
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import os
 import sys
 
@@ -25,13 +32,13 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import ResultWriter, copy_bandwidth_gbs, cuda_graph_time, cuda_time  # noqa: E402
+from common import ResultWriter, copy_bandwidth_gbs  # noqa: E402
 
-from hf_cascade.ops.prefix_attention import plan_shared_prefix, shared_prefix_attention  # noqa: E402
-from hf_cascade.ops.suffix_attention import suffix_attention  # noqa: E402
+from hf_cascade.ops import cascade_attention, plan_shared_prefix  # noqa: E402
 
 D = 128
 DTYPE = torch.bfloat16
+ROTATE_BYTES = 160e6  # cycle over input copies totalling at least this (> 3x the H100's 50 MB L2)
 
 
 def unique_bytes(b, hq, hkv, p, s):
@@ -43,29 +50,251 @@ def replicated_bytes(b, hq, hkv, p, s):
     return 2 * hkv * D * 2 * b * (p + s) + 2 * b * hq * D * 2
 
 
-def setup(b, hq, hkv, p, s):
-    g = torch.Generator(device="cuda").manual_seed(b * 7 + p + s)
-    rnd = lambda *shape: torch.randn(*shape, device="cuda", dtype=DTYPE, generator=g)  # noqa: E731
-    q = rnd(b, hq, 1, D)
-    kp, vp = rnd(hkv, p, D), rnd(hkv, p, D)
-    ks, vs = rnd(b, hkv, s, D), rnd(b, hkv, s, D)
-    return q, kp, vp, ks, vs
+def copies_for(nbytes):
+    """How many input copies to cycle over so that one pass does not fit in L2."""
+    return max(1, min(8, math.ceil(ROTATE_BYTES / max(nbytes, 1))))
 
 
-def cascade_step(q, kp, vp, ks, vs, plan):
-    scale = D**-0.5
-    po, pl = shared_prefix_attention(q, kp, vp, plan.rows, plan.node_starts_dev, scale=scale, plan=plan)
-    out, _ = suffix_attention(q, ks, vs, scale=scale, causal=False, prefix_out=po, prefix_lse=pl)
-    return out
+def _stats(times):
+    times = sorted(times)
+    pick = lambda q: times[min(len(times) - 1, int(q * len(times)))]  # noqa: E731
+    return {"ms": pick(0.5), "ms_p20": pick(0.2), "ms_p80": pick(0.8)}
+
+
+def graph_time(calls, *, repeat=20, target_ms=3.0):
+    """Median / p20 / p80 device ms per call of ``calls`` (callables cycled in order) from CUDA-graph replays."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for fn in calls:  # warm-up: compile, allocator pools
+            fn()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        for fn in calls:
+            fn()
+        end.record(stream)
+    end.synchronize()
+    est = max(start.elapsed_time(end) / len(calls), 1e-3)
+    per_sample = len(calls) * max(1, min(200 // len(calls), round(target_ms / est / len(calls))))
+    with torch.cuda.stream(stream):
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            for i in range(per_sample):
+                calls[i % len(calls)]()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / per_sample)
+    del graph
+    return _stats(times)
+
+
+def eager_time(calls, *, repeat=20):
+    """Median ms of one plain (Python, eager) call, cycling over ``calls``; includes launch overhead."""
+    for fn in calls:
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for i in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        calls[i % len(calls)]()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return _stats(times)
+
+
+def rnd(*shape, gen):
+    return torch.randn(*shape, device="cuda", dtype=DTYPE, generator=gen)
 
 
 def reference(q, kp, vp, ks, vs, rows=4):
-    """fp32 attention of the first ``rows`` rows over [prefix | suffix] (float64 softmax)."""
+    """float64 attention of the first ``rows`` rows over [prefix | suffix]."""
     b = min(rows, q.shape[0])
     g = q.shape[1] // kp.shape[0]
     k = torch.cat([kp.expand(b, -1, -1, -1), ks[:b]], dim=2).double().repeat_interleave(g, dim=1)
     v = torch.cat([vp.expand(b, -1, -1, -1), vs[:b]], dim=2).double().repeat_interleave(g, dim=1)
     return F.scaled_dot_product_attention(q[:b].double(), k, v, scale=D**-0.5).float()
+
+
+def bench_point(writer, copy_gbs, heads, b, p, s, repeat):
+    hq, hkv = (int(x) for x in heads.split("/"))
+    gen = torch.Generator(device="cuda").manual_seed(b * 7 + p + s)
+    ub = unique_bytes(b, hq, hkv, p, s)
+    n = copies_for(ub)
+    q = rnd(b, hq, 1, D, gen=gen)
+    sets = [(rnd(hkv, p, D, gen=gen), rnd(hkv, p, D, gen=gen), rnd(b, hkv, s, D, gen=gen), rnd(b, hkv, s, D, gen=gen))
+            for _ in range(n)]
+    plan = plan_shared_prefix(torch.zeros(b, dtype=torch.int64), torch.tensor([0, p]), device=q.device)
+    scale = D**-0.5
+
+    def step(kp, vp, ks, vs):
+        return cascade_attention(q, ks, vs, [(kp, vp, plan)], scale=scale, causal=False)[0]
+
+    calls = [lambda st=st: step(*st) for st in sets]
+    out = step(*sets[0])
+    ref = reference(q, *sets[0])
+    err = ((out[: ref.shape[0]].float() - ref).norm() / ref.norm()).item()
+    bf16_err = ((ref.to(DTYPE).float() - ref).norm() / ref.norm()).item()
+    record = dict(bench="decode_step", op="cascade_attention", heads=heads, batch=b, prefix=p, suffix=s, head_dim=D,
+                  dtype="bf16", input_copies=n)
+    record.update(rel_err=err, rel_err_bf16_rounding=bf16_err, check_ok=err <= 2 * bf16_err + 1e-3)
+    record.update({f"cascade_eager_{k}": v for k, v in eager_time(calls, repeat=repeat).items()})
+    t = graph_time(calls, repeat=repeat)
+    record.update({f"cascade_{k}": v for k, v in t.items()})
+    record["unique_bytes"] = ub
+    record["unique_gbs"] = ub / (t["ms"] * 1e-3) / 1e9
+    record["pct_of_copy"] = 100 * record["unique_gbs"] / copy_gbs
+    record["unique_roofline_ms"] = ub / (copy_gbs * 1e9) * 1e3
+    # Peer: SDPA over per-row KV (skipped when it would not fit comfortably).
+    rb = replicated_bytes(b, hq, hkv, p, s)
+    n_sdpa = copies_for(rb)
+    if rb * n_sdpa < 0.5 * torch.cuda.mem_get_info()[0]:
+        peers = []
+        for kp, vp, ks, vs in sets[:n_sdpa]:
+            peers.append((torch.cat([kp.expand(b, -1, -1, -1), ks], dim=2), torch.cat([vp.expand(b, -1, -1, -1), vs], dim=2)))
+        while len(peers) < n_sdpa:  # same data, other buffers: still out of L2
+            peers.append((peers[0][0].clone(), peers[0][1].clone()))
+        sd_calls = [lambda k=k, v=v: F.scaled_dot_product_attention(q, k, v, enable_gqa=hq != hkv) for k, v in peers]
+        sd = graph_time(sd_calls, repeat=repeat)
+        record.update({f"sdpa_{k_}": v_ for k_, v_ in sd.items()})
+        record["sdpa_input_copies"] = n_sdpa
+        record["speedup_vs_sdpa"] = sd["ms"] / t["ms"]
+        del peers, sd_calls
+    else:
+        record["sdpa_status"] = "skipped: replicated KV would not fit"
+    writer.write(record)
+    del q, sets, calls
+    torch.cuda.empty_cache()
+    return record
+
+
+def run_grid(args):
+    writer = ResultWriter("kernels.jsonl", args.output)
+    copy_gbs = copy_bandwidth_gbs()
+    print(f"{torch.cuda.get_device_name()}: device-to-device copy {copy_gbs:.0f} GB/s", flush=True)
+    writer.write({"bench": "copy_bandwidth", "gbs": copy_gbs})
+    header = (f"{'H':>6} {'B':>4} {'P':>6} {'S':>5} {'eager ms':>8} {'cascade ms':>10} {'floor ms':>8} {'GB/s':>6} "
+              f"{'%copy':>6} {'sdpa ms':>8} {'speedup':>7} {'err':>8}")
+    print(header, flush=True)
+    rows = []
+    for heads, b, p, s in itertools.product(args.heads, args.batches, args.prefixes, args.suffixes):
+        r = bench_point(writer, copy_gbs, heads, b, p, s, args.repeat)
+        rows.append(r)
+        sd_ms = r.get("sdpa_ms")
+        sd_txt = f"{sd_ms:.4f}" if sd_ms else "-"
+        speedup_txt = f"{r['speedup_vs_sdpa']:.1f}x" if sd_ms else "-"
+        line = (f"{heads:>6} {b:>4} {p:>6} {s:>5} {r['cascade_eager_ms']:>8.4f} {r['cascade_ms']:>10.4f} "
+                f"{r['unique_roofline_ms']:>8.4f} {r['unique_gbs']:>6.0f} {r['pct_of_copy']:>6.1f} "
+                f"{sd_txt:>8} {speedup_txt:>7} {r['rel_err']:>8.1e}{'' if r['check_ok'] else ' FAIL'}")
+        print(line, flush=True)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------- tuning sweep
+PREFIX_CFGS = {  # BLOCK_M -> [(BLOCK_N, num_warps, num_stages)]
+    16: [(64, 4, 3), (64, 4, 4), (128, 4, 3), (32, 4, 4)],
+    32: [(64, 4, 3), (64, 4, 4), (128, 4, 3), (32, 4, 4)],
+    64: [(64, 4, 3), (64, 4, 2), (128, 4, 2), (64, 4, 4), (32, 4, 4)],
+    128: [(64, 8, 3), (64, 8, 2), (128, 8, 2), (32, 8, 4)],
+}
+SUFFIX_CFGS = [(64, 4, 3), (64, 4, 2), (128, 4, 2), (128, 4, 3), (32, 4, 4), (64, 2, 3)]
+
+
+def tune(args):
+    """Time the prefix kernel (partials out) and the suffix kernel (8 prefix states in) per config and split."""
+    from hf_cascade.ops.prefix_attention import _prefix_launch_config, launch_prefix, partial_strides
+    from hf_cascade.ops.suffix_attention import launch_suffix
+
+    writer = ResultWriter("kernels_tune.jsonl", args.output)
+    copy_gbs = copy_bandwidth_gbs()
+    print(f"{torch.cuda.get_device_name()}: copy {copy_gbs:.0f} GB/s", flush=True)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    scale = D**-0.5
+    summary = []
+    for heads, b, p in itertools.product(args.heads, args.batches, args.prefixes):
+        hq, hkv = (int(x) for x in heads.split("/"))
+        g = hq // hkv
+        kv_bytes = 2 * hkv * p * D * 2
+        n = copies_for(kv_bytes)
+        q = rnd(b, hq, 1, D, gen=gen)
+        kvs = [(rnd(hkv, p, D, gen=gen), rnd(hkv, p, D, gen=gen)) for _ in range(n)]
+        plan = plan_shared_prefix(torch.zeros(b, dtype=torch.int64), torch.tensor([0, p]), device=q.device)
+        heur = _prefix_launch_config(q, kvs[0][0], plan, None, None, None)
+        bm_auto = min(128, max(16, 1 << (b * g - 1).bit_length()))
+        results = []
+        for bm in sorted({bm_auto, min(bm_auto, 64)}):
+            sched = plan.schedule(g, bm)
+            for bn, w, st in PREFIX_CFGS[bm]:
+                for ns in (1, 2, 4, 8, 16, 32, 64):
+                    if p // ns < 128 or sched.num_tiles * hkv * ns > 4096:
+                        continue
+                    po = torch.empty((ns, hkv, b * g, D), dtype=torch.float32, device="cuda")
+                    pl = torch.empty((ns, hkv, b * g), dtype=torch.float32, device="cuda")
+                    strides = partial_strides(po, pl, 1, g, D)
+                    cfg = (sched, ns, bm, bn, w, st)
+                    calls = [lambda k=k, v=v, cfg=cfg, po=po, pl=pl, strides=strides: launch_prefix(
+                        q, k, v, plan, cfg, po, pl, *strides, 0, scale=scale, softcap=None) for k, v in kvs]
+                    try:
+                        t = graph_time(calls, repeat=10, target_ms=1.5)["ms"]
+                    except Exception as e:  # a config that does not compile / fit: note and go on
+                        print(f"  skip bm={bm} bn={bn} w={w} st={st}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                        break
+                    results.append((t, bm, bn, w, st, ns))
+                    writer.write(dict(bench="tune_prefix", heads=heads, batch=b, prefix=p, block_m=bm, block_n=bn,
+                                      num_warps=w, num_stages=st, splits=ns, ms=t,
+                                      kv_gbs=kv_bytes / (t * 1e-3) / 1e9))
+        results.sort()
+        h = next((r for r in results if r[1:] == tuple(heur[2:]) + (heur[1],)), None)
+        floor = kv_bytes / (copy_gbs * 1e9) * 1e3
+        best = results[0]
+        line = (f"prefix {heads:>5} B={b:<4} P={p:<6} floor {floor:.4f}  best {best[0]:.4f} ms "
+                f"(bm={best[1]} bn={best[2]} w={best[3]} st={best[4]} ns={best[5]}, {100 * floor / best[0]:.0f}% copy)  "
+                f"heuristic {h[0] if h else float('nan'):.4f} (ns={heur[1]})  next: "
+                + "; ".join(f"{r[0]:.4f} bm{r[1]} bn{r[2]} w{r[3]} st{r[4]} ns{r[5]}" for r in results[1:4]))
+        print(line, flush=True)
+        summary.append(line)
+        del q, kvs
+        torch.cuda.empty_cache()
+    # Suffix kernel: decode rows, 8 prefix state slots seeded in the prologue.
+    for heads, b, s in itertools.product(args.heads, args.batches, args.suffixes):
+        hq, hkv = (int(x) for x in heads.split("/"))
+        g = hq // hkv
+        kv_bytes = 2 * b * hkv * s * D * 2
+        n = copies_for(kv_bytes)
+        q = rnd(b, hq, 1, D, gen=gen)
+        kvs = [(rnd(b, hkv, s, D, gen=gen), rnd(b, hkv, s, D, gen=gen)) for _ in range(n)]
+        ns = 8
+        po = torch.randn((ns, hkv, b * g, D), dtype=torch.float32, device="cuda")
+        pl = torch.randn((ns, hkv, b * g), dtype=torch.float32, device="cuda")
+        o_str, l_str = partial_strides(po, pl, 1, g, D)
+        states = (po, pl, ns, (*o_str, 1), l_str)
+        results = []
+        for bn, w, st in SUFFIX_CFGS:
+            calls = [lambda k=k, v=v, bn=bn, w=w, st=st: launch_suffix(
+                q, k, v, scale=scale, mask=None, causal=True, softcap=None, states=states, block_n=bn,
+                num_warps=w, num_stages=st) for k, v in kvs]
+            t = graph_time(calls, repeat=10, target_ms=1.5)["ms"]
+            results.append((t, bn, w, st))
+            writer.write(dict(bench="tune_suffix", heads=heads, batch=b, suffix=s, block_n=bn, num_warps=w,
+                              num_stages=st, prefix_states=ns, ms=t, kv_gbs=kv_bytes / (t * 1e-3) / 1e9))
+        results.sort()
+        floor = (kv_bytes + ns * hkv * b * g * D * 4) / (copy_gbs * 1e9) * 1e3
+        line = (f"suffix {heads:>5} B={b:<4} S={s:<5} floor {floor:.4f}  "
+                + "; ".join(f"{r[0]:.4f} bn{r[1]} w{r[2]} st{r[3]}" for r in results))
+        print(line, flush=True)
+        summary.append(line)
+        del q, kvs
+        torch.cuda.empty_cache()
+    print("\n".join(["", "== tune summary =="] + summary), flush=True)
 
 
 def main(argv=None):
@@ -75,63 +304,18 @@ def main(argv=None):
     parser.add_argument("--suffixes", type=int, nargs="+", default=[128, 1024])
     parser.add_argument("--heads", nargs="+", default=["32/8", "32/32"], help="q_heads/kv_heads")
     parser.add_argument("--quick", action="store_true", help="B in {8, 64}, P in {4K, 16K}, S=256, GQA only")
-    parser.add_argument("--repeat", type=int, default=30)
+    parser.add_argument("--tune", action="store_true", help="sweep kernel configs and KV splits (see NOTES.md)")
+    parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
-    if args.quick:
-        args.batches, args.prefixes, args.suffixes, args.heads = [8, 64], [4096, 16384], [256], ["32/8"]
     if not torch.cuda.is_available():
         raise SystemExit("bench_kernels.py needs a CUDA GPU.")
-
-    writer = ResultWriter("kernels.jsonl", args.output)
-    copy_gbs = copy_bandwidth_gbs()
-    print(f"{torch.cuda.get_device_name()}: device-to-device copy {copy_gbs:.0f} GB/s", flush=True)
-    writer.write({"bench": "copy_bandwidth", "gbs": copy_gbs})
-    free_bytes = torch.cuda.mem_get_info()[0]
-    header = f"{'H':>6} {'B':>4} {'P':>6} {'S':>5} {'eager ms':>8} {'cascade ms':>10} {'GB/s':>6} {'%copy':>6} {'sdpa ms':>8} {'speedup':>7} {'err':>8}"
-    print(header, flush=True)
-    for heads, b, p, s in itertools.product(args.heads, args.batches, args.prefixes, args.suffixes):
-        hq, hkv = (int(x) for x in heads.split("/"))
-        q, kp, vp, ks, vs = setup(b, hq, hkv, p, s)
-        plan = plan_shared_prefix(torch.zeros(b, dtype=torch.int64), torch.tensor([0, p]), device=q.device)
-        # verify
-        out = cascade_step(q, kp, vp, ks, vs, plan)
-        ref = reference(q, kp, vp, ks, vs)
-        err = ((out[: ref.shape[0]].float() - ref).norm() / ref.norm()).item()
-        bf16_err = ((ref.to(DTYPE).float() - ref).norm() / ref.norm()).item()
-        record = dict(bench="decode_step", heads=heads, batch=b, prefix=p, suffix=s, head_dim=D, dtype="bf16")
-        record.update(rel_err=err, rel_err_bf16_rounding=bf16_err, check_ok=err <= 2 * bf16_err + 1e-3)
-        eager = cuda_time(lambda: cascade_step(q, kp, vp, ks, vs, plan), repeat=args.repeat)
-        record.update({f"cascade_eager_{k}": v for k, v in eager.items()})
-        # Device time from CUDA-graph replays: in a decode step the launches overlap earlier layers' work.
-        t = cuda_graph_time(lambda: cascade_step(q, kp, vp, ks, vs, plan), repeat=args.repeat)
-        record.update({f"cascade_{k}": v for k, v in t.items()})
-        ub = unique_bytes(b, hq, hkv, p, s)
-        record["unique_gbs"] = ub / (t["ms"] * 1e-3) / 1e9
-        record["pct_of_copy"] = 100 * record["unique_gbs"] / copy_gbs
-        record["unique_roofline_ms"] = ub / (copy_gbs * 1e9) * 1e3
-        # peer: SDPA over per-row KV (skipped when it would not fit comfortably)
-        if replicated_bytes(b, hq, hkv, p, s) < 0.6 * free_bytes:
-            k = torch.cat([kp.expand(b, -1, -1, -1), ks], dim=2)
-            v = torch.cat([vp.expand(b, -1, -1, -1), vs], dim=2)
-            sd = cuda_graph_time(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=hq != hkv), repeat=args.repeat)
-            record.update({f"sdpa_{k_}": v_ for k_, v_ in sd.items()})
-            record["speedup_vs_sdpa"] = sd["ms"] / t["ms"]
-            del k, v
-        else:
-            record["sdpa_status"] = "skipped: replicated KV would not fit"
-        writer.write(record)
-        sd_ms = record.get("sdpa_ms")
-        sd_txt = f"{sd_ms:.4f}" if sd_ms else "-"
-        speedup_txt = f"{record['speedup_vs_sdpa']:.1f}x" if sd_ms else "-"
-        print(
-            f"{heads:>6} {b:>4} {p:>6} {s:>5} {eager['ms']:>8.4f} {t['ms']:>10.4f} {record['unique_gbs']:>6.0f} {record['pct_of_copy']:>6.1f} "
-            f"{sd_txt:>8} {speedup_txt:>7} "
-            f"{err:>8.1e}{'' if record['check_ok'] else ' FAIL'}",
-            flush=True,
-        )
-        del q, kp, vp, ks, vs
-        torch.cuda.empty_cache()
+    if args.quick:
+        args.batches, args.prefixes, args.suffixes, args.heads = [8, 64], [4096, 16384], [256], ["32/8"]
+    if args.tune:
+        tune(args)
+    else:
+        run_grid(args)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from hf_cascade.ops import (
+    cascade_attention,
     merge_attention_states,
     merge_attention_states_ref,
     plan_shared_prefix,
@@ -149,3 +150,58 @@ def test_gpu_fused_cascade_matches_plain_attention_bf16():
     v_full = torch.cat([vp.expand(B, -1, -1, -1), vs], 2)
     ref, _ = suffix_attention_ref(q, k_full, v_full, scale=d ** -0.5)  # causal bottom-right
     assert_within_rounding(out, ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_cascade_random_levels(seed, dtype):
+    """cascade_attention (L + 1 launches, split combine fused into the suffix kernel) == the three ops composed."""
+    rng = random.Random(200 + seed)
+    hq, hkv = rng.choice(HEADS)
+    d = rng.choice([64, 96, 128, 128, 256])
+    B = rng.choice([1, 3, 16, 64])
+    lq = rng.choice([1, 1, 1, 9])
+    S = lq + rng.choice([0, 5, 130])
+    gen = torch.Generator("cuda").manual_seed(seed)
+    rnd = lambda *shape: torch.randn(*shape, device="cuda", generator=gen).to(dtype)  # noqa: E731
+    q, ks, vs = rnd(B, hq, lq, d), rnd(B, hkv, S, d), rnd(B, hkv, S, d)
+    prefixes = []
+    for _ in range(rng.randint(1, 3)):
+        lens = [rng.choice([0, 1, 100, 1000, 5000]) for _ in range(rng.randint(1, 3))]
+        row_node = torch.tensor([rng.randrange(-1, len(lens)) for _ in range(B)])
+        starts = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
+        k, v = rnd(hkv, int(starts[-1]), d), rnd(hkv, int(starts[-1]), d)
+        prefixes.append((k, v, plan_shared_prefix(row_node, starts, device="cuda"), row_node, starts))
+    scale = d ** -0.5
+    out, lse = cascade_attention(q, ks, vs, [p[:3] for p in prefixes], scale=scale)  # auto -> triton
+    ref_out = ref_lse = None
+    for k, v, _, row_node, starts in prefixes:
+        o, l_ = shared_prefix_attention_ref(q, k, v, row_node, starts, scale=scale)
+        ref_out, ref_lse = (o, l_) if ref_out is None else merge_attention_states_ref(ref_out, ref_lse, o, l_)
+    ref_out, ref_lse = suffix_attention_ref(q, ks, vs, scale=scale, prefix_out=ref_out, prefix_lse=ref_lse)
+    assert out.dtype == dtype and out.transpose(1, 2).is_contiguous()
+    assert_within_rounding(out, ref_out, dtype)
+    assert_lse_close(lse, ref_lse, atol=1e-3)
+
+
+def test_gpu_cascade_under_cuda_graph_is_repeatable():
+    """Replaying a captured decode step gives the eager result, bit for bit (no state kept between calls)."""
+    B, hq, hkv, d, P, S = 32, 32, 8, 128, 4096, 64
+    q = torch.randn(B, hq, 1, d, device="cuda").to(torch.bfloat16)
+    kp, vp = torch.randn(hkv, P, d, device="cuda").bfloat16(), torch.randn(hkv, P, d, device="cuda").bfloat16()
+    ks, vs = torch.randn(B, hkv, S, d, device="cuda").bfloat16(), torch.randn(B, hkv, S, d, device="cuda").bfloat16()
+    plan = plan_shared_prefix(torch.zeros(B, dtype=torch.int64), torch.tensor([0, P]), device="cuda")
+    step = lambda: cascade_attention(q, ks, vs, [(kp, vp, plan)], scale=d ** -0.5)[0]  # noqa: E731
+    eager = step()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)

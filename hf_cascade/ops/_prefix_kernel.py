@@ -7,14 +7,14 @@ Work decomposition (built once on the host by ``PrefixPlan.schedule``):
     one M axis, ``m = (r_local * Lq + q) * G + group`` with ``M_n = rows_n * Lq * G``, so one
     ``tl.dot`` multiplies every query of the node that reads a KV tile (tensor cores, M large);
   * ``tile_node`` / ``tile_m0`` list the BLOCK_M tiles of every node (pseudo-node included);
-  * grid = (tiles, Hkv, kv_splits), tile fastest: the M tiles of one (KV head, split) run side by
-    side, so a KV tile comes from HBM once and from L2 for the other M tiles.
+  * programs = (tile, KV head, kv split), tile fastest: the M tiles of one (KV head, split) run side
+    by side, so a KV tile comes from HBM once and from L2 for the other M tiles.
 Every program writes a normalised state (out, natural-log lse) for its rows and split slot; the
 pseudo-node's programs read no keys and write out 0 / lse -inf, so every output element is written
 and the wrapper needs no zero-fill launch. Outputs are addressed as
 ``o + slot*o_s + row*o_b + kvh*o_kvh + group*o_g + q*o_l + d`` (same for lse without d): the final
 [B, Hq, Lq, D] tensor when there is one split, else fp32 partials [slots, Hkv, B*Lq*G, D] in batch
-row order, reduced by ``_prefix_combine_kernel`` or by the suffix kernel's prologue (flash-decoding).
+row order, reduced by ``_state_combine_kernel`` or by the suffix kernel's prologue (flash-decoding).
 """
 
 import triton
@@ -25,10 +25,48 @@ LN2 = tl.constexpr(0.6931471805599453)  # ln(2): back to natural-log LSE on the 
 
 
 @triton.jit
-def _prefix_fwd_kernel(
-    q_ptr, k_ptr, v_ptr,
-    o_ptr, l_ptr,  # outputs (final or partials, see module docstring), fp32
+def _prefix_block(q, k_ptrs, v_ptrs, start, hi, m_i, l_i, acc, qk_scale, sm_scale, softcap,
+                  stride_kt, stride_vt, D,
+                  MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr, EVEN_D: tl.constexpr,
+                  INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
+    """One KV block of the online softmax; MASKED only for the last, partial block of a node."""
+    offs_n = tl.arange(0, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)
+    n_ok = start + offs_n < hi
+    if EVEN_D:
+        if MASKED:
+            k = tl.load(k_ptrs + start * stride_kt, mask=n_ok[:, None], other=0.0)
+            v = tl.load(v_ptrs + start * stride_vt, mask=n_ok[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs + start * stride_kt)
+            v = tl.load(v_ptrs + start * stride_vt)
+    else:
+        kv_mask = n_ok[:, None] & (d[None, :] < D)
+        k = tl.load(k_ptrs + start * stride_kt, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs + start * stride_vt, mask=kv_mask, other=0.0)
+    qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
+    if HAS_SOFTCAP:
+        x = qk * (sm_scale / softcap)
+        qk = (softcap * LOG2E) * (2.0 * tl.sigmoid(2.0 * x) - 1.0)  # tanh(x), Triton-3.6 safe
+        scale = 1.0
+    else:
+        scale = qk_scale  # log2(e) * scale, folded into the exp2 argument (one FMA)
+    if MASKED:
+        qk = tl.where(n_ok[None, :], qk, float("-inf"))
+    # Online softmax in base 2 (every block has >= 1 valid key, so m_new is finite).
+    m_new = tl.maximum(m_i, tl.max(qk, 1) * scale)
+    p = tl.exp2(qk * scale - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=INPUT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _prefix_tile(
+    q_ptr, k_ptr, v_ptr, o_ptr, l_ptr,
     rows_ptr, row_start_ptr, node_starts_ptr, tile_node_ptr, tile_m0_ptr,
+    tile, kvh, split,
     Lq, G, D, num_splits, slot0,
     sm_scale, softcap,
     stride_qb, stride_qh, stride_ql, stride_qd,
@@ -37,15 +75,13 @@ def _prefix_fwd_kernel(
     o_s, o_b, o_kvh, o_g, o_l,
     l_s, l_b, l_kvh, l_g, l_l,
     HAS_SOFTCAP: tl.constexpr,
-    EVEN_D: tl.constexpr,  # D == BLOCK_D: no head_dim mask (keeps loads 16 bytes wide)
+    EVEN_D: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    tile = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
+    """One program of the prefix pass: BLOCK_M folded query rows of one node x one KV split."""
     # Decode this tile's M axis into (batch row, group, position).
     node = tl.load(tile_node_ptr + tile)
     m = tl.load(tile_m0_ptr + tile) + tl.arange(0, BLOCK_M)
@@ -72,36 +108,23 @@ def _prefix_fwd_kernel(
     chunk = tl.cdiv(tl.cdiv(k_end - k_start, num_splits), BLOCK_N) * BLOCK_N
     lo = k_start + split * chunk
     hi = tl.minimum(k_end, lo + chunk)
+    full_hi = lo + tl.maximum(hi - lo, 0) // BLOCK_N * BLOCK_N  # end of the unmasked blocks
 
     offs_n = tl.arange(0, BLOCK_N)
     k_ptrs = k_ptr + kvh.to(tl.int64) * stride_kh + (offs_n * stride_kt)[:, None] + d[None, :]
     v_ptrs = v_ptr + kvh.to(tl.int64) * stride_vh + (offs_n * stride_vt)[:, None] + d[None, :]
+    qk_scale = sm_scale * LOG2E
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start in range(lo, hi, BLOCK_N):
-        n_ok = start + offs_n < hi
-        if EVEN_D:
-            kv_mask = n_ok[:, None]
-        else:
-            kv_mask = n_ok[:, None] & (d[None, :] < D)
-        k = tl.load(k_ptrs + start * stride_kt, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        # Scores in base 2: s2 = log2(e) * (softcapped) scale * q.k
-        s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
-        if HAS_SOFTCAP:
-            x = s * (sm_scale / softcap)
-            s = (softcap * LOG2E) * (2.0 * tl.sigmoid(2.0 * x) - 1.0)  # tanh(x), Triton-3.6 safe
-        else:
-            s = s * (sm_scale * LOG2E)
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-        # Online softmax (every block has >= 1 valid key, so m_new is finite).
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptrs + start * stride_vt, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
-        m_i = m_new
+    for start in range(lo, full_hi, BLOCK_N):
+        m_i, l_i, acc = _prefix_block(q, k_ptrs, v_ptrs, start, hi, m_i, l_i, acc, qk_scale, sm_scale, softcap,
+                                      stride_kt, stride_vt, D, False, HAS_SOFTCAP, EVEN_D, INPUT_PRECISION,
+                                      BLOCK_N, BLOCK_D)
+    if full_hi < hi:  # the node's last, partial block
+        m_i, l_i, acc = _prefix_block(q, k_ptrs, v_ptrs, full_hi, hi, m_i, l_i, acc, qk_scale, sm_scale, softcap,
+                                      stride_kt, stride_vt, D, True, HAS_SOFTCAP, EVEN_D, INPUT_PRECISION,
+                                      BLOCK_N, BLOCK_D)
 
     # Normalise; an empty key range leaves l_i == 0: out 0, lse -inf.
     has_keys = l_i > 0
@@ -116,10 +139,39 @@ def _prefix_fwd_kernel(
 
 
 @triton.jit
-def _prefix_combine_kernel(
-    out_ptr, lse_ptr,  # final [B, Hq, Lq, D] fp32 / [B, Hq, Lq] fp32
-    part_out_ptr, part_lse_ptr,  # [slots, Hkv, B*Lq*G, D] / [slots, Hkv, B*Lq*G], batch-row order
-    M_total, Lq, G, D, num_splits,
+def _prefix_fwd_kernel(
+    q_ptr, k_ptr, v_ptr,
+    o_ptr, l_ptr,  # outputs (final or partials, see module docstring), fp32
+    rows_ptr, row_start_ptr, node_starts_ptr, tile_node_ptr, tile_m0_ptr,
+    Lq, G, D, num_splits, slot0,
+    sm_scale, softcap,
+    stride_qb, stride_qh, stride_ql, stride_qd,
+    stride_kh, stride_kt,
+    stride_vh, stride_vt,
+    o_s, o_b, o_kvh, o_g, o_l,
+    l_s, l_b, l_kvh, l_g, l_l,
+    HAS_SOFTCAP: tl.constexpr,
+    EVEN_D: tl.constexpr,  # D == BLOCK_D: no head_dim mask
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # grid = (tiles, Hkv, kv splits)
+    _prefix_tile(q_ptr, k_ptr, v_ptr, o_ptr, l_ptr,
+                 rows_ptr, row_start_ptr, node_starts_ptr, tile_node_ptr, tile_m0_ptr,
+                 tl.program_id(0), tl.program_id(1), tl.program_id(2),
+                 Lq, G, D, num_splits, slot0, sm_scale, softcap,
+                 stride_qb, stride_qh, stride_ql, stride_qd, stride_kh, stride_kt, stride_vh, stride_vt,
+                 o_s, o_b, o_kvh, o_g, o_l, l_s, l_b, l_kvh, l_g, l_l,
+                 HAS_SOFTCAP, EVEN_D, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_D)
+
+
+@triton.jit
+def _state_combine_kernel(
+    out_ptr, lse_ptr,  # final [B, Hq, Lq, D] (any float dtype, d stride 1) / [B, Hq, Lq] fp32
+    part_out_ptr, part_lse_ptr,  # fp32 [slots, Hkv, B*Lq*G, D] / [slots, Hkv, B*Lq*G], batch-row order
+    M_total, Lq, G, D, num_slots,
     stride_ob, stride_oh, stride_ol,
     stride_lb, stride_lh, stride_ll,
     stride_ps, stride_ph, stride_pls, stride_plh,
@@ -127,6 +179,7 @@ def _prefix_combine_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
+    """Exact LSE-weighted merge of every slot's normalised state (KV splits, levels, the suffix)."""
     kvh = tl.program_id(1)
     m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # m = (b * Lq + q) * G + group
     valid = m < M_total
@@ -142,11 +195,11 @@ def _prefix_combine_kernel(
     m64 = m.to(tl.int64)
     pl_base = part_lse_ptr + kvh.to(tl.int64) * stride_plh + m64
     po_base = part_out_ptr + kvh.to(tl.int64) * stride_ph + m64[:, None] * D + d[None, :]
-    # Online LSE-weighted sum of the normalised split states (an empty split has lse -inf).
+    # Online LSE-weighted sum of the normalised states (an empty state has lse -inf).
     mx = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     total = tl.zeros([BLOCK_M], dtype=tl.float32)
-    for s in range(0, num_splits):
+    for s in range(0, num_slots):
         ls = tl.load(pl_base + s * stride_pls, mask=valid, other=float("-inf"))
         m_new = tl.maximum(mx, ls)
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -161,6 +214,6 @@ def _prefix_combine_kernel(
     o = acc / t_safe[:, None]
     lse = tl.where(has_keys, mx + tl.log(t_safe), float("-inf"))
     o_off = row * stride_ob + head * stride_oh + pos.to(tl.int64) * stride_ol
-    tl.store(out_ptr + o_off[:, None] + d[None, :], o, mask=o_mask)
+    tl.store(out_ptr + o_off[:, None] + d[None, :], o.to(out_ptr.dtype.element_ty), mask=o_mask)
     l_off = row * stride_lb + head * stride_lh + pos.to(tl.int64) * stride_ll
     tl.store(lse_ptr + l_off, lse, mask=valid)

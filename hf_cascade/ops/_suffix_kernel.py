@@ -1,6 +1,6 @@
 """Triton kernel for the per-row suffix pass, with the prefix merge fused into its prologue.
 
-Grid = (M tiles, Hkv, B). For one batch row and KV head, the query positions and the G query
+Programs = (M tiles, Hkv, B). For one batch row and KV head, the query positions and the G query
 heads sharing that KV head are folded into one M axis, ``m = q * G + group`` (M = Lq * G), so a
 KV block is loaded once for the whole group (no repeat_kv). Consecutive m share a position, so a
 tile covers a contiguous position range and the causal bound is tight.
@@ -24,10 +24,11 @@ MASK_TENSOR = tl.constexpr(2)  # bool mask [B, Lq, S] (read as uint8), True = at
 
 
 @triton.jit
-def _suffix_fwd_kernel(
+def _suffix_tile(
     q_ptr, k_ptr, v_ptr, mask_ptr,
-    po_ptr, pl_ptr,  # prefix states, fp32 (see module docstring); unused when NUM_PREFIX == 0
-    out_ptr, lse_ptr,  # [B, Hq, Lq, D] query dtype / [B, Hq, Lq] fp32
+    po_ptr, pl_ptr,  # prefix states, fp32 (see module docstring); unused when HAS_PREFIX is False
+    out_ptr, lse_ptr,  # output state (query dtype or fp32) / lse (fp32), already offset to its slot
+    pid_m, kvh, b,
     Lq, S, G, D, num_prefix,
     sm_scale, softcap,
     stride_qb, stride_qh, stride_ql, stride_qd,
@@ -36,20 +37,19 @@ def _suffix_fwd_kernel(
     stride_mb, stride_mq, stride_ms,
     po_s, po_b, po_kvh, po_g, po_l, po_d,
     pl_s, pl_b, pl_kvh, pl_g, pl_l,
-    stride_ob, stride_oh, stride_ol, stride_od,
-    stride_lb, stride_lh, stride_ll,
+    o_b, o_kvh, o_g, o_l, o_d,  # output strides of (b, kvh, group, q, d)
+    ls_b, ls_kvh, ls_g, ls_l,
     MASK_MODE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
-    EVEN_D: tl.constexpr,  # D == BLOCK_D: no head_dim mask (keeps loads 16 bytes wide)
+    EVEN_D: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    kvh = tl.program_id(1)
-    b = tl.program_id(2).to(tl.int64)
+    """One program of the suffix pass: BLOCK_M folded (position, group) rows of batch row b, KV head kvh."""
+    b = b.to(tl.int64)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     valid = m < Lq * G
     pos = m // G
@@ -73,8 +73,8 @@ def _suffix_fwd_kernel(
         pl_base = pl_ptr + b * pl_b + kvh64 * pl_kvh + group * pl_g + pos * pl_l
         po_base = (po_ptr + b * po_b + kvh64 * po_kvh + (group * po_g + pos * po_l)[:, None]
                    + d[None, :] * po_d)
-        for s in range(0, num_prefix):
-            ls = tl.load(pl_base + s * pl_s, mask=valid, other=float("-inf"))
+        for slot in range(0, num_prefix):
+            ls = tl.load(pl_base + slot * pl_s, mask=valid, other=float("-inf"))
             # Empty guard: +inf (FlashAttention-2's empty rows) and NaN mean "no keys".
             ls = tl.where((ls == float("inf")) | (ls != ls), float("-inf"), ls) * LOG2E
             m_new = tl.maximum(m_i, ls)
@@ -82,7 +82,7 @@ def _suffix_fwd_kernel(
             alpha = tl.exp2(m_i - m_safe)
             w = tl.exp2(ls - m_safe)
             # An empty state's out may be NaN garbage: load it only where its weight is nonzero.
-            o = tl.load(po_base + s * po_s, mask=tile_ok & (w > 0)[:, None], other=0.0)
+            o = tl.load(po_base + slot * po_s, mask=tile_ok & (w > 0)[:, None], other=0.0)
             acc = acc * alpha[:, None] + o * w[:, None]
             l_i = l_i * alpha + w
             m_i = m_new
@@ -135,6 +135,44 @@ def _suffix_fwd_kernel(
     l_safe = tl.where(has_keys, l_i, 1.0)  # where() evaluates both sides: keep log/div finite
     lse2 = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))
     o = acc / l_safe[:, None]
-    tl.store(out_ptr + b * stride_ob + head[:, None] * stride_oh + pos[:, None] * stride_ol
-             + d[None, :] * stride_od, o.to(out_ptr.dtype.element_ty), mask=tile_ok)
-    tl.store(lse_ptr + b * stride_lb + head * stride_lh + pos * stride_ll, lse2 * LN2, mask=valid)
+    o_off = b * o_b + kvh.to(tl.int64) * o_kvh + (group * o_g + pos * o_l).to(tl.int64)
+    tl.store(out_ptr + o_off[:, None] + d[None, :] * o_d, o.to(out_ptr.dtype.element_ty), mask=tile_ok)
+    l_off = b * ls_b + kvh.to(tl.int64) * ls_kvh + (group * ls_g + pos * ls_l).to(tl.int64)
+    tl.store(lse_ptr + l_off, lse2 * LN2, mask=valid)
+
+
+@triton.jit
+def _suffix_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, mask_ptr,
+    po_ptr, pl_ptr,  # prefix states, fp32 (see module docstring); unused when NUM_PREFIX == 0
+    out_ptr, lse_ptr,  # [B, Hq, Lq, D] query dtype / [B, Hq, Lq] fp32
+    Lq, S, G, D, num_prefix,
+    sm_scale, softcap,
+    stride_qb, stride_qh, stride_ql, stride_qd,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    stride_mb, stride_mq, stride_ms,
+    po_s, po_b, po_kvh, po_g, po_l, po_d,
+    pl_s, pl_b, pl_kvh, pl_g, pl_l,
+    stride_ob, stride_oh, stride_ol, stride_od,
+    stride_lb, stride_lh, stride_ll,
+    MASK_MODE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    HAS_PREFIX: tl.constexpr,
+    EVEN_D: tl.constexpr,  # D == BLOCK_D: no head_dim mask
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # grid = (M tiles, Hkv, B)
+    _suffix_tile(q_ptr, k_ptr, v_ptr, mask_ptr, po_ptr, pl_ptr, out_ptr, lse_ptr,
+                 tl.program_id(0), tl.program_id(1), tl.program_id(2),
+                 Lq, S, G, D, num_prefix, sm_scale, softcap,
+                 stride_qb, stride_qh, stride_ql, stride_qd,
+                 stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+                 stride_mb, stride_mq, stride_ms,
+                 po_s, po_b, po_kvh, po_g, po_l, po_d, pl_s, pl_b, pl_kvh, pl_g, pl_l,
+                 stride_ob, G * stride_oh, stride_oh, stride_ol, stride_od,
+                 stride_lb, G * stride_lh, stride_lh, stride_ll,
+                 MASK_MODE, HAS_SOFTCAP, HAS_PREFIX, EVEN_D, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_D)

@@ -176,11 +176,14 @@ def launch_suffix(
     states: tuple | None,
     block_m: int | None = None,
     block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Launch the suffix kernel (inputs already validated); ``states`` seeds it with prefix states.
 
     ``states = (out fp32, lse fp32, num_states, out strides (slot, b, kvh, group, q, d),
     lse strides (slot, b, kvh, group, q))``: every state slot is merged exactly into the result.
+    ``block_m`` / ``block_n`` / ``num_warps`` / ``num_stages`` override the heuristics (tests, tuning).
     """
     B, Hq, Lq, D = query.shape
     Hkv, S = key.shape[1], key.shape[2]
@@ -200,9 +203,11 @@ def launch_suffix(
         key = key.contiguous()
     if value.stride(-1) != 1:
         value = value.contiguous()
-    cfg_m, cfg_n, num_warps, num_stages = _suffix_config(D, G * Lq, dev)
+    cfg_m, cfg_n, cfg_warps, cfg_stages = _suffix_config(D, G * Lq, dev)
     block_m = block_m or cfg_m
     block_n = block_n or cfg_n
+    num_warps = num_warps or cfg_warps
+    num_stages = num_stages or cfg_stages
     if mask is not None:
         mask_arg = mask.expand(B, Lq, S).view(torch.uint8)  # no copy; stride 0 if broadcast
         mask_strides = mask_arg.stride()

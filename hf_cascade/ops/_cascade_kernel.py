@@ -1,0 +1,67 @@
+"""Triton kernel running one prefix level's pass and the suffix pass side by side (one launch).
+
+Programs ``[0, n_prefix)`` are the shared-prefix programs (``_prefix_kernel._prefix_tile``: tile
+fastest, then KV head, then KV split); programs ``[n_prefix, n_prefix + B * Hkv * s_mtiles)`` are
+the suffix programs (``_suffix_kernel._suffix_tile``), which write their normalised state to slot
+``suffix_slot`` of the same fp32 state buffer [slots, Hkv, B*Lq*G, D]. ``_state_combine_kernel``
+then merges every slot. Why one launch: at decode the prefix programs are tensor-core bound for
+large B * G while the suffix programs only stream per-row KV; sized to fit two programs per SM,
+the prefix programs (launched first, about one per SM) overlap with the suffix programs instead
+of running one kernel after the other.
+"""
+
+import triton
+import triton.language as tl
+
+from ._prefix_kernel import _prefix_tile
+from ._suffix_kernel import _suffix_tile
+
+
+@triton.jit
+def _cascade_fwd_kernel(
+    q_ptr,
+    pk_ptr, pv_ptr,  # prefix level KV [Hkv, T, D]
+    rows_ptr, row_start_ptr, node_starts_ptr, tile_node_ptr, tile_m0_ptr,  # its schedule
+    sk_ptr, sv_ptr, mask_ptr,  # suffix KV [B, Hkv, S, D], bool mask as uint8 (MASK_MODE 2)
+    so_ptr, sl_ptr,  # fp32 state slots [slots, Hkv, B*Lq*G, D] / [slots, Hkv, B*Lq*G]
+    Lq, S, G, D, Hkv, num_splits, slot0, suffix_slot, n_prefix, tiles, s_mtiles,
+    sm_scale, softcap,
+    stride_qb, stride_qh, stride_ql, stride_qd,
+    stride_pkh, stride_pkt, stride_pvh, stride_pvt,
+    stride_kb, stride_kh, stride_ks,
+    stride_vb, stride_vh, stride_vs,
+    stride_mb, stride_mq, stride_ms,
+    o_s, o_b, o_kvh, o_g, o_l,
+    l_s, l_b, l_kvh, l_g, l_l,
+    MASK_MODE: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr,
+    EVEN_D: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr,
+    BLOCK_MP: tl.constexpr,  # prefix tile rows
+    BLOCK_MS: tl.constexpr,  # suffix tile rows
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if pid < n_prefix:
+        rest = pid // tiles
+        _prefix_tile(q_ptr, pk_ptr, pv_ptr, so_ptr, sl_ptr,
+                     rows_ptr, row_start_ptr, node_starts_ptr, tile_node_ptr, tile_m0_ptr,
+                     pid % tiles, rest % Hkv, rest // Hkv,
+                     Lq, G, D, num_splits, slot0, sm_scale, softcap,
+                     stride_qb, stride_qh, stride_ql, stride_qd, stride_pkh, stride_pkt, stride_pvh, stride_pvt,
+                     o_s, o_b, o_kvh, o_g, o_l, l_s, l_b, l_kvh, l_g, l_l,
+                     HAS_SOFTCAP, EVEN_D, INPUT_PRECISION, BLOCK_MP, BLOCK_N, BLOCK_D)
+    else:
+        sp = pid - n_prefix
+        rest = sp // s_mtiles
+        slot = suffix_slot.to(tl.int64)
+        _suffix_tile(q_ptr, sk_ptr, sv_ptr, mask_ptr, so_ptr, sl_ptr, so_ptr + slot * o_s, sl_ptr + slot * l_s,
+                     sp % s_mtiles, rest % Hkv, rest // Hkv,
+                     Lq, S, G, D, 0, sm_scale, softcap,
+                     stride_qb, stride_qh, stride_ql, stride_qd,
+                     stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+                     stride_mb, stride_mq, stride_ms,
+                     0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,  # no prefix states to seed
+                     o_b, o_kvh, o_g, o_l, 1, l_b, l_kvh, l_g, l_l,
+                     MASK_MODE, HAS_SOFTCAP, False, EVEN_D, INPUT_PRECISION, BLOCK_MS, BLOCK_N, BLOCK_D)
