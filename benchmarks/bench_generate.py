@@ -119,7 +119,7 @@ def first_logits_check(model, ids, mask, batch_rows: int = 4) -> dict:
     model.set_attn_implementation("sdpa")
     want = model.generate(ids, attention_mask=mask, **gen).logits[0].float()
     model.set_attn_implementation("cascade")
-    got = model.generate(**hf_cascade.shared_prefix_inputs(model, ids, mask), **gen).logits[0].float()
+    got = model.generate(**hf_cascade.shared_prefix_inputs(model, ids, mask, cost_model=None), **gen).logits[0].float()
     return {
         "first_logits_max_abs_diff": (got - want).abs().max().item(),
         "first_logits_scale": want.abs().max().item(),

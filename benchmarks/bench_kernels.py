@@ -61,7 +61,7 @@ def _stats(times):
     return {"ms": pick(0.5), "ms_p20": pick(0.2), "ms_p80": pick(0.8)}
 
 
-def graph_time(calls, *, repeat=20, target_ms=3.0):
+def graph_time(calls, *, repeat=20, target_ms=2.0):
     """Median / p20 / p80 device ms per call of ``calls`` (callables cycled in order) from CUDA-graph replays."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -144,8 +144,11 @@ def bench_point(writer, copy_gbs, heads, b, p, s, repeat):
     ref = reference(q, *sets[0])
     err = ((out[: ref.shape[0]].float() - ref).norm() / ref.norm()).item()
     bf16_err = ((ref.to(DTYPE).float() - ref).norm() / ref.norm()).item()
-    record = dict(bench="decode_step", op="cascade_attention", heads=heads, batch=b, prefix=p, suffix=s, head_dim=D,
-                  dtype="bf16", input_copies=n)
+    from hf_cascade.ops.cascade_attention import _fuse_suffix
+
+    form = "fused" if _fuse_suffix(q, sets[0][2], [(sets[0][0], sets[0][1], plan)]) else "two-pass"
+    record = dict(bench="decode_step", op="cascade_attention", form=form, launches=2, heads=heads, batch=b, prefix=p,
+                  suffix=s, head_dim=D, dtype="bf16", input_copies=n)
     record.update(rel_err=err, rel_err_bf16_rounding=bf16_err, check_ok=err <= 2 * bf16_err + 1e-3)
     record.update({f"cascade_eager_{k}": v for k, v in eager_time(calls, repeat=repeat).items()})
     t = graph_time(calls, repeat=repeat)
@@ -194,7 +197,7 @@ def run_grid(args):
         speedup_txt = f"{r['speedup_vs_sdpa']:.1f}x" if sd_ms else "-"
         line = (f"{heads:>6} {b:>4} {p:>6} {s:>5} {r['cascade_eager_ms']:>8.4f} {r['cascade_ms']:>10.4f} "
                 f"{r['unique_roofline_ms']:>8.4f} {r['unique_gbs']:>6.0f} {r['pct_of_copy']:>6.1f} "
-                f"{sd_txt:>8} {speedup_txt:>7} {r['rel_err']:>8.1e}{'' if r['check_ok'] else ' FAIL'}")
+                f"{sd_txt:>8} {speedup_txt:>7} {r['rel_err']:>8.1e} {r['form']}{'' if r['check_ok'] else ' FAIL'}")
         print(line, flush=True)
     return rows
 
@@ -220,7 +223,7 @@ def tune(args):
     gen = torch.Generator(device="cuda").manual_seed(0)
     scale = D**-0.5
     summary = []
-    for heads, b, p in itertools.product(args.heads, args.batches, args.prefixes):
+    for heads, b, p in itertools.product(args.heads, args.batches, args.prefixes) if "prefix" in args.sections else ():
         hq, hkv = (int(x) for x in heads.split("/"))
         g = hq // hkv
         kv_bytes = 2 * hkv * p * D * 2
@@ -265,7 +268,7 @@ def tune(args):
         del q, kvs
         torch.cuda.empty_cache()
     # Suffix kernel: decode rows, 8 prefix state slots seeded in the prologue.
-    for heads, b, s in itertools.product(args.heads, args.batches, args.suffixes):
+    for heads, b, s in itertools.product(args.heads, args.batches, args.suffixes) if "suffix" in args.sections else ():
         hq, hkv = (int(x) for x in heads.split("/"))
         g = hq // hkv
         kv_bytes = 2 * b * hkv * s * D * 2
@@ -294,7 +297,85 @@ def tune(args):
         summary.append(line)
         del q, kvs
         torch.cuda.empty_cache()
+    if "cascade" in args.sections:
+        summary += compare_cascade(args, writer, copy_gbs)
     print("\n".join(["", "== tune summary =="] + summary), flush=True)
+
+
+CASCADE_POINTS = [(8, 4096, 128), (8, 16384, 1024), (32, 4096, 128), (32, 16384, 256), (64, 4096, 256),
+                  (64, 16384, 256), (64, 16384, 1024), (128, 16384, 128), (256, 4096, 128)]
+
+
+def compare_cascade(args, writer, copy_gbs):
+    """cascade_attention with the suffix fused into the last prefix launch vs the two-pass form."""
+    import functools
+    import time
+
+    from hf_cascade.ops.cascade_attention import _cascade_triton
+
+    lines = []
+    heads = "32/8"
+    hq, hkv = 32, 8
+    for b, p, s in CASCADE_POINTS:
+        gen = torch.Generator(device="cuda").manual_seed(b + p + s)
+        ub = unique_bytes(b, hq, hkv, p, s)
+        n = copies_for(ub)
+        q = rnd(b, hq, 1, D, gen=gen)
+        sets = [(rnd(hkv, p, D, gen=gen), rnd(hkv, p, D, gen=gen), rnd(b, hkv, s, D, gen=gen),
+                 rnd(b, hkv, s, D, gen=gen)) for _ in range(n)]
+        plan = plan_shared_prefix(torch.zeros(b, dtype=torch.int64), torch.tensor([0, p]), device=q.device)
+        ref = reference(q, *sets[0])
+        res = {}
+        for fused in (True, False):
+            fn = functools.partial(_cascade_triton, scale=D**-0.5, mask=None, causal=False, softcap=None,
+                                   fuse_suffix=fused)
+            calls = [lambda st=st, fn=fn: fn(q, st[2], st[3], [(st[0], st[1], plan)]) for st in sets]
+            out = calls[0]()[0]
+            err = ((out[: ref.shape[0]].float() - ref).norm() / ref.norm()).item()
+            t = graph_time(calls, repeat=15)["ms"]
+            e = eager_time(calls, repeat=15)["ms"]
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for i in range(50):
+                calls[i % n]()
+            host_us = (time.perf_counter() - t0) / 50 * 1e6  # launch queue not full: host cost per call
+            torch.cuda.synchronize()
+            res[fused] = (t, e, err, host_us)
+            writer.write(dict(bench="cascade_variant", heads=heads, batch=b, prefix=p, suffix=s, fused=fused, ms=t,
+                              eager_ms=e, host_us=host_us, rel_err=err, pct_of_copy=100 * ub / (t * 1e-3) / 1e9 / copy_gbs))
+        floor = ub / (copy_gbs * 1e9) * 1e3
+        line = (f"cascade B={b:<4} P={p:<6} S={s:<5} floor {floor:.4f}  fused {res[True][0]:.4f} ms "
+                f"({100 * floor / res[True][0]:.0f}%) eager {res[True][1]:.4f} host {res[True][3]:.0f}us err {res[True][2]:.1e} | "
+                f"two-pass {res[False][0]:.4f} ({100 * floor / res[False][0]:.0f}%) eager {res[False][1]:.4f} "
+                f"host {res[False][3]:.0f}us err {res[False][2]:.1e}")
+        print(line, flush=True)
+        lines.append(line)
+        del q, sets
+        torch.cuda.empty_cache()
+    return lines
+
+
+def profile_host():
+    """Where the host time of one eager cascade_attention call goes (cProfile, launches queued, no sync)."""
+    import cProfile
+    import pstats
+
+    b, p, s, hq, hkv = 32, 4096, 128, 32, 8
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q = rnd(b, hq, 1, D, gen=gen)
+    kp, vp, ks, vs = rnd(hkv, p, D, gen=gen), rnd(hkv, p, D, gen=gen), rnd(b, hkv, s, D, gen=gen), rnd(b, hkv, s, D, gen=gen)
+    plan = plan_shared_prefix(torch.zeros(b, dtype=torch.int64), torch.tensor([0, p]), device=q.device)
+    call = lambda: cascade_attention(q, ks, vs, [(kp, vp, plan)], scale=D**-0.5)  # noqa: E731
+    for _ in range(5):
+        call()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(200):
+        call()
+    prof.disable()
+    torch.cuda.synchronize()
+    pstats.Stats(prof).sort_stats("tottime").print_stats(18)
 
 
 def main(argv=None):
@@ -305,6 +386,8 @@ def main(argv=None):
     parser.add_argument("--heads", nargs="+", default=["32/8", "32/32"], help="q_heads/kv_heads")
     parser.add_argument("--quick", action="store_true", help="B in {8, 64}, P in {4K, 16K}, S=256, GQA only")
     parser.add_argument("--tune", action="store_true", help="sweep kernel configs and KV splits (see NOTES.md)")
+    parser.add_argument("--sections", nargs="+", default=["prefix", "suffix"], help="--tune parts: prefix suffix cascade")
+    parser.add_argument("--profile-host", action="store_true", help="cProfile the host side of eager calls")
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
@@ -312,7 +395,9 @@ def main(argv=None):
         raise SystemExit("bench_kernels.py needs a CUDA GPU.")
     if args.quick:
         args.batches, args.prefixes, args.suffixes, args.heads = [8, 64], [4096, 16384], [256], ["32/8"]
-    if args.tune:
+    if args.profile_host:
+        profile_host()
+    elif args.tune:
         tune(args)
     else:
         run_grid(args)

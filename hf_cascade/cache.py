@@ -30,9 +30,8 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from hf_cascade.attention import bind_layer, check_model_uses_cascade
-from hf_cascade.ops.merge import merge_attention_states
-from hf_cascade.ops.prefix_attention import plan_shared_prefix, shared_prefix_attention
-from hf_cascade.ops.suffix_attention import suffix_attention
+from hf_cascade.ops.cascade_attention import cascade_attention
+from hf_cascade.ops.prefix_attention import plan_shared_prefix
 
 
 class _SuffixLayer(CacheLayerMixin):
@@ -364,32 +363,12 @@ class CascadeCache(Cache):
                     "cache does not yet drop prefix tokens that slide out of the window. Keep prompt + new tokens "
                     "within the window, or use attn_implementation='sdpa' for this model."
                 )
-        prefix_out = prefix_lse = None
-        for level_idx, level in enumerate(self.levels):
-            plan = self._plan(level_idx, batch_size, query.device)
-            out, lse = shared_prefix_attention(
-                query,
-                level.keys[layer_idx],
-                level.values[layer_idx],
-                plan.rows,  # unused when a plan is given; the plan holds the layout
-                plan.node_starts_dev,
-                scale=scaling,
-                softcap=softcap,
-                plan=plan,
-            )
-            if prefix_out is None:
-                prefix_out, prefix_lse = out, lse
-            else:
-                prefix_out, prefix_lse = merge_attention_states(prefix_out, prefix_lse, out, lse)
-        out, _ = suffix_attention(
-            query,
-            key,
-            value,
-            scale=scaling,
-            mask=attention_mask,
-            causal=True,
-            softcap=softcap,
-            prefix_out=prefix_out,
-            prefix_lse=prefix_lse,
+        # One launch per prefix level plus one for the suffix (which also merges the levels' states).
+        prefixes = [
+            (level.keys[layer_idx], level.values[layer_idx], self._plan(level_idx, batch_size, query.device))
+            for level_idx, level in enumerate(self.levels)
+        ]
+        out, _ = cascade_attention(
+            query, key, value, prefixes, scale=scaling, mask=attention_mask, causal=True, softcap=softcap
         )
         return out.transpose(1, 2)

@@ -114,7 +114,7 @@ def shared_prefix_inputs(
         min_shared_tokens=min_shared_tokens,
         min_rows=min_rows,
         max_levels=max_levels,
-        keep_node=cost_model.for_model(model) if cost_model is not None else None,
+        keep_node=cost_model.share if cost_model is not None else None,
     )
     node_levels = [
         [(node.tokens, node.parent if level else (0 if base_levels else None), offset + node.start) for node in nodes]

@@ -88,7 +88,7 @@ def find_shared_prefixes(
     min_shared_tokens: int = 4,
     min_rows: int = 2,
     max_levels: int = 4,
-    keep_node: Callable[[int, int], bool] | None = None,
+    keep_node: Callable[[int, int, float], bool] | None = None,
 ) -> PrefixTree:
     """Build the tree of nested shared prefixes of ``rows`` (lists of token ids, no padding).
 
@@ -97,8 +97,9 @@ def find_shared_prefixes(
         min_shared_tokens: shortest segment worth a node of its own (shorter runs fold into their children).
         min_rows: fewest rows that must share a segment.
         max_levels: deepest nesting kept; deeper sharing stays in the rows' suffixes.
-        keep_node: optional ``(rows, tokens) -> bool`` veto (e.g. :meth:`CascadeCostModel.for_model`): a segment
-            it rejects is treated like a too-short one (folded into its children or left in the suffixes).
+        keep_node: optional ``(rows, tokens, mean tokens each row has after the segment) -> bool`` veto (e.g.
+            :meth:`CascadeCostModel.share`): a segment it rejects is treated like a too-short one (folded into its
+            children or left in the rows' suffixes).
     Returns:
         A :class:`PrefixTree`; row order is the order of ``rows``.
     """
@@ -141,7 +142,10 @@ def find_shared_prefixes(
                 continue
             end = _common_prefix_end(seqs, group, split_at)
             too_small = end - node_start < min_shared_tokens
-            if too_small or (keep_node is not None and not keep_node(len(group), end - node_start)):
+            if not too_small and keep_node is not None:
+                after = sum(len(seqs[r]) + 1 - end for r in group) / len(group)  # +1: the unshared last token
+                too_small = not keep_node(len(group), end - node_start, after)
+            if too_small:
                 # Too short for a node: keep it pending and let the sub-groups carry it.
                 children.append((group, end, level, parent, node_start))
             else:

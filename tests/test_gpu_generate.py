@@ -30,7 +30,7 @@ def test_gpu_generate_matches_reference(family, mode):
     )
     torch.manual_seed(0)
     want = ref.generate(ids, attention_mask=mask, **gen)
-    inputs = hf_cascade.shared_prefix_inputs(cas, ids, mask, min_shared_tokens=2)
+    inputs = hf_cascade.shared_prefix_inputs(cas, ids, mask, min_shared_tokens=2, cost_model=None)
     assert inputs["past_key_values"].num_levels == 2
     torch.manual_seed(0)
     got = cas.generate(**inputs, **gen)
@@ -47,5 +47,5 @@ def test_gpu_bf16_generate_close_to_sdpa():
     ids, mask = (t.cuda() for t in pad_batch(make_prompts(seed=12, system=64, block=32)))
     gen = dict(max_new_tokens=1, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
     want = ref.generate(ids, attention_mask=mask, **gen).logits[0].float()
-    got = cas.generate(**hf_cascade.shared_prefix_inputs(cas, ids, mask, min_shared_tokens=2), **gen).logits[0].float()
+    got = cas.generate(**hf_cascade.shared_prefix_inputs(cas, ids, mask, min_shared_tokens=2, cost_model=None), **gen).logits[0].float()
     assert (got - want).abs().max() <= 0.05 * want.abs().max()

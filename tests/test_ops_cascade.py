@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hf_cascade.ops import cascade_attention, plan_shared_prefix, triton_available
+from hf_cascade.ops.cascade_attention import _cascade_triton
 
 CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -70,10 +71,12 @@ def check(out, lse, q, exp_out, exp_lse):
     torch.testing.assert_close(lse.double().cpu()[fin], exp_lse[fin], atol=1e-4, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", [*BACKENDS, pytest.param("two-pass", marks=needs_triton)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("lq,masked", [(1, False), (5, False), (5, True)], ids=["decode", "causal", "mask"])
 def test_cascade_two_levels_matches_float64(backend, dtype, lq, masked):
+    """Triton: prefix + suffix programs in one launch, then the state combine ("triton" on the CPU
+    interpreter), or the suffix kernel merging the prefix states in its prologue ("two-pass")."""
     B, hq, hkv, d, S = 5, 6, 2, 64, 9
     # Level 0: one shared prompt for rows 0-3, row 4 has none. Level 1: three nodes, one empty
     # (row 2), non-adjacent rows on node 2, and 300 keys so that the KV splits are exercised.
@@ -89,8 +92,12 @@ def test_cascade_two_levels_matches_float64(backend, dtype, lq, masked):
         visible &= (torch.arange(S) >= torch.tensor([0, 2, 4, 0, S])[:, None])[:, None, :]
         mask = visible.to(DEVICE)
     prefixes = [(k, v, plan_shared_prefix(rows, starts, device=DEVICE)) for k, v, rows, starts in levels]
-    out, lse = cascade_attention(q, ks, vs, prefixes, scale=0.125, mask=mask, causal=True, backend=backend)
-    if backend == "triton":
+    if backend == "two-pass":
+        out, lse = _cascade_triton(q, ks, vs, prefixes, scale=0.125, mask=mask, causal=True, softcap=None,
+                                   fuse_suffix=False)
+    else:
+        out, lse = cascade_attention(q, ks, vs, prefixes, scale=0.125, mask=mask, causal=True, backend=backend)
+    if backend != "torch":
         assert out.transpose(1, 2).is_contiguous()  # transformers' layout is free
     check(out, lse, q, *cascade_f64(q, ks, vs, levels, 0.125, visible))
 

@@ -21,6 +21,7 @@ from hf_cascade.ops import (
     suffix_attention_ref,
     triton_available,
 )
+from hf_cascade.ops.cascade_attention import _cascade_triton
 from hf_cascade.ops.prefix_attention import _prefix_triton
 
 pytestmark = [
@@ -152,28 +153,31 @@ def test_gpu_fused_cascade_matches_plain_attention_bf16():
     assert_within_rounding(out, ref, torch.bfloat16)
 
 
-@pytest.mark.parametrize("seed", range(6))
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_gpu_cascade_random_levels(seed, dtype):
-    """cascade_attention (L + 1 launches, split combine fused into the suffix kernel) == the three ops composed."""
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("dtype,fused", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.float16, True),
+                                         (torch.float32, False)])
+def test_gpu_cascade_random_levels(seed, dtype, fused):
+    """cascade_attention's two launch forms == the three ops composed: fused (last prefix level and suffix
+    in one launch + state combine) and two-pass (suffix kernel merging the prefix states in its prologue)."""
     rng = random.Random(200 + seed)
     hq, hkv = rng.choice(HEADS)
-    d = rng.choice([64, 96, 128, 128, 256])
-    B = rng.choice([1, 3, 16, 64])
-    lq = rng.choice([1, 1, 1, 9])
+    d = rng.choice([64, 128])  # few distinct compiles: this file runs in CI time on the device
+    B = rng.choice([3, 64])
+    lq = rng.choice([1, 1, 9])
     S = lq + rng.choice([0, 5, 130])
     gen = torch.Generator("cuda").manual_seed(seed)
     rnd = lambda *shape: torch.randn(*shape, device="cuda", generator=gen).to(dtype)  # noqa: E731
     q, ks, vs = rnd(B, hq, lq, d), rnd(B, hkv, S, d), rnd(B, hkv, S, d)
     prefixes = []
-    for _ in range(rng.randint(1, 3)):
+    for _ in range(rng.randint(1, 2)):
         lens = [rng.choice([0, 1, 100, 1000, 5000]) for _ in range(rng.randint(1, 3))]
         row_node = torch.tensor([rng.randrange(-1, len(lens)) for _ in range(B)])
         starts = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()])
         k, v = rnd(hkv, int(starts[-1]), d), rnd(hkv, int(starts[-1]), d)
         prefixes.append((k, v, plan_shared_prefix(row_node, starts, device="cuda"), row_node, starts))
     scale = d ** -0.5
-    out, lse = cascade_attention(q, ks, vs, [p[:3] for p in prefixes], scale=scale)  # auto -> triton
+    out, lse = _cascade_triton(q, ks, vs, [p[:3] for p in prefixes], scale=scale, mask=None, causal=True,
+                               softcap=None, fuse_suffix=fused)
     ref_out = ref_lse = None
     for k, v, _, row_node, starts in prefixes:
         o, l_ = shared_prefix_attention_ref(q, k, v, row_node, starts, scale=scale)
@@ -182,6 +186,9 @@ def test_gpu_cascade_random_levels(seed, dtype):
     assert out.dtype == dtype and out.transpose(1, 2).is_contiguous()
     assert_within_rounding(out, ref_out, dtype)
     assert_lse_close(lse, ref_lse, atol=1e-3)
+    # The public op (cost model picks the form) gives the same answer.
+    out2, _ = cascade_attention(q, ks, vs, [p[:3] for p in prefixes], scale=scale)
+    assert_within_rounding(out2, ref_out, dtype)
 
 
 def test_gpu_cascade_under_cuda_graph_is_repeatable():

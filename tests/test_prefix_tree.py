@@ -40,12 +40,13 @@ def test_last_token_never_shared_and_limits():
         find_shared_prefixes(rows, min_rows=1)
 
 
-def test_cost_model_vetoes_small_nodes_only():
+def test_cost_model_vetoes_what_measured_slower():
     model = CascadeCostModel()
-    gqa = dict(num_kv_heads=8, head_dim=128, dtype_bytes=2)
-    assert model.share(64, 4096, **gqa)  # the showcase: long prefix, wide batch
-    assert not model.share(2, 16, **gqa)  # two rows sharing a few tokens: an extra level costs more
-    assert not model.share(2, 64, num_kv_heads=1, head_dim=64, dtype_bytes=2)  # MQA: few bytes per token
+    assert model.share(64, 16384, 256)  # the showcase: long prefix, wide batch
+    assert model.share(8, 4096, 128)
+    assert not model.share(4, 16384, 0)  # fewer than 8 rows: a shared pass never beat per-row KV (H100)
+    assert not model.share(8, 64, 1024)  # a short segment before long suffixes: bytes barely change
     rows = [list(range(10, 30)) + [i] for i in range(3)]
-    veto = find_shared_prefixes(rows, min_shared_tokens=1, keep_node=lambda r, t: t >= 100)
-    assert veto.levels == []
+    seen = []
+    veto = find_shared_prefixes(rows, min_shared_tokens=1, keep_node=lambda r, t, s: seen.append((r, t, s)) or False)
+    assert veto.levels == [] and seen[0] == (3, 20, 1.0)

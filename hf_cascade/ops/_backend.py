@@ -76,13 +76,13 @@ def _sm_count(index: int) -> int:
 
 
 def num_programs_target(device: torch.device) -> int:
-    """How many programs a launch should have to fill the device (2 waves of SMs on CUDA).
+    """How many programs a split-KV launch should have: one per SM on CUDA.
 
     On the CPU interpreter a small number keeps the split-KV path exercised without slowing tests.
     """
     if device.type == "cuda":
         index = device.index if device.index is not None else torch.cuda.current_device()
-        return 2 * _sm_count(index)
+        return _sm_count(index)
     return 8
 
 

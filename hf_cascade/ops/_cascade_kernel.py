@@ -55,7 +55,7 @@ def _cascade_fwd_kernel(
     else:
         sp = pid - n_prefix
         rest = sp // s_mtiles
-        slot = suffix_slot.to(tl.int64)
+        slot = tl.zeros([], dtype=tl.int64) + suffix_slot  # int64 even when suffix_slot is specialised to 1
         _suffix_tile(q_ptr, sk_ptr, sv_ptr, mask_ptr, so_ptr, sl_ptr, so_ptr + slot * o_s, sl_ptr + slot * l_s,
                      sp % s_mtiles, rest % Hkv, rest // Hkv,
                      Lq, S, G, D, 0, sm_scale, softcap,

@@ -7,12 +7,13 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ._backend import resolve_backend
+from ._backend import dot_precision, padded_head_dim, resolve_backend
 from .merge import merge_attention_states
 from .prefix_attention import (
     PrefixPlan,
     _check_plan,
     _prefix_launch_config,
+    launch_combine,
     launch_prefix,
     partial_strides,
     shared_prefix_attention,
@@ -77,23 +78,126 @@ def cascade_attention(
     if resolve_backend(backend, query.device, _OP) == "torch" or not prefixes:
         return _cascade_unfused(query, key, value, prefixes, scale=scale, mask=mask, causal=causal,
                                 softcap=softcap, backend=backend)
+    return _cascade_triton(query, key, value, prefixes, scale=scale, mask=mask, causal=causal, softcap=softcap,
+                           fuse_suffix=_fuse_suffix(query, key, prefixes))
+
+
+_FUSE_MIN_ROWS = 64  # prefix query rows per KV head and node (rows x G x Lq) below which fusing never paid
+_FUSE_SUFFIX_RATIO = 0.75  # fuse when the suffix's HBM time >= this x the prefix pass's estimated time
+_HBM_BYTES_PER_S = 2.9e12  # H100 device-to-device copy (read + write), measured
+_DOT_FLOPS_PER_S = 4.0e14  # the prefix kernel's measured tensor-core rate (bf16, B*G >= 256, H100)
+
+
+def _fuse_suffix(query: Tensor, key: Tensor, prefixes) -> bool:
+    """Cost model: run the last level's prefix programs and the suffix programs in one launch?
+
+    Overlapping the passes pays when the suffix's memory traffic is large next to the prefix pass
+    (long suffixes, or a short prefix at large batch): measured on an H100, B=64: P=4K/S=256 fused
+    0.043 vs 0.057 ms, P=16K/S=1K 0.127 vs 0.149; but P=16K/S=256 0.101 vs 0.083 and B=128,
+    P=16K/S=128 0.183 vs 0.114 (the fused prefix programs use smaller tiles to share the SM). Only
+    for 16-bit inputs with head_dim <= 128 (else the fused kernel's registers spill). The
+    interpreter (CI) always takes the fused path.
+    """
+    if query.device.type != "cuda":
+        return True
+    if query.dtype == torch.float32 or padded_head_dim(query.shape[-1]) > 128:
+        return False
+    B, Hq, Lq, D = query.shape
+    Hkv, S = key.shape[1], key.shape[2]
+    g_lq = Hq // Hkv * Lq
+    if max(max(plan.rows_per_node, default=0) for _, _, plan in prefixes) * g_lq < _FUSE_MIN_ROWS:
+        return False
+    e = query.element_size()
+    t_prefix = sum(max(2 * Hkv * D * e * plan.total_keys / _HBM_BYTES_PER_S,
+                       4 * D * Lq * Hq * plan.key_row_pairs / _DOT_FLOPS_PER_S) for _, _, plan in prefixes)
+    t_suffix = 2 * B * Hkv * S * D * e / _HBM_BYTES_PER_S
+    return t_suffix >= _FUSE_SUFFIX_RATIO * t_prefix
+
+
+def _cascade_triton(query, key, value, prefixes, *, scale, mask, causal, softcap, fuse_suffix: bool = True):
+    """Triton launches. ``fuse_suffix``: the last level's prefix programs and the suffix programs share
+    one launch and a combine kernel merges all states (L + 1 launches); else the suffix kernel merges
+    the prefix states in its prologue (also L + 1 launches, no overlap of the two passes)."""
     B, Hq, Lq, D = query.shape
     Hkv = key.shape[1]
     G = Hq // Hkv
-    configs = [_prefix_launch_config(query, k_pre, plan, None, None, None) for k_pre, _, plan in prefixes]
-    slots = sum(cfg[1] for cfg in configs)
+    dev = query.device
+    configs = [_prefix_launch_config(query, k_pre, plan, None, None, None, fused=fuse_suffix)
+               for k_pre, _, plan in prefixes]
+    slots = sum(cfg[1] for cfg in configs) + (1 if fuse_suffix else 0)
     m_total = B * Lq * G
-    part_out = torch.empty((slots, Hkv, m_total, D), dtype=torch.float32, device=query.device)
-    part_lse = torch.empty((slots, Hkv, m_total), dtype=torch.float32, device=query.device)
+    part_out = torch.empty((slots, Hkv, m_total, D), dtype=torch.float32, device=dev)
+    part_lse = torch.empty((slots, Hkv, m_total), dtype=torch.float32, device=dev)
     o_strides, l_strides = partial_strides(part_out, part_lse, Lq, G, D)
+    if not fuse_suffix:
+        slot0 = 0
+        for (k_pre, v_pre, plan), cfg in zip(prefixes, configs):
+            if m_total:
+                launch_prefix(query, k_pre, v_pre, plan, cfg, part_out, part_lse, o_strides, l_strides, slot0,
+                              scale=scale, softcap=softcap)
+            slot0 += cfg[1]
+        return launch_suffix(query, key, value, scale=scale, mask=mask, causal=causal, softcap=softcap,
+                             states=(part_out, part_lse, slots, (*o_strides, 1), l_strides))
+    # [B, Lq, Hq, D] memory so that transformers' out.transpose(1, 2) is free.
+    out = torch.empty((B, Lq, Hq, D), dtype=query.dtype, device=dev).transpose(1, 2)
+    lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=dev)
+    if m_total == 0:
+        return out, lse
     slot0 = 0
-    for (k_pre, v_pre, plan), cfg in zip(prefixes, configs):
-        if m_total:
-            launch_prefix(query, k_pre, v_pre, plan, cfg, part_out, part_lse, o_strides, l_strides, slot0,
-                          scale=scale, softcap=softcap)
+    for (k_pre, v_pre, plan), cfg in zip(prefixes[:-1], configs[:-1]):
+        launch_prefix(query, k_pre, v_pre, plan, cfg, part_out, part_lse, o_strides, l_strides, slot0,
+                      scale=scale, softcap=softcap)
         slot0 += cfg[1]
-    return launch_suffix(query, key, value, scale=scale, mask=mask, causal=causal, softcap=softcap,
-                         states=(part_out, part_lse, slots, (*o_strides, 1), l_strides))
+    k_pre, v_pre, plan = prefixes[-1]
+    _launch_fused(query, k_pre, v_pre, configs[-1], key, value, mask, causal, part_out, part_lse,
+                  o_strides, l_strides, slot0, slots - 1, scale=scale, softcap=softcap)
+    launch_combine(out, lse, part_out, part_lse, G)
+    return out, lse
+
+
+def _launch_fused(query, k_pre, v_pre, config, key, value, mask, causal, part_out, part_lse, o_strides,
+                  l_strides, slot0, suffix_slot, *, scale, softcap):
+    """One launch: the prefix programs of one level (slots slot0...) + the suffix programs (suffix_slot)."""
+    from . import _cascade_kernel as kernels  # lazy: triton is optional
+    from ._suffix_kernel import MASK_CAUSAL, MASK_FULL, MASK_TENSOR
+
+    sched, splits, block_mp, block_n, num_warps, num_stages = config
+    B, Hq, Lq, D = query.shape
+    Hkv, S = key.shape[1], key.shape[2]
+    G = Hq // Hkv
+    k_pre = k_pre if k_pre.stride(-1) == 1 else k_pre.contiguous()
+    v_pre = v_pre if v_pre.stride(-1) == 1 else v_pre.contiguous()
+    key = key if key.stride(-1) == 1 else key.contiguous()
+    value = value if value.stride(-1) == 1 else value.contiguous()
+    if mask is not None:
+        mask_arg = mask.expand(B, Lq, S).view(torch.uint8)  # no copy; stride 0 if broadcast
+        mask_strides = mask_arg.stride()
+        mode = MASK_TENSOR.value
+    else:
+        mask_arg, mask_strides = key, (0, 0, 0)  # unused placeholder pointer
+        mode = (MASK_CAUSAL if causal else MASK_FULL).value
+    block_ms = min(64, max(16, 1 << max(G * Lq - 1, 0).bit_length()))
+    if query.device.type != "cuda":
+        block_ms = min(block_ms, 32)
+    s_mtiles = -(-(G * Lq) // block_ms)
+    n_prefix = sched.num_tiles * Hkv * splits
+    block_d = padded_head_dim(D)
+    kernels._cascade_fwd_kernel[(n_prefix + B * Hkv * s_mtiles,)](
+        query, k_pre, v_pre,
+        sched.rows, sched.row_start, sched.node_starts, sched.tile_node, sched.tile_m0,
+        key, value, mask_arg, part_out, part_lse,
+        Lq, S, G, D, Hkv, splits, slot0, suffix_slot, n_prefix, sched.num_tiles, s_mtiles,
+        float(scale), float(softcap) if softcap is not None else 1.0,
+        *query.stride(), *k_pre.stride()[:2], *v_pre.stride()[:2],
+        *key.stride()[:3], *value.stride()[:3], *mask_strides,
+        *o_strides, *l_strides,
+        MASK_MODE=mode,
+        HAS_SOFTCAP=softcap is not None,
+        EVEN_D=block_d == D,
+        INPUT_PRECISION=dot_precision(query.dtype),
+        BLOCK_MP=block_mp, BLOCK_MS=block_ms, BLOCK_N=block_n, BLOCK_D=block_d,
+        num_warps=num_warps, num_stages=num_stages,
+    )
 
 
 def _cascade_unfused(query, key, value, prefixes, *, scale, mask, causal, softcap, backend):

@@ -20,7 +20,7 @@ from .reference import shared_prefix_attention_ref
 __all__ = ["PrefixPlan", "plan_shared_prefix", "shared_prefix_attention"]
 
 _OP = "shared_prefix_attention"
-_MIN_KEYS_PER_SPLIT = 256  # below this a KV split costs more (partials + combine) than it saves
+_MIN_KEYS_PER_SPLIT = 128  # below this a KV split costs more (partials + combine) than it saves
 
 
 @dataclass(eq=False)
@@ -62,6 +62,11 @@ class PrefixPlan:
         """Rows on a non-empty node; the others keep out 0 / lse -inf."""
         return sum(r for n, r in enumerate(self.rows_per_node)
                    if self.node_starts[n + 1] > self.node_starts[n])
+
+    @functools.cached_property
+    def key_row_pairs(self) -> int:
+        """Sum over nodes of rows x keys: the prefix pass's work per query head and position."""
+        return sum(r * (self.node_starts[n + 1] - self.node_starts[n]) for n, r in enumerate(self.rows_per_node))
 
     @functools.cached_property
     def max_node_len(self) -> int:
@@ -155,6 +160,8 @@ def plan_shared_prefix(
             f"got {bad[:8]}. Use -1 for rows without a node at this level."
         )
     device = torch.device(device) if device is not None else row_node.device
+    if device.type == "cuda" and device.index is None:  # "cuda" means the current device: match query.device
+        device = torch.device("cuda", torch.cuda.current_device())
     order = sorted((n, b) for b, n in enumerate(nodes) if n >= 0)  # stable: by node, then row
     counts = [0] * num_nodes
     for n, _ in order:
@@ -270,41 +277,44 @@ def _check_plan(plan: PrefixPlan, query: Tensor, key: Tensor) -> None:
         )
 
 
-def _prefix_config(D: int, m_node: int, device: torch.device) -> tuple[int, int, int, int]:
+def _prefix_config(D: int, m_node: int, device: torch.device, *, fused: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for ``m_node`` query rows on the largest node.
 
     BLOCK_M covers the node's rows x group x positions up to 128 (tensor-core M; 64 and 128 use
-    Hopper's wgmma with 4 / 8 warps); measured on an H100 (benchmarks/NOTES.md).
+    Hopper's wgmma with 4 / 8 warps). ``fused`` (prefix programs sharing a launch with the suffix
+    programs): at most 64 rows and 4 warps, so that two programs fit on one SM. Measured on an H100
+    (benchmarks/NOTES.md): BLOCK_N 64 with 3 stages is best or within 3% at every decode shape.
     """
     block_d = padded_head_dim(D)
     if device.type != "cuda":
         return 32, 64, 4, 1  # interpreter: small tiles keep numpy work per step low
-    block_m = min(128, max(16, 1 << max(m_node - 1, 0).bit_length()))
+    block_m = min(64 if fused else 128, max(16, 1 << max(m_node - 1, 0).bit_length()))
     if block_d >= 256:
-        return min(block_m, 64), 32, 4 if block_m <= 16 else 8, 2
+        return min(block_m, 64), 32, 4 if block_m <= 16 or fused else 8, 2
     if block_m >= 128:
         return 128, 64, 8, 3
     return block_m, 64, 4, 3
 
 
 def _num_splits(plan: PrefixPlan, tiles: int, hkv: int, block_n: int, device: torch.device) -> int:
-    """KV splits so that tiles * Hkv * splits roughly fills the device, each split >= 256 keys."""
+    """KV splits: about one program per SM (measured best: 128 programs on the H100's 132 SMs, from
+    B=1 to B=256), each split at least ``_MIN_KEYS_PER_SPLIT`` keys."""
     by_len = max(1, -(-plan.max_node_len // max(_MIN_KEYS_PER_SPLIT, block_n)))
-    want = -(-num_programs_target(device) // max(1, tiles * hkv))
+    want = max(1, num_programs_target(device) // max(1, tiles * hkv))
     return max(1, min(by_len, want))
 
 
 def _prefix_launch_config(query: Tensor, key: Tensor, plan: PrefixPlan, num_splits: int | None,
-                          block_m: int | None, block_n: int | None):
+                          block_m: int | None, block_n: int | None, fused: bool = False):
     """(schedule, splits, BLOCK_M, BLOCK_N, num_warps, num_stages); cached per call shape."""
     B, Hq, Lq, D = query.shape
     Hkv = key.shape[0]
     G = Hq // Hkv
-    cfg_key = (G, Lq, D, Hkv, num_splits, block_m, block_n)
+    cfg_key = (G, Lq, D, Hkv, num_splits, block_m, block_n, fused)
     cached = plan._tiles.get(cfg_key)
     if cached is None:
         m_node = max(plan.rows_per_node, default=0) * G * Lq
-        cfg_m, cfg_n, num_warps, num_stages = _prefix_config(D, m_node, query.device)
+        cfg_m, cfg_n, num_warps, num_stages = _prefix_config(D, m_node, query.device, fused=fused)
         bm, bn = block_m or cfg_m, block_n or cfg_n
         sched = plan.schedule(G * Lq, bm)
         splits = num_splits or _num_splits(plan, sched.num_tiles, Hkv, bn, query.device)
@@ -380,20 +390,27 @@ def _prefix_triton(
                       (0, lse.stride(0), G * lse.stride(1), lse.stride(1), lse.stride(2)),
                       0, scale=scale, softcap=softcap)
         return out, lse
-    from . import _prefix_kernel as kernels  # lazy: triton is optional
-
     m_total = B * Lq * G
     part_out = torch.empty((splits, Hkv, m_total, D), dtype=torch.float32, device=dev)
     part_lse = torch.empty((splits, Hkv, m_total), dtype=torch.float32, device=dev)
     launch_prefix(query, key, value, plan, config, part_out, part_lse,
                   *partial_strides(part_out, part_lse, Lq, G, D), 0, scale=scale, softcap=softcap)
+    launch_combine(out, lse, part_out, part_lse, G)
+    return out, lse
+
+
+def launch_combine(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor, G: int) -> None:
+    """Merge every slot of the fp32 states [slots, Hkv, B*Lq*G, D] into out [B, Hq, Lq, D] / lse."""
+    from . import _prefix_kernel as kernels  # lazy: triton is optional
+
+    B, Hq, Lq, D = out.shape
+    slots, Hkv, m_total = part_lse.shape
     block_d = padded_head_dim(D)
-    block_c = 32 if dev.type == "cuda" else 16
-    kernels._prefix_combine_kernel[(-(-m_total // block_c), Hkv)](
+    block_c = 16 if out.device.type != "cuda" or -(-m_total // 32) * Hkv < num_programs_target(out.device) else 32
+    kernels._state_combine_kernel[(-(-m_total // block_c), Hkv)](
         out, lse, part_out, part_lse,
-        m_total, Lq, G, D, splits,
+        m_total, Lq, G, D, slots,
         *out.stride()[:3], *lse.stride(),
         part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1),
         EVEN_D=block_d == D, BLOCK_M=block_c, BLOCK_D=block_d, num_warps=4,
     )
-    return out, lse
