@@ -64,6 +64,8 @@ class ResultWriter:
         self.path = Path(path) if path else RESULTS_DIR / name
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.mirror = Path(os.environ["OUT"]) / name if os.environ.get("OUT") else None
+        if self.mirror is not None and self.mirror.resolve() == self.path.resolve():
+            self.mirror = None  # --output already points into $OUT
         self.info = machine_info()
 
     def write(self, record: dict) -> None:
