@@ -93,37 +93,6 @@ def cuda_time(fn, *, warmup: int = 3, repeat: int = 20) -> dict:
     return {"ms": pick(0.5), "ms_p20": pick(0.2), "ms_p80": pick(0.8)}
 
 
-def cuda_graph_time(fn, *, repeat: int = 20, replays_per_sample: int = 10) -> dict:
-    """Median / p20 / p80 device milliseconds of ``fn()`` replayed from a captured CUDA graph.
-
-    Launch and host (Python) overhead drop out, so this is the kernels' own time; compare with
-    :func:`cuda_time` to see how much of an eager call is overhead.
-    """
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(replays_per_sample):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / replays_per_sample)
-    times.sort()
-    pick = lambda q: times[min(len(times) - 1, int(q * len(times)))]  # noqa: E731
-    return {"ms": pick(0.5), "ms_p20": pick(0.2), "ms_p80": pick(0.8)}
-
-
 def wall_time(fn) -> tuple[float, object]:
     """Seconds of ``fn()`` including device work (synchronised), and its result."""
     if torch.cuda.is_available():

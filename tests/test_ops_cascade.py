@@ -6,23 +6,14 @@ those keys per row and runs plain softmax attention. Triton cases run under TRIT
 (CI) or on CUDA; bf16 is in tests/test_ops_gpu.py.
 """
 
-import os
 
 import pytest
 import torch
 
-from hf_cascade.ops import cascade_attention, plan_shared_prefix, triton_available
+from hf_cascade.ops import cascade_attention, plan_shared_prefix
 from hf_cascade.ops.cascade_attention import _cascade_triton
 
-CUDA = torch.cuda.is_available()
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-DEVICE = "cuda" if CUDA and not INTERPRET else "cpu"
-TRITON_OK = triton_available() and (CUDA or INTERPRET)
-needs_triton = pytest.mark.skipif(
-    not TRITON_OK, reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (and triton installed)"
-)
-BACKENDS = ["torch", pytest.param("triton", marks=needs_triton)]
-NEG_INF = float("-inf")
+from _ops_common import CUDA, DEVICE, needs_triton, BACKENDS, NEG_INF
 
 
 def make_level(hkv, d, dtype, lens, row_node):

@@ -13,15 +13,7 @@ import torch
 
 from hf_cascade.ops import merge_attention_states, merge_attention_states_ref, triton_available
 
-CUDA = torch.cuda.is_available()
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-DEVICE = "cuda" if CUDA and not INTERPRET else "cpu"
-TRITON_OK = triton_available() and (CUDA or INTERPRET)
-needs_triton = pytest.mark.skipif(
-    not TRITON_OK, reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (and triton installed)"
-)
-BACKENDS = ["torch", pytest.param("triton", marks=needs_triton)]
-NEG_INF = float("-inf")
+from _ops_common import CUDA, DEVICE, BACKENDS, NEG_INF
 
 
 def assert_within_rounding(actual, ref32, dtype, floor=1e-6):

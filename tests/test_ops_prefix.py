@@ -5,7 +5,6 @@ repeats KV heads explicitly. Triton cases run under TRITON_INTERPRET=1 (CI) or o
 tests/test_ops_gpu.py (the interpreter cannot multiply bf16).
 """
 
-import os
 
 import pytest
 import torch
@@ -14,19 +13,10 @@ from hf_cascade.ops import (
     plan_shared_prefix,
     shared_prefix_attention,
     shared_prefix_attention_ref,
-    triton_available,
 )
 from hf_cascade.ops.prefix_attention import _prefix_triton
 
-CUDA = torch.cuda.is_available()
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-DEVICE = "cuda" if CUDA and not INTERPRET else "cpu"
-TRITON_OK = triton_available() and (CUDA or INTERPRET)
-needs_triton = pytest.mark.skipif(
-    not TRITON_OK, reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (and triton installed)"
-)
-BACKENDS = ["torch", pytest.param("triton", marks=needs_triton)]
-NEG_INF = float("-inf")
+from _ops_common import CUDA, DEVICE, needs_triton, BACKENDS, NEG_INF
 
 # Node lengths: an empty node, a 1-token node, 17 tokens, and 511 (spans several KV blocks and
 # splits, not a multiple of any block size).

@@ -3,7 +3,6 @@
 Triton cases run under TRITON_INTERPRET=1 (CI) or on CUDA; bf16 is in tests/test_ops_gpu.py.
 """
 
-import os
 
 import pytest
 import torch
@@ -12,19 +11,10 @@ from hf_cascade.ops import (
     merge_attention_states_ref,
     suffix_attention,
     suffix_attention_ref,
-    triton_available,
 )
 from hf_cascade.ops.suffix_attention import _suffix_triton
 
-CUDA = torch.cuda.is_available()
-INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
-DEVICE = "cuda" if CUDA and not INTERPRET else "cpu"
-TRITON_OK = triton_available() and (CUDA or INTERPRET)
-needs_triton = pytest.mark.skipif(
-    not TRITON_OK, reason="Triton kernels need CUDA or TRITON_INTERPRET=1 (and triton installed)"
-)
-BACKENDS = ["torch", pytest.param("triton", marks=needs_triton)]
-NEG_INF = float("-inf")
+from _ops_common import CUDA, DEVICE, needs_triton, BACKENDS, NEG_INF
 
 
 def make_qkv(B, hq, hkv, lq, s, d, dtype):
