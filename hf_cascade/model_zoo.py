@@ -16,6 +16,10 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", "sdpa", {"num_key_value_heads": 4}),  # MHA variant
     "qwen3": ("Qwen3Config", "sdpa", {"head_dim": 16}),
     "phi3": ("Phi3Config", "sdpa", {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
+    "mixtral": ("MixtralConfig", "sdpa", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None}),
+    "gemma": ("GemmaConfig", "sdpa", {"head_dim": 16}),
+    "olmo2": ("Olmo2Config", "sdpa", {}),
+    "granite": ("GraniteConfig", "sdpa", {}),
     "gemma2": (
         "Gemma2Config",
         "eager",  # transformers has no sdpa path with attention-logit softcapping
