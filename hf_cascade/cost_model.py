@@ -39,6 +39,3 @@ class CascadeCostModel:
         s = suffix_tokens + self.new_tokens
         return rows * (tokens + s) / (tokens + rows * s) >= self.min_byte_ratio
 
-    def as_predicate(self):
-        """The ``keep_node(rows, tokens, suffix_tokens) -> bool`` that :func:`find_shared_prefixes` takes."""
-        return self.share

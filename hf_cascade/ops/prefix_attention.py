@@ -53,16 +53,6 @@ class PrefixPlan:
     rows_per_node: tuple[int, ...]
     _tiles: dict = field(default_factory=dict, repr=False)
 
-    @property
-    def has_rows_without_node(self) -> bool:
-        return any(n < 0 for n in self.row_node)
-
-    @functools.cached_property
-    def covered_rows(self) -> int:
-        """Rows on a non-empty node; the others keep out 0 / lse -inf."""
-        return sum(r for n, r in enumerate(self.rows_per_node)
-                   if self.node_starts[n + 1] > self.node_starts[n])
-
     @functools.cached_property
     def key_row_pairs(self) -> int:
         """Sum over nodes of rows x keys: the prefix pass's work per query head and position."""
