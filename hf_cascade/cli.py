@@ -430,6 +430,11 @@ def cmd_demo(args) -> int:
             "\nOn CPU, times mostly measure the Python overhead of a tiny model: cascade's speedup needs a GPU,\n"
             "long shared prefixes and large batches (python -m hf_cascade bench). The KV saving holds everywhere."
         )
+    elif args.model is None:
+        print(
+            "\nA tiny random model on a GPU measures launch overhead, not attention: cascade pays with long shared\n"
+            "prefixes, wide batches and a real model (python -m hf_cascade bench, or --model PATH)."
+        )
     return 0 if r["identical"] or not args.check else 1
 
 
