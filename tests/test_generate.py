@@ -7,6 +7,7 @@ left-padded batch a tokenizer returns.
 
 import pytest
 import torch
+import transformers
 
 import hf_cascade
 from hf_cascade.model_zoo import FAMILIES, reference_attention, tiny_model
@@ -183,3 +184,16 @@ def test_cascade_without_prefix_is_sdpa():
     assert torch.equal(got, want)
     with torch.no_grad():
         torch.testing.assert_close(cas(ids, attention_mask=mask).logits, ref(ids, attention_mask=mask).logits)
+
+
+@pytest.mark.skipif(
+    tuple(int(x) for x in transformers.__version__.split(".")[:2]) < (5, 18),
+    reason="transformers 5.17's chunked prefill re-feeds the columns a pre-filled cache already holds (any cache)",
+)
+def test_chunked_prefill_matches_reference():
+    """generate(prefill_chunk_size=k) feeds the suffixes in chunks through the cascade cache."""
+    ref, cas = model_pair("llama")
+    rows = make_prompts(seed=13, groups=2, per_group=2)
+    want, got, want_new, got_new, _ = run_pair(ref, cas, rows, dict(do_sample=False, prefill_chunk_size=3))
+    assert torch.equal(got_new, want_new)
+    assert_logits_close(want, got)
