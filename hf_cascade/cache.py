@@ -225,9 +225,6 @@ class CascadeCache(Cache):
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         return self.layers[layer_idx].get_seq_length() + query_length, self.prefix_length
 
-    def get_query_offset(self, layer_idx: int = 0) -> int:
-        return self.get_seq_length(layer_idx)
-
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:  # transformers 5.17
         return -1
 

@@ -31,9 +31,10 @@ collective operation.
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from hf_cascade.attention import bind_layer, check_model_uses_cascade
+from hf_cascade.cache import _num_layers, _SuffixLayer
 from hf_cascade.ops.prefix_attention import plan_shared_prefix, shared_prefix_attention
 from hf_cascade.ops.suffix_attention import suffix_attention
 from hf_cascade.parallel._group import GroupInfo
@@ -45,7 +46,7 @@ PLACEMENTS = ("least_loaded", "round_robin")
 _GROW = 256  # columns of spare capacity added when a rank's row KV storage is full
 
 
-class _ShardLayer(CacheLayerMixin):
+class _ShardLayer(_SuffixLayer):
     """One model layer's slice of the sequence on this rank.
 
     Attributes:
@@ -55,38 +56,28 @@ class _ShardLayer(CacheLayerMixin):
         prefix_keys, prefix_values: ``[num_kv_heads, P_r, head_dim]`` shared-prefix shard, or None.
     """
 
-    is_sliding = False
-    is_compileable = False
-    is_croppable = True
-
     def __init__(self):
         super().__init__()
-        self.keys = self.values = self.cols = None
+        self.cols = None
         self.prefix_keys = self.prefix_values = None
         self.length = 0
         self._buffers = None  # (keys, values, cols) storage with spare capacity; keys/values/cols are views
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.keys = key_states[:, :, :0]
-        self.values = value_states[:, :, :0]
+        super().lazy_initialization(key_states, value_states)
         self.cols = torch.zeros(0, dtype=torch.long, device=key_states.device)
-        self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):  # the cache implements update itself
         raise NotImplementedError("ContextParallelCache layers are updated through ContextParallelCache.update().")
+
+    def crop(self, tokens_to_remove: int) -> None:  # columns are global: the cache crops with keep_columns_below
+        raise NotImplementedError("ContextParallelCache layers are cropped through ContextParallelCache.crop().")
 
     def get_seq_length(self) -> int:
         return self.length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def get_max_cache_shape(self) -> int:  # transformers 5.17
-        return -1
 
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor, start: int) -> None:
         """Append ``[batch, num_kv_heads, q_len, head_dim]`` new KV at global columns ``start, start + 1, ...``.
@@ -122,18 +113,8 @@ class _ShardLayer(CacheLayerMixin):
         self.length = min(self.length, length)
 
     def _select(self, fn) -> None:
-        if self.keys is not None:
-            self.keys, self.values = fn(self.keys), fn(self.values)
-            self._buffers = None
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._select(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._select(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._select(lambda t: t[indices])
+        super()._select(fn)
+        self._buffers = None  # keys/values are no longer views of the growth buffers
 
     def reset(self) -> None:
         self.__init__()
@@ -144,10 +125,6 @@ class _ShardLayer(CacheLayerMixin):
         tensors = (self.keys, self.values, self.prefix_keys, self.prefix_values)
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
-
-def _num_layers(config) -> int:
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return int(text_config.num_hidden_layers)
 
 
 class ContextParallelCache(Cache):
