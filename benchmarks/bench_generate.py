@@ -66,11 +66,14 @@ def reset_memory():
     torch.cuda.reset_peak_memory_stats()
 
 
-def run_cascade(model, ids, mask, new_tokens):
+def run_cascade(model, ids, mask, new_tokens, compiled=False):
+    """hf_cascade; ``compiled``: fixed suffix buffers, so generate() compiles the decode step (CUDA graphs)."""
     model.set_attn_implementation("cascade")
     gen = dict(do_sample=False, pad_token_id=0)
     reset_memory()
-    t_prefix, inputs = wall_time(lambda: hf_cascade.shared_prefix_inputs(model, ids, mask))
+    t_prefix, inputs = wall_time(
+        lambda: hf_cascade.shared_prefix_inputs(model, ids, mask, max_new_tokens=new_tokens if compiled else None)
+    )
     t_first, _ = wall_time(lambda: model.generate(**inputs, max_new_tokens=1, **gen))
     t_all, out = wall_time(lambda: model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **gen))
     cache = inputs["past_key_values"]
@@ -84,9 +87,12 @@ def run_cascade(model, ids, mask, new_tokens):
     }
 
 
-def run_sdpa(model, ids, mask, new_tokens):
+def run_sdpa(model, ids, mask, new_tokens, compiled=False):
+    """generate() with sdpa; ``compiled``: transformers' static cache, which generate() compiles (CUDA graphs)."""
     model.set_attn_implementation("sdpa")
     gen = dict(do_sample=False, pad_token_id=0)
+    if compiled:
+        gen["cache_implementation"] = "static"
     reset_memory()
     t_first, _ = wall_time(lambda: model.generate(ids, attention_mask=mask, max_new_tokens=1, **gen))
     t_all, out = wall_time(
@@ -134,13 +140,27 @@ def main(argv=None):
     parser.add_argument("--suffix", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--batches", type=int, nargs="+", default=[32, 64, 128, 256])
-    parser.add_argument("--peers", nargs="+", default=["cascade", "sdpa", "generate_batch"])
+    parser.add_argument(
+        "--peers", nargs="+", default=["cascade_compiled", "cascade", "sdpa_compiled", "sdpa", "generate_batch"],
+        help="*_compiled: generate()'s auto-compile (torch.compile, CUDA graphs) with a fixed-size cache; each "
+        "compiled peer runs once untimed per batch size first (compilation and graph capture, reported as warmup_s)",
+    )
     parser.add_argument("--skip-after-oom", action="store_true", default=True)
     parser.add_argument("--output", default=None, help="JSON-lines file (default benchmarks/results/generate.jsonl)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_generate.py needs a CUDA GPU.")
 
+    runners = {
+        "cascade": run_cascade,
+        "cascade_compiled": lambda *a: run_cascade(*a, compiled=True),
+        "sdpa": run_sdpa,
+        "sdpa_compiled": lambda *a: run_sdpa(*a, compiled=True),
+        "generate_batch": run_generate_batch,
+    }
+    unknown = set(args.peers) - set(runners)
+    if unknown:
+        raise SystemExit(f"unknown peers {sorted(unknown)}; choose from {sorted(runners)}")
     writer = ResultWriter("generate.jsonl", args.output)
     model = build_model(args.layers)
     vocab = model.config.vocab_size
@@ -151,7 +171,7 @@ def main(argv=None):
     for peer in ("cascade", "sdpa"):
         if peer in args.peers:
             try:
-                (run_cascade if peer == "cascade" else run_sdpa)(model, ids, mask, args.new_tokens)
+                runners[peer](model, ids, mask, args.new_tokens)
             except torch.OutOfMemoryError:
                 pass
     reset_memory()
@@ -159,7 +179,6 @@ def main(argv=None):
     writer.write({"bench": "generate_check", **workload, **check})
     print("check:", check, flush=True)
 
-    runners = {"cascade": run_cascade, "sdpa": run_sdpa, "generate_batch": run_generate_batch}
     out_of_memory = set()
     rows = []
     for batch in args.batches:
@@ -171,6 +190,9 @@ def main(argv=None):
                 record["status"] = "skipped: out of memory at a smaller batch"
             else:
                 try:
+                    if peer.endswith("_compiled"):  # compile + capture for this batch size, untimed
+                        record["warmup_s"], _ = wall_time(lambda: runners[peer](model, ids, mask, args.new_tokens))
+                        reset_memory()
                     result = runners[peer](model, ids, mask, args.new_tokens)
                     new = result.pop("new_tokens", None)
                     if new is not None:
@@ -183,17 +205,19 @@ def main(argv=None):
                 except Exception as err:  # a peer failing must not hide the others' numbers
                     record["status"] = f"error: {type(err).__name__}: {str(err)[:300]}"
             reset_memory()
-            if "cascade" in tokens and "sdpa" in tokens and peer == "sdpa":
-                record["greedy_tokens_equal_cascade_frac"] = (tokens["cascade"] == tokens["sdpa"]).float().mean().item()
+            if peer == "sdpa" and "sdpa" in tokens:
+                for other in ("cascade", "cascade_compiled", "sdpa_compiled"):
+                    if other in tokens and other != peer:
+                        record[f"greedy_tokens_equal_{other}_frac"] = (tokens[other] == tokens[peer]).float().mean().item()
             writer.write(record)
             rows.append(record)
             print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in record.items()}, flush=True)
 
-    print(f"\n{'peer':>15} {'B':>4} {'total s':>8} {'prefill s':>9} {'ms/step':>8} {'tok/s':>8} {'peak GiB':>8}  status")
+    print(f"\n{'peer':>17} {'B':>4} {'total s':>8} {'prefill s':>9} {'ms/step':>8} {'tok/s':>8} {'peak GiB':>8}  status")
     for r in rows:
         f = lambda k, fmt: format(r[k], fmt) if isinstance(r.get(k), (int, float)) else "-"  # noqa: E731
         print(
-            f"{r['peer']:>15} {r['batch']:>4} {f('total_s', '8.2f')} {f('prefill_s', '9.2f')} "
+            f"{r['peer']:>17} {r['batch']:>4} {f('total_s', '8.2f')} {f('prefill_s', '9.2f')} "
             f"{f('decode_ms_per_step', '8.1f')} {f('tokens_per_s', '8.0f')} {f('peak_gib', '8.1f')}  {r['status']}"
         )
 

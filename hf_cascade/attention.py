@@ -30,6 +30,16 @@ ATTENTION_NAME = "cascade"
 _BINDING: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("hf_cascade_binding", default=None)
 
 
+class _TracedBinding:
+    """The binding while ``torch.compile`` traces a forward (dynamo cannot trace a ContextVar). Set and read within
+    one traced frame, so the compiled graph holds the resolved cache; nothing is looked up when it runs."""
+
+    binding: tuple | None = None
+
+
+_TRACED = _TracedBinding()
+
+
 class AttentionProvider(Protocol):
     """What a cache must implement to take over attention for the layers it serves."""
 
@@ -57,19 +67,29 @@ class AttentionProvider(Protocol):
 
 def bind_layer(cache: AttentionProvider, layer_idx: int, key: torch.Tensor) -> None:
     """Called by a cache's ``update()``: the next attention call of ``layer_idx`` with ``key`` goes to ``cache``."""
-    _BINDING.set((weakref.ref(cache), layer_idx, key))
+    if torch.compiler.is_compiling():
+        _TRACED.binding = (cache, layer_idx, key)
+    else:
+        _BINDING.set((weakref.ref(cache), layer_idx, key))
 
 
 def bound_provider(module: torch.nn.Module, key: torch.Tensor) -> AttentionProvider | None:
     """The cache bound for this attention call, or None. Clears the binding (it is single-use)."""
-    binding = _BINDING.get()
-    if binding is None:
-        return None
-    _BINDING.set(None)
-    cache_ref, layer_idx, bound_key = binding
+    if torch.compiler.is_compiling():
+        binding, _TRACED.binding = _TRACED.binding, None
+        if binding is None:
+            return None
+        cache, layer_idx, bound_key = binding
+    else:
+        binding = _BINDING.get()
+        if binding is None:
+            return None
+        _BINDING.set(None)
+        cache_ref, layer_idx, bound_key = binding
+        cache = cache_ref()
     if bound_key is not key or layer_idx != getattr(module, "layer_idx", None):
         return None
-    return cache_ref()
+    return cache
 
 
 def _as_bool_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:

@@ -30,8 +30,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from hf_cascade.attention import bind_layer, check_model_uses_cascade
-from hf_cascade.ops.cascade_attention import cascade_attention
-from hf_cascade.ops.prefix_attention import plan_shared_prefix
+from hf_cascade.ops.cascade_op import LevelLayout, cascade_attention_with_layout, encode_layouts
 
 
 class _SuffixLayer(CacheLayerMixin):
@@ -100,6 +99,91 @@ class _SuffixLayer(CacheLayerMixin):
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
 
+class _StaticSuffixLayer(_SuffixLayer):
+    """One model layer's per-row suffix KV in fixed buffers ``[batch, num_kv_heads, max_suffix_length, head_dim]``.
+
+    Written in place at a device-side length (``cumulative_length``, int64 scalar), so a decode step has no
+    host-dependent shapes and no host synchronisation: what ``torch.compile`` and CUDA graphs need (as
+    transformers' ``StaticLayer``). ``update()`` returns the whole buffers; columns not written yet are zeros and
+    the mask hides them. The buffers survive ``reset()`` (same addresses for the next generate() call).
+    """
+
+    is_compileable = True
+
+    def __init__(self, max_suffix_length: int):
+        super().__init__()
+        self.max_suffix_length = max_suffix_length
+        self.cumulative_length = torch.zeros((), dtype=torch.int64)
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        shape = (*key_states.shape[:2], self.max_suffix_length, key_states.shape[-1])
+        self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.cumulative_length = torch.zeros((), dtype=torch.int64, device=self.device)
+        if not torch.compiler.is_compiling():
+            # Fixed addresses for CUDA graphs; guard=False: a new cache re-records graphs instead of recompiling.
+            for tensor in (self.keys, self.values, self.cumulative_length):
+                torch._dynamo.mark_static_address(tensor, guard=False)
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized or self.keys.shape[0] != key_states.shape[0]:
+            self.lazy_initialization(key_states, value_states)
+        if not torch.compiler.is_compiling():
+            length = int(self.cumulative_length) + key_states.shape[-2]
+            if length > self.max_suffix_length:
+                raise ValueError(
+                    f"This CascadeCache holds at most {self.max_suffix_length} suffix tokens per row "
+                    f"(`max_suffix_length`) and this step would make {length}. Build the cache with a larger "
+                    "`max_suffix_length` (or `max_new_tokens` in shared_prefix_inputs), or lower `max_new_tokens`."
+                )
+        positions = torch.arange(key_states.shape[-2], device=self.device) + self.cumulative_length
+        self.cumulative_length.add_(key_states.shape[-2])
+        self.keys.index_copy_(2, positions, key_states)
+        self.values.index_copy_(2, positions, value_states)
+        return self.keys, self.values
+
+    def get_seq_length(self):
+        """The number of suffix tokens written, as a device int64 scalar (0 before the first update)."""
+        return self.cumulative_length if self.is_initialized else 0
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.max_suffix_length, 0
+
+    def get_max_length(self) -> int:
+        return self.max_suffix_length
+
+    def get_max_cache_shape(self) -> int:  # transformers 5.17
+        return self.max_suffix_length
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            self.cumulative_length.zero_()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if self.is_initialized and tokens_to_remove > 0:
+            self.cumulative_length.sub_(min(tokens_to_remove, int(self.cumulative_length)))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_initialized:  # in place: the buffers keep their addresses
+            beam_idx = beam_idx.to(self.device)
+            self.keys.copy_(self.keys.index_select(0, beam_idx))
+            self.values.copy_(self.values.index_select(0, beam_idx))
+
+    def _select(self, fn) -> None:
+        super()._select(fn)
+        if self.is_initialized and not torch.compiler.is_compiling():
+            for tensor in (self.keys, self.values):
+                torch._dynamo.mark_static_address(tensor, guard=False)
+
+    def causal_mask(self, query_length: int) -> torch.Tensor:
+        """bool ``[1, q_len, max_suffix_length]``: query i sees the written columns up to its own position."""
+        columns = torch.arange(self.max_suffix_length, device=self.device)
+        last = self.cumulative_length - query_length + torch.arange(query_length, device=self.device)
+        return (columns[None, :] <= last[:, None])[None]
+
+
 @dataclass
 class PrefixLevel:
     """One level of the shared-prefix tree.
@@ -152,9 +236,23 @@ class CascadeCache(Cache):
         levels: Sequence[PrefixLevel] = (),
         row_nodes: torch.Tensor | None = None,
         prefix_length: int = 0,
+        max_suffix_length: int | None = None,
     ):
         check_model_uses_cascade(model)
-        super().__init__(layers=[_SuffixLayer() for _ in range(_num_layers(model.config))])
+        if max_suffix_length is not None and (
+            isinstance(max_suffix_length, bool) or not isinstance(max_suffix_length, int) or max_suffix_length < 1
+        ):
+            raise ValueError(
+                f"`max_suffix_length` must be None (suffixes grow as needed) or a positive int (fixed buffers, "
+                f"compileable); got {max_suffix_length!r}."
+            )
+        self.max_suffix_length = max_suffix_length
+        num_layers = _num_layers(model.config)
+        if max_suffix_length is None:
+            layers = [_SuffixLayer() for _ in range(num_layers)]
+        else:
+            layers = [_StaticSuffixLayer(max_suffix_length) for _ in range(num_layers)]
+        super().__init__(layers=layers)
         self.levels: list[PrefixLevel] = list(levels)
         self.prefix_length = int(prefix_length)
         if row_nodes is not None and row_nodes.shape[0] != len(self.levels):
@@ -169,6 +267,11 @@ class CascadeCache(Cache):
         self._planned_row_nodes = row_nodes
         self._set_rows(row_nodes)
         self.prefilled_prefix_tokens = sum(level.node_starts[-1] for level in self.levels)
+        if max_suffix_length is not None and not torch.compiler.is_compiling():
+            # CUDA graphs read the prefix in place (no copy per replay); a new cache re-records, never recompiles.
+            for level in self.levels:
+                for tensor in (*level.keys, *level.values):
+                    torch._dynamo.mark_static_address(tensor, guard=False)
         # The attention modules this cache may serve (reusing it with another model is an error).
         self._modules: dict[int, weakref.WeakSet] = {}
         for module in model.modules():
@@ -180,12 +283,17 @@ class CascadeCache(Cache):
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def from_prefix(cls, model: torch.nn.Module, prefix_ids: torch.Tensor | Sequence[int]) -> "CascadeCache":
+    def from_prefix(
+        cls, model: torch.nn.Module, prefix_ids: torch.Tensor | Sequence[int], max_suffix_length: int | None = None
+    ) -> "CascadeCache":
         """Prefill ``prefix_ids`` once and return a cache every row of a later batch shares.
 
         Args:
             model: a causal LM loaded with ``attn_implementation="cascade"``.
             prefix_ids: ``[P]`` or ``[1, P]`` token ids (int64), P >= 1.
+            max_suffix_length: None (suffixes grow as needed), or the most tokens any row holds after the prefix
+                (prompt suffix + new tokens): fixed buffers, so generate() compiles the decode step on CUDA
+                (transformers' auto-compile, CUDA graphs) as it does with ``cache_implementation="static"``.
         Returns:
             A cache holding the prefix KV once; pass it to ``model.generate(input_ids, attention_mask=...,
             past_key_values=cache)`` with rows laid out ``[prefix | pads | suffix]``.
@@ -208,30 +316,37 @@ class CascadeCache(Cache):
             )
         tokens = tuple(prefix.tolist())
         levels = prefill_levels(model, [[(tokens, None, 0)]])
-        return cls(model, levels, row_nodes=None, prefix_length=len(tokens))
+        return cls(model, levels, row_nodes=None, prefix_length=len(tokens), max_suffix_length=max_suffix_length)
 
     # ------------------------------------------------------------------ what generate() calls
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Append the new suffix KV ``[batch, num_kv_heads, q_len, head_dim]``; return this layer's suffix KV."""
-        if self.layers[layer_idx].get_seq_length() == 0:
-            self._match_rows(key_states.shape[0])
+        self._match_rows(key_states.shape[0])
         keys, values = self.layers[layer_idx].update(key_states, value_states)
         bind_layer(self, layer_idx, keys)
         return keys, values
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
+    def get_seq_length(self, layer_idx: int = 0):
+        """Prefix + suffix tokens: an int, or (fixed buffers) a device int64 scalar, as transformers' StaticCache."""
         return self.prefix_length + self.layers[layer_idx].get_seq_length()
 
+    @property
+    def suffix_length(self) -> int:
+        """Suffix tokens held per row (columns after the prefix; synchronises with the device for fixed buffers)."""
+        return int(self.layers[0].get_seq_length())
+
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        if self.max_suffix_length is not None:
+            return self.max_suffix_length, self.prefix_length
         return self.layers[layer_idx].get_seq_length() + query_length, self.prefix_length
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:  # transformers 5.17
-        return -1
+        return -1 if self.max_suffix_length is None else self.prefix_length + self.max_suffix_length
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop ``-tokens_to_remove`` tokens from the end (negative, transformers >= 5.18 convention) or crop to an
         absolute length (positive, 5.17's legacy convention). The shared prefix cannot be cropped."""
-        suffix_length = self.layers[0].get_seq_length()
+        suffix_length = self.suffix_length
         if tokens_to_remove > 0:  # legacy: the absolute length to keep
             tokens_to_remove = max(self.get_seq_length() - tokens_to_remove, 0)
         else:
@@ -293,31 +408,33 @@ class CascadeCache(Cache):
         nodes = "/".join(str(level.num_nodes) for level in self.levels) or "0"
         return (
             f"CascadeCache(prefix_length={self.prefix_length}, levels={len(self.levels)}, nodes per level={nodes}, "
-            f"suffix_length={self.layers[0].get_seq_length()}, nbytes={self.nbytes})"
+            f"suffix_length={self.suffix_length}, nbytes={self.nbytes})"
         )
 
     # ------------------------------------------------------------------ attention
     def _set_rows(self, row_nodes: torch.Tensor | None) -> None:
         self.row_nodes = row_nodes
-        self._plans: dict[tuple[int, int, torch.device], object] = {}
+        self._layouts: dict[int, tuple[LevelLayout, ...]] = {}
 
-    def _plan(self, level_idx: int, batch_size: int, device: torch.device):
-        """The prefix-pass schedule of one level for the current rows (built once per batch layout)."""
-        key = (level_idx, batch_size, device)
-        plan = self._plans.get(key)
-        if plan is None:
-            if self.row_nodes is None:
-                row_node = torch.zeros(batch_size, dtype=torch.int64)
-            else:
-                row_node = self.row_nodes[level_idx]
-            plan = plan_shared_prefix(row_node, torch.tensor(self.levels[level_idx].node_starts), device=device)
-            self._plans[key] = plan
-        return plan
+    def _level_layouts(self, batch_size: int) -> tuple[LevelLayout, ...]:
+        """Per level ``(row_node, node_starts)`` host tuples for the current rows (built once per batch layout)."""
+        layouts = self._layouts.get(batch_size)
+        if layouts is None:
+            layouts = tuple(
+                (
+                    (0,) * batch_size if self.row_nodes is None else tuple(self.row_nodes[level_idx].tolist()),
+                    tuple(level.node_starts),
+                )
+                for level_idx, level in enumerate(self.levels)
+            )
+            self._layouts[batch_size] = layouts
+        return layouts
 
     def _match_rows(self, batch_size: int) -> None:
         """Fit the planned rows to the batch generate() runs: num_return_sequences / num_beams expand rows
         with repeat_interleave and never the cache, so a multiple of the planned batch is expanded the same way."""
         if self.row_nodes is None or self.row_nodes.shape[1] == batch_size:
+            self._level_layouts(batch_size)  # planned here, outside any compiled or captured region
             return
         planned = self.row_nodes.shape[1]
         if batch_size % planned:
@@ -327,6 +444,7 @@ class CascadeCache(Cache):
                 "multiple of them, as num_return_sequences/num_beams make), or build a new cache for this batch."
             )
         self._set_rows(self.row_nodes.repeat_interleave(batch_size // planned, dim=1))
+        self._level_layouts(batch_size)
 
     def _check_module(self, module: torch.nn.Module) -> None:
         modules = self._modules.get(module.layer_idx)
@@ -348,24 +466,34 @@ class CascadeCache(Cache):
         Returns:
             ``[batch, q_len, num_heads, head_dim]`` in ``query.dtype``.
         """
-        self._check_module(module)
+        if not torch.compiler.is_compiling():  # checked eagerly at prefill; a compiled step is bound to this model
+            self._check_module(module)
         layer_idx = module.layer_idx
-        batch_size = query.shape[0]
         if sliding_window is not None and self.levels:
             last_column = self.prefix_length + key.shape[2] - 1
             if last_column >= sliding_window:
                 raise NotImplementedError(
                     f"{type(module).__name__} (layer {layer_idx}) uses a sliding window of {sliding_window} tokens, "
-                    f"and this sequence ({last_column + 1} tokens with the shared prefix) is longer: the cascade "
-                    "cache does not yet drop prefix tokens that slide out of the window. Keep prompt + new tokens "
-                    "within the window, or use attn_implementation='sdpa' for this model."
+                    f"and this sequence ({last_column + 1} tokens with the shared prefix"
+                    f"{', counting max_suffix_length' if self.max_suffix_length is not None else ''}) is longer: the "
+                    "cascade cache does not yet drop prefix tokens that slide out of the window. Keep prompt + new "
+                    "tokens within the window, or use attn_implementation='sdpa' for this model."
                 )
+        layer = self.layers[layer_idx]
+        if attention_mask is None and isinstance(layer, _StaticSuffixLayer):
+            attention_mask = layer.causal_mask(query.shape[2])  # None would also admit the unwritten columns
+        prefix_keys = [level.keys[layer_idx] for level in self.levels]
+        prefix_values = [level.values[layer_idx] for level in self.levels]
+        layouts = self._level_layouts(query.shape[0])
         # One launch per prefix level plus one for the suffix (which also merges the levels' states).
-        prefixes = [
-            (level.keys[layer_idx], level.values[layer_idx], self._plan(level_idx, batch_size, query.device))
-            for level_idx, level in enumerate(self.levels)
-        ]
-        out, _ = cascade_attention(
-            query, key, value, prefixes, scale=scaling, mask=attention_mask, causal=True, softcap=softcap
-        )
-        return out.transpose(1, 2)
+        if torch.compiler.is_compiling():
+            out, _ = torch.ops.hf_cascade.cascade_attention(
+                query, key, value, prefix_keys, prefix_values, encode_layouts(layouts), attention_mask, scaling,
+                softcap,
+            )
+        else:
+            out, _ = cascade_attention_with_layout(
+                query, key, value, prefix_keys, prefix_values, layouts, scale=scaling, mask=attention_mask,
+                softcap=softcap,
+            )
+        return out

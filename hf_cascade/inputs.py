@@ -42,6 +42,7 @@ def shared_prefix_inputs(
     pad_token_id: int | None = None,
     prefix_cache: CascadeCache | None = None,
     cost_model: CascadeCostModel | str | None = "auto",
+    max_new_tokens: int | None = None,
 ) -> dict:
     """Find what the rows share, prefill each shared segment once, and return ``generate()`` inputs.
 
@@ -58,6 +59,12 @@ def shared_prefix_inputs(
         pad_token_id: id written in padding columns (default: the model's pad/eos id, else 0; never attended).
         prefix_cache: a cache from :meth:`CascadeCache.from_prefix`: every row must start with its prefix, which
             is reused (not prefilled again); sharing found below it is added as deeper levels.
+        cost_model: "auto" (the H100-measured :class:`CascadeCostModel` on CUDA, share everything on CPU), None
+            (share everything) or a ``CascadeCostModel``.
+        max_new_tokens: None: suffixes grow as generate() appends tokens. An int: the cache keeps each row's suffix
+            in fixed buffers with room for this many new tokens, so generate() compiles the decode step with CUDA
+            graphs on a GPU (transformers' auto-compile for static caches; pass ``disable_compile=True`` to
+            generate() to opt out). Pass at least generate()'s ``max_new_tokens``.
     Returns:
         ``{"input_ids", "attention_mask", "past_key_values"}`` for ``model.generate(**inputs, ...)``; rows keep
         their order. When the model's generation config sets ``cache_implementation``, the dict also holds
@@ -71,6 +78,10 @@ def shared_prefix_inputs(
         completions = tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
     """
     check_model_uses_cascade(model)
+    if max_new_tokens is not None and (
+        isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1
+    ):
+        raise ValueError(f"`max_new_tokens` must be None or a positive int; got {max_new_tokens!r}.")
     if layout not in ("full", "suffix"):
         raise ValueError(f"`layout` must be 'full' or 'suffix'; got {layout!r}.")
     input_ids = validate_token_ids(input_ids, "input_ids", model)
@@ -143,7 +154,10 @@ def shared_prefix_inputs(
         new_ids[r, new_ids.shape[1] - len(suffix) :] = torch.tensor(suffix, dtype=torch.int64)
         new_mask[r, new_mask.shape[1] - len(suffix) :] = 1
     device = input_ids.device
-    cache = CascadeCache(model, levels, row_nodes=row_nodes.to(device), prefix_length=prefix_length)
+    cache = CascadeCache(
+        model, levels, row_nodes=row_nodes.to(device), prefix_length=prefix_length,
+        max_suffix_length=None if max_new_tokens is None else suffix_width + max_new_tokens,
+    )
     cache.prefix_tree = tree
     if layout == "suffix":
         new_ids = new_ids[:, prefix_length:]

@@ -49,3 +49,25 @@ def test_gpu_bf16_generate_close_to_sdpa():
     want = ref.generate(ids, attention_mask=mask, **gen).logits[0].float()
     got = cas.generate(**hf_cascade.shared_prefix_inputs(cas, ids, mask, min_shared_tokens=2, cost_model=None), **gen).logits[0].float()
     assert (got - want).abs().max() <= 0.05 * want.abs().max()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("mode", ["greedy", "beam"])
+def test_gpu_compiled_generate_matches_reference(family, mode):
+    """Fixed suffix buffers -> generate() auto-compiles the decode step (inductor + CUDA graphs, transformers'
+    default). Two batches with one layout: the second replays graphs re-recorded on the new cache's buffers."""
+    ref = tiny_model(family, reference_attention(family), device="cuda")
+    cas = tiny_model(family, "cascade", device="cuda")
+    gen = dict(max_new_tokens=8, pad_token_id=0, do_sample=False)
+    if mode == "beam":
+        gen["num_beams"] = 2
+    for seed in (21, 22):
+        rows = make_prompts(seed=seed, system=37, block=19, groups=3, per_group=3)
+        ids, mask = (t.cuda() for t in pad_batch(rows))
+        want = ref.generate(ids, attention_mask=mask, **gen)
+        inputs = hf_cascade.shared_prefix_inputs(cas, ids, mask, min_shared_tokens=2, cost_model=None, max_new_tokens=8)
+        assert inputs["past_key_values"].is_compileable
+        got = cas.generate(**inputs, **gen)
+        if mode == "greedy":  # transformers compiles greedy/sampling decoding, not beam search (eager, fixed buffers)
+            assert hasattr(cas, "_compiled_call"), "generate() did not compile the decode step"
+        assert torch.equal(got[:, inputs["input_ids"].shape[1] :], want[:, ids.shape[1] :]), seed
