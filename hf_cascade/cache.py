@@ -30,7 +30,12 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from hf_cascade.attention import bind_layer, check_model_uses_cascade
-from hf_cascade.ops.cascade_op import LevelLayout, cascade_attention_with_layout, encode_layouts
+from hf_cascade.ops.cascade_op import (
+    LevelLayout,
+    cascade_attention_with_layout,
+    encode_layouts,
+    prepare_cascade_attention,
+)
 
 
 class _SuffixLayer(CacheLayerMixin):
@@ -492,6 +497,9 @@ class CascadeCache(Cache):
                 softcap,
             )
         else:
+            if isinstance(layer, _StaticSuffixLayer) and query.shape[2] > 1:
+                # Plan the decode step (one query position) now, outside the compiled step's CUDA graphs.
+                prepare_cascade_attention(query[:, :, -1:], key, prefix_keys, layouts)
             out, _ = cascade_attention_with_layout(
                 query, key, value, prefix_keys, prefix_values, layouts, scale=scaling, mask=attention_mask,
                 softcap=softcap,

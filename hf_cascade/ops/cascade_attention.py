@@ -78,8 +78,7 @@ def cascade_attention(
     if resolve_backend(backend, query.device, _OP) == "torch" or not prefixes:
         return _cascade_unfused(query, key, value, prefixes, scale=scale, mask=mask, causal=causal,
                                 softcap=softcap, backend=backend)
-    return _cascade_triton(query, key, value, prefixes, scale=scale, mask=mask, causal=causal, softcap=softcap,
-                           fuse_suffix=_fuse_suffix(query, key, prefixes))
+    return _cascade_triton(query, key, value, prefixes, scale=scale, mask=mask, causal=causal, softcap=softcap)
 
 
 _FUSE_MIN_ROWS = 64  # prefix query rows per KV head and node (rows x G x Lq) below which fusing never paid
@@ -114,7 +113,18 @@ def _fuse_suffix(query: Tensor, key: Tensor, prefixes) -> bool:
     return t_suffix >= _FUSE_SUFFIX_RATIO * t_prefix
 
 
-def _cascade_triton(query, key, value, prefixes, *, scale, mask, causal, softcap, fuse_suffix: bool = True):
+def launch_plan(query: Tensor, key: Tensor, prefixes, fuse_suffix: bool | None = None) -> tuple[bool, list]:
+    """The Triton launch choices of a call with these shapes: (fuse the suffix into the last level's launch?,
+    per level the prefix launch config). Built on the host and cached in the plans, so that calling this
+    once ahead (e.g. before CUDA-graph capture) leaves the call itself nothing to allocate but its outputs."""
+    if fuse_suffix is None:
+        fuse_suffix = _fuse_suffix(query, key, prefixes)
+    configs = [_prefix_launch_config(query, k_pre, plan, None, None, None, fused=fuse_suffix)
+               for k_pre, _, plan in prefixes]
+    return fuse_suffix, configs
+
+
+def _cascade_triton(query, key, value, prefixes, *, scale, mask, causal, softcap, fuse_suffix: bool | None = None):
     """Triton launches. ``fuse_suffix``: the last level's prefix programs and the suffix programs share
     one launch and a combine kernel merges all states (L + 1 launches); else the suffix kernel merges
     the prefix states in its prologue (also L + 1 launches, no overlap of the two passes)."""
@@ -122,8 +132,7 @@ def _cascade_triton(query, key, value, prefixes, *, scale, mask, causal, softcap
     Hkv = key.shape[1]
     G = Hq // Hkv
     dev = query.device
-    configs = [_prefix_launch_config(query, k_pre, plan, None, None, None, fused=fuse_suffix)
-               for k_pre, _, plan in prefixes]
+    fuse_suffix, configs = launch_plan(query, key, prefixes, fuse_suffix)
     slots = sum(cfg[1] for cfg in configs) + (1 if fuse_suffix else 0)
     m_total = B * Lq * G
     part_out = torch.empty((slots, Hkv, m_total, D), dtype=torch.float32, device=dev)

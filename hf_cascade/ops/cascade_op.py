@@ -16,10 +16,11 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .cascade_attention import cascade_attention
+from ._backend import resolve_backend
+from .cascade_attention import cascade_attention, launch_plan
 from .prefix_attention import PrefixPlan, plan_shared_prefix
 
-__all__ = ["LevelLayout", "cascade_attention_with_layout", "encode_layouts", "layout_plan"]
+__all__ = ["LevelLayout", "cascade_attention_with_layout", "encode_layouts", "layout_plan", "prepare_cascade_attention"]
 
 # One prefix level: (row_node: node of each batch row, -1 = none; node_starts: N + 1 key offsets).
 LevelLayout = tuple[tuple[int, ...], tuple[int, ...]]
@@ -77,6 +78,17 @@ def cascade_attention_with_layout(
     ]
     out, lse = cascade_attention(query, key, value, prefixes, scale=scale, mask=mask, causal=True, softcap=softcap)
     return out.transpose(1, 2).contiguous(), lse.contiguous()
+
+
+def prepare_cascade_attention(
+    query: Tensor, key: Tensor, prefix_keys: Sequence[Tensor], layouts: Sequence[LevelLayout]
+) -> None:
+    """Do the host-side planning of a :func:`cascade_attention_with_layout` call with these shapes now (plans,
+    tile schedules, launch choices; all cached). Call it eagerly before a CUDA graph captures such calls:
+    torch.compile's CUDA graphs reject tensors created during their warm-up that outlive it."""
+    plans = [layout_plan(row_node, node_starts, query.device) for row_node, node_starts in layouts]
+    if prefix_keys and resolve_backend("auto", query.device, "cascade_attention") == "triton":
+        launch_plan(query, key, [(k, None, plan) for k, plan in zip(prefix_keys, plans)])
 
 
 def encode_layouts(layouts: Sequence[LevelLayout]) -> list[int]:
