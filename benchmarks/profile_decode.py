@@ -31,37 +31,47 @@ def main(argv=None):
     parser.add_argument("--prefix", type=int, default=4096)
     parser.add_argument("--suffix", type=int, default=64)
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--peers", nargs="+", default=["cascade_compiled", "cascade", "sdpa"])
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
     writer = ResultWriter("profile_decode.jsonl", args.output)
     model = build_model(args.layers)
     ids, mask = make_batch(args.batch, args.prefix, args.suffix, model.config.vocab_size)
     gen = dict(do_sample=False, pad_token_id=0)
-    for peer in ("cascade", "sdpa"):
-        model.set_attn_implementation(peer)
-        if peer == "cascade":
-            inputs = hf_cascade.shared_prefix_inputs(model, ids, mask)
+    def profiled(fn):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            seconds, _ = wall_time(fn)
+        events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        return seconds, events, sum(e.self_device_time_total for e in events) / 1e3, sum(e.count for e in events)
+
+    for peer in args.peers:
+        steps = 1 + args.steps
+        model.set_attn_implementation("sdpa" if peer == "sdpa" else "cascade")
+        if peer.startswith("cascade"):
+            max_new = steps if peer == "cascade_compiled" else None
+            inputs = hf_cascade.shared_prefix_inputs(model, ids, mask, max_new_tokens=max_new)
         else:
             inputs = dict(input_ids=ids, attention_mask=mask)
-        model.generate(**inputs, max_new_tokens=2, **gen)  # warm-up
-        t1, _ = wall_time(lambda: model.generate(**inputs, max_new_tokens=1, **gen))
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            tn, _ = wall_time(lambda: model.generate(**inputs, max_new_tokens=1 + args.steps, min_new_tokens=1 + args.steps, **gen))
-        events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-        gpu_ms = sum(e.self_device_time_total for e in events) / 1e3
-        launches = sum(e.count for e in events)
-        per_step = (tn - t1) / args.steps * 1e3  # profiled run includes prefill; subtract the unprofiled one
+        for _ in range(2):  # warm-up (compiled: compile, then CUDA-graph capture)
+            model.generate(**inputs, max_new_tokens=steps, min_new_tokens=steps, **gen)
+        t1, _, gpu1, launches1 = profiled(lambda: model.generate(**inputs, max_new_tokens=1, **gen))
+        tn, events, gpun, launchesn = profiled(
+            lambda: model.generate(**inputs, max_new_tokens=steps, min_new_tokens=steps, **gen)
+        )
+        per_step = (tn - t1) / args.steps * 1e3  # both runs profiled; the difference is the decode steps
+        gpu_step = (gpun - gpu1) / args.steps
         top = sorted(events, key=lambda e: -e.self_device_time_total)[:8]
         record = dict(
             bench="profile_decode", peer=peer, batch=args.batch, prefix=args.prefix, layers=args.layers,
-            wall_ms_per_step_profiled=per_step, gpu_ms_total=gpu_ms, kernel_launches=launches, steps=args.steps,
+            wall_ms_per_step_profiled=per_step, gpu_ms_per_step=gpu_step,
+            kernel_launches_per_step=(launchesn - launches1) / args.steps, steps=args.steps,
             top_kernels=[(e.key[:80], round(e.self_device_time_total / 1e3, 3), e.count) for e in top],
         )
         writer.write(record)
-        print(f"\n== {peer}: wall {per_step:.1f} ms/step (profiled), GPU busy {gpu_ms:.1f} ms over prefill+{args.steps} steps, {launches} kernels")
+        print(f"\n== {peer}: wall {per_step:.1f} ms/step (profiled), GPU busy {gpu_step:.1f} ms/step, "
+              f"{record['kernel_launches_per_step']:.0f} kernels/step")
         for name, ms, count in record["top_kernels"]:
             print(f"   {ms:9.3f} ms  x{count:<6} {name}")
-
 
 if __name__ == "__main__":
     main()
