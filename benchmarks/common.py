@@ -16,7 +16,9 @@ RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 
 def git_sha() -> str:
-    """The repository's HEAD commit, or $HF_CASCADE_GIT_SHA where the checkout has no .git (the device copy)."""
+    """$HF_CASCADE_GIT_SHA when set (the device copy's .git may not be the commit that runs), else git's HEAD."""
+    if os.environ.get("HF_CASCADE_GIT_SHA"):
+        return os.environ["HF_CASCADE_GIT_SHA"]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, timeout=10
@@ -25,7 +27,7 @@ def git_sha() -> str:
             return out.stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         pass
-    return os.environ.get("HF_CASCADE_GIT_SHA", "unknown")
+    return "unknown"
 
 
 def machine_info() -> dict:
