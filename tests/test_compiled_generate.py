@@ -1,0 +1,141 @@
+"""Fixed suffix buffers (``max_new_tokens`` / ``max_suffix_length``) and compiled decoding, fp32 on CPU.
+
+A cache with fixed buffers is what transformers compiles: generate() then runs the decode step through
+``torch.compile`` (on CUDA by default with CUDA graphs; here on CPU with ``fullgraph=True``, so any graph break
+fails the test). Tokens must equal the reference (sdpa; eager for Gemma2) in every case.
+"""
+
+import pytest
+import torch
+from transformers import CompileConfig
+
+import hf_cascade
+from hf_cascade import CascadeCache
+from hf_cascade.attention import _TRACED
+from test_generate import assert_logits_close, make_prompts, model_pair, pad_batch, run_pair
+
+MAX_NEW = 6
+
+
+def cpu_compile_config(backend="aot_eager"):
+    config = CompileConfig(backend=backend, mode=None, fullgraph=True)
+    config._compile_all_devices = True  # transformers compiles on CUDA only unless told
+    return config
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2", "mixtral"])
+def test_fixed_buffers_eager_match_reference(family):
+    ref, cas = model_pair(family)
+    rows = make_prompts(seed=31)
+    want, got, want_new, got_new, inputs = run_pair(
+        ref, cas, rows, dict(do_sample=False), max_new_tokens=MAX_NEW
+    )
+    cache = inputs["past_key_values"]
+    assert cache.is_compileable and cache.max_suffix_length == inputs["input_ids"].shape[1] - cache.prefix_length + MAX_NEW
+    assert torch.equal(got_new, want_new)
+    assert_logits_close(want, got)
+    # The buffers are full now: every suffix column written once.
+    assert cache.suffix_length == cache.max_suffix_length - 1  # the last token is sampled, never fed back
+
+
+@pytest.mark.parametrize("mode", ["beam", "sample", "return_sequences"])
+def test_fixed_buffers_generation_modes(mode):
+    ref, cas = model_pair("llama")
+    rows = make_prompts(seed=32)
+    gen = {
+        "beam": dict(num_beams=3, num_return_sequences=2, do_sample=False, output_scores=True),
+        "sample": dict(do_sample=True, top_k=20),
+        "return_sequences": dict(do_sample=True, num_return_sequences=2, top_k=10),
+    }[mode]
+    want, got, want_new, got_new, inputs = run_pair(ref, cas, rows, gen, seed=5, max_new_tokens=MAX_NEW)
+    assert torch.equal(got_new, want_new)
+    if mode == "beam":
+        torch.testing.assert_close(got.sequences_scores, want.sequences_scores, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_compiled_decode_matches_reference_without_recompiling(family):
+    """generate() compiles the decode step (fullgraph); a second batch with the same layout reuses the graph."""
+    ref, cas = model_pair(family)
+    gen = dict(max_new_tokens=MAX_NEW, pad_token_id=0, do_sample=False)
+    config = cpu_compile_config()
+    torch._dynamo.reset()
+    frames = []
+    rows = make_prompts(seed=33)
+    # The second batch: other tokens, the same sharing structure (a bijection of the vocabulary, bos kept).
+    relabeled = [[t if t < 3 else 3 + (7 * (t - 3) + 5) % 125 for t in row] for row in rows]
+    for batch in (rows, relabeled):
+        ids, mask = pad_batch(batch)
+        want = ref.generate(input_ids=ids, attention_mask=mask, **gen)
+        inputs = hf_cascade.shared_prefix_inputs(cas, ids, mask, min_shared_tokens=2, max_new_tokens=MAX_NEW)
+        got = cas.generate(**inputs, compile_config=config, **gen)
+        assert hasattr(cas, "_compiled_call"), "generate() did not compile the decode step"
+        assert torch.equal(got[:, inputs["input_ids"].shape[1] :], want[:, ids.shape[1] :])
+        frames.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    assert frames[0] >= 1 and frames[1] == frames[0], f"the second batch recompiled: {frames}"
+    assert _TRACED.binding is None  # the trace-time binding never leaks into eager runs
+
+
+def test_compiled_decode_with_inductor():
+    """The custom op through AOTAutograd + Inductor (C++ on CPU): the path CUDA graphs use on a GPU."""
+    pytest.importorskip("torch._inductor")
+    import shutil
+
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        pytest.skip("Inductor on CPU needs a C++ compiler")
+    ref, cas = model_pair("qwen2")  # MHA
+    ids, mask = pad_batch(make_prompts(seed=35))
+    gen = dict(max_new_tokens=MAX_NEW, pad_token_id=0, do_sample=False)
+    want = ref.generate(input_ids=ids, attention_mask=mask, **gen)
+    inputs = hf_cascade.shared_prefix_inputs(cas, ids, mask, min_shared_tokens=2, max_new_tokens=MAX_NEW)
+    got = cas.generate(**inputs, compile_config=cpu_compile_config("inductor"), **gen)
+    assert torch.equal(got[:, inputs["input_ids"].shape[1] :], want[:, ids.shape[1] :])
+
+
+def test_from_prefix_fixed_buffers_reused_across_batches_and_unmasked_forward():
+    ref, cas = model_pair("llama")
+    g = torch.Generator().manual_seed(36)
+    prefix = torch.randint(3, 128, (13,), generator=g)
+    cache = CascadeCache.from_prefix(cas, prefix, max_suffix_length=5 + MAX_NEW)
+    gen = dict(max_new_tokens=MAX_NEW, pad_token_id=0, do_sample=False)
+    buffers = None
+    for batch in (3, 3, 2):
+        ids = torch.cat([prefix.expand(batch, -1), torch.randint(3, 128, (batch, 5), generator=g)], dim=1)
+        mask = torch.ones_like(ids)
+        want = ref.generate(input_ids=ids, attention_mask=mask, **gen)
+        got = cas.generate(input_ids=ids, attention_mask=mask, past_key_values=cache, **gen)
+        assert torch.equal(got, want)
+        if buffers is not None and batch == 3:
+            assert cache.layers[0].keys.data_ptr() == buffers  # same buffers for the same batch size
+        buffers = cache.layers[0].keys.data_ptr()
+    # A forward with no attention mask at all: the cache masks its own unwritten columns.
+    cache.reset()
+    ids = torch.cat([prefix[None], torch.randint(3, 128, (1, 4), generator=g)], dim=1)
+    with torch.no_grad():
+        want = ref(ids).logits[:, -4:]
+        got = cas(ids[:, 13:], past_key_values=cache).logits
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+def test_fixed_buffers_too_small_is_a_clear_error():
+    _, cas = model_pair("llama")
+    ids, mask = pad_batch(make_prompts(seed=37))
+    inputs = hf_cascade.shared_prefix_inputs(cas, ids, mask, min_shared_tokens=2, max_new_tokens=2)
+    with pytest.raises(ValueError, match="max_suffix_length"):
+        cas.generate(**inputs, max_new_tokens=4, pad_token_id=0, do_sample=False, disable_compile=True)
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True, "8"])
+def test_bad_buffer_sizes(bad):
+    _, cas = model_pair("llama")
+    ids, mask = pad_batch(make_prompts(seed=38))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        hf_cascade.shared_prefix_inputs(cas, ids, mask, max_new_tokens=bad)
+    with pytest.raises(ValueError, match="max_suffix_length"):
+        CascadeCache.from_prefix(cas, ids[0, :5], max_suffix_length=bad)
+
+
+def test_growing_cache_is_not_compileable():
+    _, cas = model_pair("llama")
+    ids, mask = pad_batch(make_prompts(seed=39))
+    assert not hf_cascade.shared_prefix_inputs(cas, ids, mask)["past_key_values"].is_compileable
