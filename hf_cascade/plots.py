@@ -102,7 +102,8 @@ def kernel_speedups(records: list[dict]) -> dict[str, list[tuple[float, float]]]
 
 
 def generate_speedups(records: list[dict]) -> dict[str, list[tuple[float, float]]]:
-    """``{series label: [(batch, sdpa total_s / cascade total_s), ...]}`` from end-to-end generate records."""
+    """``{series label: [(batch, sdpa total_s / cascade total_s), ...]}`` from end-to-end generate records
+    (peer ``cascade``; ``cascade_compiled`` as its own series, labelled ", compiled")."""
     times = defaultdict(dict)
     for r in records:
         peer = _get(r, _PEER)
@@ -115,8 +116,10 @@ def generate_speedups(records: list[dict]) -> dict[str, list[tuple[float, float]
         times[workload][str(peer)] = total
     series = defaultdict(list)
     for workload, by_peer in times.items():
-        if "cascade" in by_peer and "sdpa" in by_peer:
-            series[_prefix_label(workload[-2])].append((workload[-1], by_peer["sdpa"] / by_peer["cascade"]))
+        for peer in ("cascade", "cascade_compiled"):
+            if peer in by_peer and "sdpa" in by_peer:
+                label = _prefix_label(workload[-2]) + (", compiled" if peer == "cascade_compiled" else "")
+                series[label].append((workload[-1], by_peer["sdpa"] / by_peer[peer]))
     return dict(series)
 
 
