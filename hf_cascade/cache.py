@@ -10,7 +10,9 @@ Layout. The cache holds
   schedule of each level's prefix pass is planned from it once per batch layout (not per layer or step), so
   decoding never synchronises with the device.
 * per layer, the rows' suffix KV ``[batch, num_kv_heads, S, head_dim]``, grown by ``update()`` like
-  ``DynamicCache``.
+  ``DynamicCache``; or, with ``max_suffix_length``, fixed buffers ``[batch, num_kv_heads, max_suffix_length,
+  head_dim]`` written in place like ``StaticCache`` (no host synchronisation, fixed addresses: generate() compiles
+  the decode step, with CUDA graphs on a GPU).
 
 What generate() sees. Every row is laid out ``[prefix chain | pads | suffix]`` in ``prefix_length`` leading
 columns plus the suffix columns. ``get_seq_length()`` is ``prefix_length + S`` (the logical length: generate()
@@ -353,7 +355,7 @@ class CascadeCache(Cache):
         absolute length (positive, 5.17's legacy convention). The shared prefix cannot be cropped."""
         suffix_length = self.suffix_length
         if tokens_to_remove > 0:  # legacy: the absolute length to keep
-            tokens_to_remove = max(self.get_seq_length() - tokens_to_remove, 0)
+            tokens_to_remove = max(self.prefix_length + suffix_length - tokens_to_remove, 0)
         else:
             tokens_to_remove = -tokens_to_remove
         if tokens_to_remove > suffix_length:

@@ -139,3 +139,18 @@ def test_growing_cache_is_not_compileable():
     _, cas = model_pair("llama")
     ids, mask = pad_batch(make_prompts(seed=39))
     assert not hf_cascade.shared_prefix_inputs(cas, ids, mask)["past_key_values"].is_compileable
+
+
+def test_fixed_buffers_crop_both_conventions():
+    _, cas = model_pair("llama")
+    ids, mask = pad_batch(make_prompts(seed=40))
+    inputs = hf_cascade.shared_prefix_inputs(cas, ids, mask, min_shared_tokens=2, max_new_tokens=MAX_NEW)
+    cas.generate(**inputs, max_new_tokens=MAX_NEW, pad_token_id=0, do_sample=False)
+    cache = inputs["past_key_values"]
+    length = cache.suffix_length
+    cache.crop(-2)  # transformers >= 5.18: drop 2 tokens
+    assert cache.suffix_length == length - 2
+    cache.crop(cache.prefix_length + 1)  # 5.17 legacy: keep this absolute length
+    assert cache.suffix_length == 1 and int(cache.get_seq_length()) == cache.prefix_length + 1
+    with pytest.raises(ValueError, match="immutable"):
+        cache.crop(-2)
