@@ -121,6 +121,10 @@ class _StaticSuffixLayer(_SuffixLayer):
         super().__init__()
         self.max_suffix_length = max_suffix_length
         self.cumulative_length = torch.zeros((), dtype=torch.int64)
+        # Host mirror of cumulative_length for eager bounds checks (no device sync per layer); compiled steps do
+        # not update it (they would recompile on every new value) but mark it stale.
+        self._host_length = 0
+        self._host_length_stale = False
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -128,6 +132,7 @@ class _StaticSuffixLayer(_SuffixLayer):
         self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
         self.cumulative_length = torch.zeros((), dtype=torch.int64, device=self.device)
+        self._host_length, self._host_length_stale = 0, False
         if not torch.compiler.is_compiling():
             # Fixed addresses for CUDA graphs; guard=False: a new cache re-records graphs instead of recompiling.
             for tensor in (self.keys, self.values, self.cumulative_length):
@@ -137,14 +142,17 @@ class _StaticSuffixLayer(_SuffixLayer):
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized or self.keys.shape[0] != key_states.shape[0]:
             self.lazy_initialization(key_states, value_states)
-        if not torch.compiler.is_compiling():
-            length = int(self.cumulative_length) + key_states.shape[-2]
+        if torch.compiler.is_compiling():
+            self._host_length_stale = True
+        else:
+            length = self.host_length + key_states.shape[-2]
             if length > self.max_suffix_length:
                 raise ValueError(
                     f"This CascadeCache holds at most {self.max_suffix_length} suffix tokens per row "
                     f"(`max_suffix_length`) and this step would make {length}. Build the cache with a larger "
                     "`max_suffix_length` (or `max_new_tokens` in shared_prefix_inputs), or lower `max_new_tokens`."
                 )
+            self._host_length = length
         positions = torch.arange(key_states.shape[-2], device=self.device) + self.cumulative_length
         self.cumulative_length.add_(key_states.shape[-2])
         self.keys.index_copy_(2, positions, key_states)
@@ -154,6 +162,13 @@ class _StaticSuffixLayer(_SuffixLayer):
     def get_seq_length(self):
         """The number of suffix tokens written, as a device int64 scalar (0 before the first update)."""
         return self.cumulative_length if self.is_initialized else 0
+
+    @property
+    def host_length(self) -> int:
+        """The number of suffix tokens written, as a host int (synchronises only after compiled steps)."""
+        if self._host_length_stale:
+            self._host_length, self._host_length_stale = int(self.cumulative_length), False
+        return self._host_length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.max_suffix_length, 0
@@ -167,10 +182,13 @@ class _StaticSuffixLayer(_SuffixLayer):
     def reset(self) -> None:
         if self.is_initialized:
             self.cumulative_length.zero_()
+            self._host_length, self._host_length_stale = 0, False
 
     def crop(self, tokens_to_remove: int) -> None:
         if self.is_initialized and tokens_to_remove > 0:
-            self.cumulative_length.sub_(min(tokens_to_remove, int(self.cumulative_length)))
+            removed = min(tokens_to_remove, self.host_length)
+            self.cumulative_length.sub_(removed)
+            self._host_length -= removed
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:  # in place: the buffers keep their addresses
@@ -339,8 +357,9 @@ class CascadeCache(Cache):
 
     @property
     def suffix_length(self) -> int:
-        """Suffix tokens held per row (columns after the prefix; synchronises with the device for fixed buffers)."""
-        return int(self.layers[0].get_seq_length())
+        """Suffix tokens held per row (the columns after the prefix)."""
+        layer = self.layers[0]
+        return layer.host_length if isinstance(layer, _StaticSuffixLayer) else layer.get_seq_length()
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         if self.max_suffix_length is not None:

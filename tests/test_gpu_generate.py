@@ -71,3 +71,24 @@ def test_gpu_compiled_generate_matches_reference(family, mode):
         if mode == "greedy":  # transformers compiles greedy/sampling decoding, not beam search (eager, fixed buffers)
             assert hasattr(cas, "_compiled_call"), "generate() did not compile the decode step"
         assert torch.equal(got[:, inputs["input_ids"].shape[1] :], want[:, ids.shape[1] :]), seed
+
+
+def test_gpu_compiled_graph_survives_plan_cache_churn():
+    """A captured CUDA graph reads its prefix plans at fixed addresses: filling the plan LRU with other layouts in
+    between must not free them (the replay would read freed memory)."""
+    from hf_cascade.ops import cascade_op
+
+    ref = tiny_model("llama", "sdpa", device="cuda")
+    cas = tiny_model("llama", "cascade", device="cuda")
+    gen = dict(max_new_tokens=8, pad_token_id=0, do_sample=False)
+    rows = make_prompts(seed=23, system=37, block=19, groups=3, per_group=3)
+    ids, mask = (t.cuda() for t in pad_batch(rows))
+    want = ref.generate(ids, attention_mask=mask, **gen)
+    for round_ in range(2):
+        inputs = hf_cascade.shared_prefix_inputs(cas, ids, mask, min_shared_tokens=2, cost_model=None, max_new_tokens=8)
+        got = cas.generate(**inputs, **gen)
+        assert torch.equal(got[:, inputs["input_ids"].shape[1] :], want[:, ids.shape[1] :]), round_
+        assert cascade_op._CAPTURED_PLANS, "no plan was pinned by the CUDA-graph capture"
+        for n in range(2 * cascade_op._MAX_PLANS):  # churn: other layouts evict every unpinned plan
+            cascade_op.layout_plan((0,) * (n + 1), (0, 5), torch.device("cuda", torch.cuda.current_device()))
+        torch.cuda.empty_cache()

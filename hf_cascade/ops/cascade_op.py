@@ -27,13 +27,23 @@ LevelLayout = tuple[tuple[int, ...], tuple[int, ...]]
 
 _MAX_PLANS = 64
 _PLANS: OrderedDict[tuple, PrefixPlan] = OrderedDict()
+# Plans a CUDA graph has captured: the graph reads their index tensors at fixed addresses on every replay, so they
+# are never evicted (a few KiB each, one per compiled batch layout).
+_CAPTURED_PLANS: dict[tuple, PrefixPlan] = {}
 
 
 def layout_plan(row_node: tuple[int, ...], node_starts: tuple[int, ...], device: torch.device) -> PrefixPlan:
-    """The :class:`PrefixPlan` of one level layout on ``device`` (built on first use, then cached; LRU of 64)."""
+    """The :class:`PrefixPlan` of one level layout on ``device`` (built on first use, then cached; LRU of 64,
+    except plans used while a CUDA graph was capturing, which are kept for good)."""
     key = (row_node, node_starts, device)
+    plan = _CAPTURED_PLANS.get(key)
+    if plan is not None:
+        return plan
     plan = _PLANS.get(key)
-    if plan is None:
+    if plan is not None and device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        _CAPTURED_PLANS[key] = plan
+        del _PLANS[key]
+    elif plan is None:
         plan = plan_shared_prefix(
             torch.tensor(row_node, dtype=torch.int64), torch.tensor(node_starts, dtype=torch.int64), device=device
         )
