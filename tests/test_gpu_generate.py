@@ -84,8 +84,8 @@ def test_gpu_compiled_graph_survives_plan_cache_churn():
     rows = make_prompts(seed=23, system=37, block=19, groups=3, per_group=3)
     ids, mask = (t.cuda() for t in pad_batch(rows))
     want = ref.generate(ids, attention_mask=mask, **gen)
-    for round_ in range(2):
-        inputs = hf_cascade.shared_prefix_inputs(cas, ids, mask, min_shared_tokens=2, cost_model=None, max_new_tokens=8)
+    inputs = hf_cascade.shared_prefix_inputs(cas, ids, mask, min_shared_tokens=2, cost_model=None, max_new_tokens=8)
+    for round_ in range(3):  # the same cache: rounds 2 and 3 replay the graphs captured in round 1
         got = cas.generate(**inputs, **gen)
         assert torch.equal(got[:, inputs["input_ids"].shape[1] :], want[:, ids.shape[1] :]), round_
         assert cascade_op._CAPTURED_PLANS, "no plan was pinned by the CUDA-graph capture"
