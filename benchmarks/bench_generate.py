@@ -1,4 +1,5 @@
-"""End-to-end generate() benchmark: hf_cascade vs generate() with sdpa vs generate_batch (continuous batching).
+"""End-to-end generate() benchmark: hf_cascade (compiled and eager) vs generate() with sdpa (dynamic cache, and
+transformers' static cache compiled) vs generate_batch (continuous batching).
 
 Workload (issue 3): a Llama-3-8B-shaped random bf16 model, B rows sharing a P-token prompt, each with its own
 S-token suffix, N new tokens, greedy. Reports total time, prefill time, decode ms/step, tokens/s and peak memory
