@@ -71,6 +71,15 @@ class _SuffixLayer(CacheLayerMixin):
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
 
+    @property
+    def host_length(self) -> int:
+        """Suffix tokens held, as a host int."""
+        return self.get_seq_length()
+
+    def causal_mask(self, query_length: int) -> None:
+        """The suffix mask that ``None`` stands for: every column is written, so causal bottom-right (None)."""
+        return None
+
     def get_max_length(self) -> int:
         return -1
 
@@ -346,7 +355,8 @@ class CascadeCache(Cache):
     # ------------------------------------------------------------------ what generate() calls
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Append the new suffix KV ``[batch, num_kv_heads, q_len, head_dim]``; return this layer's suffix KV."""
-        self._match_rows(key_states.shape[0])
+        if layer_idx == 0:  # once per forward: every layer serves the same rows
+            self._match_rows(key_states.shape[0])
         keys, values = self.layers[layer_idx].update(key_states, value_states)
         bind_layer(self, layer_idx, keys)
         return keys, values
@@ -358,16 +368,15 @@ class CascadeCache(Cache):
     @property
     def suffix_length(self) -> int:
         """Suffix tokens held per row (the columns after the prefix)."""
-        layer = self.layers[0]
-        return layer.host_length if isinstance(layer, _StaticSuffixLayer) else layer.get_seq_length()
+        return self.layers[0].host_length
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        if self.max_suffix_length is not None:
-            return self.max_suffix_length, self.prefix_length
-        return self.layers[layer_idx].get_seq_length() + query_length, self.prefix_length
+        kv_length, _ = self.layers[layer_idx].get_mask_sizes(query_length)
+        return kv_length, self.prefix_length
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:  # transformers 5.17
-        return -1 if self.max_suffix_length is None else self.prefix_length + self.max_suffix_length
+        suffix = self.layers[layer_idx].get_max_cache_shape()
+        return -1 if suffix < 0 else self.prefix_length + suffix
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop ``-tokens_to_remove`` tokens from the end (negative, transformers >= 5.18 convention) or crop to an
@@ -506,8 +515,8 @@ class CascadeCache(Cache):
                     "tokens within the window, or use attn_implementation='sdpa' for this model."
                 )
         layer = self.layers[layer_idx]
-        if attention_mask is None and isinstance(layer, _StaticSuffixLayer):
-            attention_mask = layer.causal_mask(query.shape[2])  # None would also admit the unwritten columns
+        if attention_mask is None:  # fixed buffers: None would also admit the columns not written yet
+            attention_mask = layer.causal_mask(query.shape[2])
         prefix_keys = [level.keys[layer_idx] for level in self.levels]
         prefix_values = [level.values[layer_idx] for level in self.levels]
         layouts = self._level_layouts(query.shape[0])
@@ -518,7 +527,7 @@ class CascadeCache(Cache):
                 softcap,
             )
         else:
-            if isinstance(layer, _StaticSuffixLayer) and query.shape[2] > 1:
+            if layer.is_compileable and query.shape[2] > 1:
                 # Plan the decode step (one query position) now, outside the compiled step's CUDA graphs.
                 prepare_cascade_attention(query[:, :, -1:], key, prefix_keys, layouts)
             out, _ = cascade_attention_with_layout(
