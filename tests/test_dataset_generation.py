@@ -13,7 +13,7 @@ datasets = pytest.importorskip("datasets")
 import torch  # noqa: E402
 
 import hf_cascade  # noqa: E402
-from hf_cascade.dataset_generation import GenerationInterrupted, generate_dataset  # noqa: E402
+from hf_cascade.dataset_generation import CHECKPOINT_VERSION, GenerationInterrupted, generate_dataset  # noqa: E402
 from hf_cascade.tiny import tiny_model, tiny_tokenizer  # noqa: E402
 
 MAX_NEW = 6
@@ -182,7 +182,10 @@ def test_interrupt_keeps_finished_rows_and_resumes(model, tokenizer, dataset, ex
     assert len(finished) == 8 and err.stats.interrupted  # two batches of 4 finished
     assert all(partial[i] == expected[i] for i in finished)
     lines = checkpoint.read_text().splitlines()
-    assert json.loads(lines[0])["hf_cascade_checkpoint"] == 1
+    header = json.loads(lines[0])
+    assert header["hf_cascade_checkpoint"] == CHECKPOINT_VERSION
+    assert header["model"]["class"] == "LlamaForCausalLM" and header["model"]["dtype"] == "float32"
+    assert header["tokenizer"]["vocab_size"] == len(tokenizer)
     assert sorted(json.loads(line)["index"] for line in lines[1:]) == finished
 
     # A crash mid-write leaves a cut line: it is ignored (that row is generated again).
@@ -213,6 +216,82 @@ def test_foreign_checkpoint_is_refused(model, tokenizer, dataset, tmp_path):
         generate_dataset(
             model, tokenizer, small, prompt_fn=prompt_fn, progress=False, checkpoint_path=tmp_path / "notes.txt"
         )
+
+
+def _checkpoint_job(tmp_path, dataset):
+    """A small checkpointed job: 2 rows, 1 new token each."""
+    common = dict(
+        prompt_fn=prompt_fn,
+        generation_kwargs=dict(max_new_tokens=1, do_sample=False),
+        progress=False,
+        checkpoint_path=tmp_path / "c.jsonl",
+        return_stats=True,
+    )
+    return dataset.select(range(2)), common
+
+
+def test_checkpoint_of_another_model_is_refused(model, tokenizer, dataset, tmp_path):
+    small, common = _checkpoint_job(tmp_path, dataset)
+    generate_dataset(model, tokenizer, small, **common)
+    written = common["checkpoint_path"].read_text()
+
+    # Same family, config, dataset, prompts and kwargs; another seed: other weights, other completions.
+    other = tiny_model("llama", seed=1)
+    with pytest.raises(ValueError, match=r"(?s)model: checkpoint written by .*differ in weights") as info:
+        generate_dataset(other, tokenizer, small, **common)
+    message = str(info.value)
+    assert "other prompts" not in message  # only what differs is named
+    assert "checkpoint_path=" in message and "delete the file" in message
+    assert common["checkpoint_path"].read_text() == written  # the refused checkpoint is left untouched
+
+    # Another config (a third layer): named as such.
+    deeper = tiny_model("llama", num_hidden_layers=3)
+    with pytest.raises(ValueError, match=r"model: .*differ in config"):
+        generate_dataset(deeper, tokenizer, small, **common)
+
+
+def test_checkpoint_of_another_dtype_is_refused(model, tokenizer, dataset, tmp_path):
+    small, common = _checkpoint_job(tmp_path, dataset)
+    generate_dataset(model, tokenizer, small, **common)
+    half = tiny_model("llama", dtype=torch.bfloat16)  # same seed: the same model, in bf16
+    half.config._name_or_path = "llama-b"
+    pattern = r"model: .*'llama-b' \(LlamaForCausalLM, bfloat16\).*dtype float32 vs bfloat16"
+    with pytest.raises(ValueError, match=pattern):
+        generate_dataset(half, tokenizer, small, **common)
+
+
+def test_checkpoint_of_another_tokenizer_is_refused(model, tokenizer, dataset, tmp_path):
+    small, common = _checkpoint_job(tmp_path, dataset)
+    generate_dataset(model, tokenizer, small, **common)
+    extended = tiny_tokenizer()
+    extended.add_tokens(["<extra>"])
+    with pytest.raises(ValueError, match=r"tokenizer: .*vocabulary size 260 vs 261"):
+        generate_dataset(model, extended, small, **common)
+
+
+def test_same_model_resumes_whatever_its_instance_or_path(model, tokenizer, dataset, tmp_path):
+    small, common = _checkpoint_job(tmp_path, dataset)
+    first, _ = generate_dataset(model, tokenizer, small, **common)
+    # Another instance with the same weights, under another name/path, with a fresh tokenizer: the same job,
+    # resumed (the model is identified by its class, dtype, config and weights, not by the object or its path).
+    again = tiny_model("llama")
+    again.config._name_or_path = "/elsewhere/llama"
+    out, stats = generate_dataset(again, tiny_tokenizer(), small, **common)
+    assert stats.rows_resumed == 2 and stats.rows_generated == 0
+    assert out["completion"] == first["completion"]
+
+
+def test_checkpoint_without_model_record_is_refused(model, tokenizer, dataset, tmp_path):
+    small, common = _checkpoint_job(tmp_path, dataset)
+    # A format-1 checkpoint (hf_cascade before the model was recorded): it cannot be checked, so it is refused.
+    common["checkpoint_path"].write_text(
+        json.dumps({"hf_cascade_checkpoint": 1, "fingerprint": "0" * 32, "rows": 2, "output_column": "completion"})
+        + "\n"
+        + json.dumps({"index": 0, "completion": "x"})
+        + "\n"
+    )
+    with pytest.raises(ValueError, match=r"(?s)older version of hf_cascade.*format 1.*delete the file"):
+        generate_dataset(model, tokenizer, small, **common)
 
 
 def test_bad_inputs_name_the_fix(model, tokenizer, reference):
