@@ -22,6 +22,9 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 ATTENTION_NAME = "cascade"
 
@@ -69,8 +72,19 @@ def bind_layer(cache: AttentionProvider, layer_idx: int, key: torch.Tensor) -> N
     """Called by a cache's ``update()``: the next attention call of ``layer_idx`` with ``key`` goes to ``cache``."""
     if torch.compiler.is_compiling():
         _TRACED.binding = (cache, layer_idx, key)
-    else:
-        _BINDING.set((weakref.ref(cache), layer_idx, key))
+        return
+    stale = _BINDING.get()
+    if stale is not None and stale[1] == layer_idx - 1 and stale[0]() is cache:
+        # The previous layer's attention never consumed its binding: it is not hf_cascade's attention.
+        _BINDING.set(None)
+        raise ValueError(
+            f"Layer {layer_idx - 1}'s attention did not go through hf_cascade's 'cascade' attention, so it never read "
+            f"the shared prefix stored in this {type(cache).__name__}: every row would silently lose it. The model "
+            "this cache was given to runs another attention implementation; load it with "
+            "attn_implementation='cascade' (or call `model.set_attn_implementation('cascade')`), or pass no "
+            "hf_cascade cache to it."
+        )
+    _BINDING.set((weakref.ref(cache), layer_idx, key))
 
 
 def bound_provider(module: torch.nn.Module, key: torch.Tensor) -> AttentionProvider | None:
@@ -176,6 +190,8 @@ def cascade_attention_forward(
         )
     provider = bound_provider(module, key)
     if provider is None:
+        if query.shape[0] > 1 and query.shape[2] > 1 and getattr(module, "layer_idx", None) == 0:
+            _suggest_custom_generate()
         out = plain_attention(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, softcap=softcap, **kwargs
         )
@@ -194,6 +210,19 @@ def cascade_attention_forward(
         **kwargs,
     )
     return out, None
+
+
+def _suggest_custom_generate() -> None:
+    """Say once that a batched prefill on a "cascade" model ran as plain sdpa (no hf_cascade cache in play)."""
+    from hf_cascade.generation import IN_CASCADE_GENERATE
+
+    if torch.compiler.is_compiling() or IN_CASCADE_GENERATE.get():
+        return
+    logger.warning_once(
+        "hf_cascade: this batch ran with attn_implementation='cascade' but without an hf_cascade cache, so shared "
+        "prompt prefixes were not shared (plain sdpa). Pass `custom_generate=hf_cascade.generate` to "
+        "model.generate(...) or to a pipeline call to share them."
+    )
 
 
 def register() -> None:

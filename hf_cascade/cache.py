@@ -24,6 +24,7 @@ returns only the suffix KV; the attention function reaches the prefix through :m
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from hf_cascade.attention import bind_layer, check_model_uses_cascade
+from hf_cascade.attention import ATTENTION_NAME, bind_layer, check_model_uses_cascade
 from hf_cascade.ops.cascade_op import (
     LevelLayout,
     cascade_attention_with_layout,
@@ -242,6 +243,10 @@ class PrefixLevel:
         return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
 
 
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
+
+
 def _num_layers(config) -> int:
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     return int(text_config.num_hidden_layers)
@@ -271,6 +276,8 @@ class CascadeCache(Cache):
         row_nodes: torch.Tensor | None = None,
         prefix_length: int = 0,
         max_suffix_length: int | None = None,
+        suffix_start: torch.Tensor | None = None,
+        prefix_tree=None,
     ):
         check_model_uses_cascade(model)
         if max_suffix_length is not None and (
@@ -298,8 +305,22 @@ class CascadeCache(Cache):
             raise ValueError("`row_nodes` is required when a prefix level has more than one node.")
         if row_nodes is not None:
             row_nodes = row_nodes.detach().to("cpu", torch.int64)
+        if suffix_start is not None:
+            suffix_start = suffix_start.detach().to("cpu", torch.int64)
+            if row_nodes is not None and suffix_start.shape != (row_nodes.shape[1],):
+                raise ValueError(
+                    f"`suffix_start` must hold one column per row: shape {tuple(suffix_start.shape)} for "
+                    f"{row_nodes.shape[1]} rows."
+                )
+            if not bool(suffix_start.any()):
+                suffix_start = None
         self._planned_row_nodes = row_nodes
-        self._set_rows(row_nodes)
+        self._planned_suffix_start = suffix_start
+        self._set_rows(row_nodes, suffix_start)
+        # The rows' token ids were checked against the stored prefix (shared_prefix_inputs, hf_cascade.generate).
+        # A from_prefix cache given straight to generate() is not: its first prefill checks the rows' positions.
+        self.rows_verified = row_nodes is not None
+        self.prefix_tree = prefix_tree
         self.prefilled_prefix_tokens = sum(level.node_starts[-1] for level in self.levels)
         if max_suffix_length is not None and not torch.compiler.is_compiling():
             # CUDA graphs read the prefix in place (no copy per replay); a new cache re-records, never recompiles.
@@ -313,7 +334,12 @@ class CascadeCache(Cache):
             if isinstance(layer_idx, int):
                 self._modules.setdefault(layer_idx, weakref.WeakSet()).add(module)
         self._model_name = type(model).__name__
+        self._config = model.config
         self._user_defined = False
+        # One generate() at a time: the thread that started the current one owns the suffix state (see _claim).
+        self._lock = threading.Lock()
+        self._owner: int | None = None
+        self._positions_checked = False
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -355,9 +381,29 @@ class CascadeCache(Cache):
     # ------------------------------------------------------------------ what generate() calls
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Append the new suffix KV ``[batch, num_kv_heads, q_len, head_dim]``; return this layer's suffix KV."""
-        if layer_idx == 0:  # once per forward: every layer serves the same rows
-            self._match_rows(key_states.shape[0])
-        keys, values = self.layers[layer_idx].update(key_states, value_states)
+        if torch.compiler.is_compiling():
+            keys, values = self.layers[layer_idx].update(key_states, value_states)
+            bind_layer(self, layer_idx, keys)
+            return keys, values
+        with self._lock:  # a reset by another thread's generate() cannot interleave with this write
+            if self._owner is not None and self._owner != threading.get_ident():
+                raise ValueError(
+                    "Two generate() calls are using one CascadeCache at the same time (another thread started a "
+                    "generate() with it while this one was running); their suffixes would overwrite each other. A "
+                    "cache serves one generate() at a time: give each thread its own cache, or pass "
+                    "`custom_generate=hf_cascade.generate`, which gives every call its own view of the stored prefix."
+                )
+            if layer_idx == 0:  # once per forward: every layer serves the same rows
+                impl = getattr(self._config, "_attn_implementation", None)
+                if impl != ATTENTION_NAME:
+                    raise ValueError(
+                        f"A CascadeCache was given to a model running attn_implementation={impl!r}: that attention "
+                        "never reads the shared prefix stored in the cache, so every row would silently lose it. "
+                        "Load the model with attn_implementation='cascade' (or call "
+                        "`model.set_attn_implementation('cascade')`), or pass no cache to this model."
+                    )
+                self._match_rows(key_states.shape[0], key_states.device)
+            keys, values = self.layers[layer_idx].update(key_states, value_states)
         bind_layer(self, layer_idx, keys)
         return keys, values
 
@@ -396,27 +442,46 @@ class CascadeCache(Cache):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
-        if self.row_nodes is not None:
-            # Beams of one prompt share its prefix nodes, so this is usually a no-op; check on the host.
-            reordered = self.row_nodes.index_select(1, beam_idx.to("cpu"))
-            if not torch.equal(reordered, self.row_nodes):
-                self._set_rows(reordered)
+        if self.row_nodes is not None or self.suffix_start is not None:
+            # Beams of one prompt share its prefix nodes and columns, so this is usually a no-op; check on the host.
+            index = beam_idx.to("cpu")
+            row_nodes = None if self.row_nodes is None else self.row_nodes.index_select(1, index)
+            starts = None if self.suffix_start is None else self.suffix_start.index_select(0, index)
+            if not (_same(row_nodes, self.row_nodes) and _same(starts, self.suffix_start)):
+                self._set_rows(row_nodes, starts)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
-        if self.row_nodes is not None:
-            self._set_rows(self.row_nodes.repeat_interleave(repeats, dim=1))
+        self._set_rows(*(None if t is None else t.repeat_interleave(repeats, dim=-1) for t in self._row_state()))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
-        if self.row_nodes is not None:
-            self._set_rows(self.row_nodes[:, torch.as_tensor(indices).to("cpu")])
+        index = torch.as_tensor(indices).to("cpu")
+        self._set_rows(*(None if t is None else t[..., index] for t in self._row_state()))
 
     def reset(self) -> None:
         """Drop every row's suffix and go back to the stored prefix (which is kept)."""
         for layer in self.layers:
             layer.reset()
-        self._set_rows(self._planned_row_nodes)
+        self._set_rows(self._planned_row_nodes, self._planned_suffix_start)
+        self._positions_checked = False
+
+    def _claim(self) -> None:
+        """A generate() call starts with this cache: the calling thread owns it until another call claims it.
+
+        A second thread that claims the cache while the first is still decoding makes the first fail at its next
+        step with a clear error (its suffixes were dropped); the second runs on a clean cache."""
+        if not self._lock.acquire(blocking=False):
+            raise ValueError(
+                "This CascadeCache is in use by a generate() call in another thread. A cache serves one generate() "
+                "at a time: give each thread its own cache, or pass `custom_generate=hf_cascade.generate`, which "
+                "gives every call its own view of the stored prefix."
+            )
+        try:
+            self._owner = threading.get_ident()
+            self.reset()
+        finally:
+            self._lock.release()
 
     # generate() marks a cache the user passed with `_is_user_defined = True` when it starts: a new generate() call
     # starts from the stored prefix, so one cache serves several batches one after another.
@@ -428,7 +493,7 @@ class CascadeCache(Cache):
     def _is_user_defined(self, value: bool) -> None:
         self._user_defined = value
         if value:
-            self.reset()
+            self._claim()
 
     @property
     def nbytes(self) -> int:
@@ -447,9 +512,17 @@ class CascadeCache(Cache):
         )
 
     # ------------------------------------------------------------------ attention
-    def _set_rows(self, row_nodes: torch.Tensor | None) -> None:
+    def _set_rows(self, row_nodes: torch.Tensor | None, suffix_start: torch.Tensor | None = None) -> None:
+        """The rows' layout: ``row_nodes`` ``[num_levels, B]`` (node per level, -1 none; None: node 0 everywhere)
+        and ``suffix_start`` ``[B]`` (first column of the suffix window holding the row's own tokens; None: 0)."""
         self.row_nodes = row_nodes
+        self.suffix_start = suffix_start
+        self._suffix_start_dev = None
+        self._mask_memo = None
         self._layouts: dict[int, tuple[LevelLayout, ...]] = {}
+
+    def _row_state(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return self.row_nodes, self.suffix_start
 
     def _level_layouts(self, batch_size: int) -> tuple[LevelLayout, ...]:
         """Per level ``(row_node, node_starts)`` host tuples for the current rows (built once per batch layout)."""
@@ -465,21 +538,76 @@ class CascadeCache(Cache):
             self._layouts[batch_size] = layouts
         return layouts
 
-    def _match_rows(self, batch_size: int) -> None:
+    def _match_rows(self, batch_size: int, device: torch.device) -> None:
         """Fit the planned rows to the batch generate() runs: num_return_sequences / num_beams expand rows
         with repeat_interleave and never the cache, so a multiple of the planned batch is expanded the same way."""
-        if self.row_nodes is None or self.row_nodes.shape[1] == batch_size:
-            self._level_layouts(batch_size)  # planned here, outside any compiled or captured region
-            return
-        planned = self.row_nodes.shape[1]
-        if batch_size % planned:
-            raise ValueError(
-                f"This CascadeCache was planned for {planned} rows but the model got a batch of {batch_size}. Pass "
-                "the `input_ids`/`attention_mask` returned by `shared_prefix_inputs` together with its cache (or a "
-                "multiple of them, as num_return_sequences/num_beams make), or build a new cache for this batch."
+        planned = self.row_nodes.shape[1] if self.row_nodes is not None else (
+            self.suffix_start.shape[0] if self.suffix_start is not None else batch_size
+        )
+        if planned != batch_size:
+            if batch_size % planned:
+                raise ValueError(
+                    f"This CascadeCache was planned for {planned} rows but the model got a batch of {batch_size}. "
+                    "Pass the `input_ids`/`attention_mask` returned by `shared_prefix_inputs` together with its cache "
+                    "(or a multiple of them, as num_return_sequences/num_beams make), or build a new cache for this "
+                    "batch."
+                )
+            self._set_rows(
+                *(None if t is None else t.repeat_interleave(batch_size // planned, dim=-1) for t in self._row_state())
             )
-        self._set_rows(self.row_nodes.repeat_interleave(batch_size // planned, dim=1))
-        self._level_layouts(batch_size)
+        self._level_layouts(batch_size)  # planned here, outside any compiled or captured region
+        if self.suffix_start is not None and self._suffix_start_dev is None:
+            self._suffix_start_dev = self.suffix_start.to(device)
+
+    def _suffix_mask(self, attention_mask: torch.Tensor | None, layer, query_length: int, kv_length: int):
+        """The mask over the suffix KV: transformers' mask (or causal), and, when rows start their own tokens
+        at different columns of the suffix window, without each row's columns before ``suffix_start`` (those
+        tokens are in the row's prefix chain, or padding). bool ``[B or 1, q_len, S]`` or None (causal)."""
+        if attention_mask is None:
+            attention_mask = layer.causal_mask(query_length)
+        if self._suffix_start_dev is None:
+            return attention_mask
+        memo = self._mask_memo
+        if memo is not None and memo[0] is attention_mask and memo[1] == (query_length, kv_length):
+            return memo[2]
+        device = self._suffix_start_dev.device
+        columns = torch.arange(kv_length, device=device)
+        if attention_mask is None:  # causal, aligned bottom-right
+            last = kv_length - query_length + torch.arange(query_length, device=device)
+            attention_mask = (columns[None, :] <= last[:, None])[None]
+        combined = attention_mask & (columns[None, :] >= self._suffix_start_dev[:, None])[:, None, :]
+        if not torch.compiler.is_compiling():
+            self._mask_memo = (attention_mask, (query_length, kv_length), combined)
+        return combined
+
+    def _check_positions(self, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None) -> None:
+        """First prefill of a cache whose rows were not checked against its prefix (a from_prefix cache given to
+        generate() directly): every row must attend to all ``prefix_length`` stored columns, so the first token
+        after them has position ``prefix_length``. Zeros in attention_mask over the prefix columns (a tokenizer's
+        left padding before the prefix, or masked prefix tokens) lower it: refuse rather than answer wrongly."""
+        self._positions_checked = True
+        if position_ids is None or not self.levels or position_ids.dim() != 2:
+            return
+        q_len = position_ids.shape[1]
+        if attention_mask is None:
+            real = torch.ones(position_ids.shape, dtype=torch.bool, device=position_ids.device)
+        else:
+            steps = torch.arange(q_len, device=attention_mask.device)
+            real = attention_mask[:, steps, steps]  # the suffix was empty: query j is column j
+            real = real.expand(position_ids.shape[0], q_len)
+        big = torch.iinfo(torch.int64).max
+        first = torch.where(real, position_ids.to(torch.int64), big).min(dim=1).values.tolist()
+        for row, position in enumerate(first):
+            if position != big and position != self.prefix_length:
+                raise ValueError(
+                    f"Row {row} of this batch does not attend to all {self.prefix_length} prefix columns of this "
+                    f"CascadeCache: its first token after them has position {position}, so `attention_mask` has "
+                    f"{self.prefix_length - position} zero(s) over columns [0, {self.prefix_length}) (left padding "
+                    "before the prefix, as a tokenizer's left-padded batch has, or masked prefix tokens). The prefix "
+                    "is stored once for every row. Pass `custom_generate=hf_cascade.generate` to generate(), which "
+                    "accepts the tokenizer's padded batch and checks each row's prefix tokens, or lay rows out "
+                    "[prefix | pads | suffix] with the mask 1 over the prefix."
+                )
 
     def _check_module(self, module: torch.nn.Module) -> None:
         modules = self._modules.get(module.layer_idx)
@@ -515,8 +643,11 @@ class CascadeCache(Cache):
                     "tokens within the window, or use attn_implementation='sdpa' for this model."
                 )
         layer = self.layers[layer_idx]
-        if attention_mask is None:  # fixed buffers: None would also admit the columns not written yet
-            attention_mask = layer.causal_mask(query.shape[2])
+        if not self.rows_verified and not self._positions_checked and not torch.compiler.is_compiling():
+            if layer.host_length == query.shape[2]:  # the first forward over an empty suffix (the prefill)
+                self._check_positions(attention_mask, kwargs.get("position_ids"))
+        # Fixed buffers: None would also admit the columns not written yet; rows' own columns: see _suffix_mask.
+        attention_mask = self._suffix_mask(attention_mask, layer, query.shape[2], key.shape[2])
         prefix_keys = [level.keys[layer_idx] for level in self.levels]
         prefix_values = [level.values[layer_idx] for level in self.levels]
         layouts = self._level_layouts(query.shape[0])

@@ -11,23 +11,119 @@ from hf_cascade.prefill import prefill_levels, validate_token_ids
 from hf_cascade.prefix_tree import find_shared_prefixes
 
 
-def _real_tokens(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> list[list[int]]:
-    """Each row's tokens without padding (left or right), checking that padding sits only at the ends."""
-    rows = []
-    ids, mask = input_ids.tolist(), attention_mask.tolist()
-    for r, (row_ids, row_mask) in enumerate(zip(ids, mask)):
-        kept = [i for i, m in enumerate(row_mask) if m]
-        if not kept:
-            raise ValueError(
-                f"Row {r} of `attention_mask` is all zeros: every row needs at least one real token to generate from."
-            )
-        if kept[-1] - kept[0] + 1 != len(kept):
-            raise ValueError(
-                f"Row {r} of `attention_mask` has padding between real tokens; pass a left- or right-padded batch "
-                "as a tokenizer returns it (padding only at one end)."
-            )
-        rows.append(row_ids[kept[0] : kept[-1] + 1])
-    return rows
+def _left_aligned(input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """The batch with each row's trailing padding moved to its front (same width), its real tokens, and the column
+    of each real token. Padding anywhere else (left padding, masked tokens inside a row) stays where it is and is
+    honoured exactly: a masked column is never attended, and positions count only real tokens, as in sdpa."""
+    mask_bool = attention_mask.bool()
+    if not bool(mask_bool.any(dim=1).all()):
+        row = int((~mask_bool.any(dim=1)).nonzero()[0])
+        raise ValueError(
+            f"Row {row} of `attention_mask` is all zeros: every row needs at least one real token to generate from."
+        )
+    width = input_ids.shape[1]
+    columns = torch.arange(width, device=input_ids.device)
+    last_real = torch.where(mask_bool, columns, -1).max(dim=1).values
+    shift = (width - 1 - last_real).tolist()
+    if any(shift):  # right padding: generate() appends after the last column, so move the pads to the front
+        input_ids = torch.stack([row.roll(k) for row, k in zip(input_ids, shift)])
+        attention_mask = torch.stack([row.roll(k) for row, k in zip(attention_mask, shift)])
+        mask_bool = attention_mask.bool()
+    ids, mask = input_ids.tolist(), mask_bool.tolist()
+    rows, row_columns = [], []
+    for row_ids, row_mask in zip(ids, mask):
+        kept = [c for c, m in enumerate(row_mask) if m]
+        row_columns.append(kept)
+        rows.append([row_ids[c] for c in kept])
+    return input_ids, attention_mask, rows, row_columns
+
+
+def plan_cascade_batch(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    min_shared_tokens: int = 4,
+    min_rows: int = 2,
+    max_levels: int = 4,
+    prefix_cache: CascadeCache | None = None,
+    cost_model: CascadeCostModel | str | None = "auto",
+    max_new_tokens: int | None = None,
+    fixed_buffers: bool = False,
+) -> tuple[CascadeCache | None, torch.Tensor, torch.Tensor]:
+    """Find what the rows share, prefill each shared segment once, and build the cache for the user's own rows.
+
+    The rows keep their width ``L`` and their columns: row ``r`` (real tokens ``prompt_r``, padding where the mask
+    is 0) is served by its chain of shared nodes (``c_r`` leading real tokens) and its own suffix (the rest).
+    The cache reports ``prefix_length = L - sw`` (``sw``: the widest own suffix, counted from its first column),
+    so generate() feeds every row's last ``sw`` columns; columns of that window that a row's chain already covers
+    are masked for that row (``suffix_start``). Outputs are exactly as wide as the input plus the new tokens.
+
+    Args:
+        model: a causal LM loaded with ``attn_implementation="cascade"``.
+        input_ids: ``[B, L]`` int64 on the model's device; attention_mask: ``[B, L]`` (1 real, 0 padding).
+        prefix_cache: a :meth:`CascadeCache.from_prefix` cache every row must start with (reused, not prefilled).
+        max_new_tokens: the new tokens generate() will add (sizes fixed buffers; informs the cost model).
+        fixed_buffers: keep suffixes in fixed buffers of ``sw + max_new_tokens`` columns (compileable).
+    Returns:
+        ``(cache, input_ids, attention_mask)``: ``cache`` is None when no segment is worth sharing (the caller then
+        runs plain attention); the ids and mask are the user's, right padding moved to the front of each row.
+    """
+    input_ids, attention_mask, rows, row_columns = _left_aligned(input_ids, attention_mask)
+    base_levels, base_parents, base_tokens = [], [], ()
+    if prefix_cache is not None:
+        base_levels, base_parents, base_tokens = _base_chain(prefix_cache, model)
+        for r, row in enumerate(rows):
+            if tuple(row[: len(base_tokens)]) != base_tokens or len(row) <= len(base_tokens):
+                first = next((i for i, (a, b) in enumerate(zip(row, base_tokens)) if a != b), min(len(row), len(base_tokens)))
+                raise ValueError(
+                    f"Row {r}'s real tokens do not start with the {len(base_tokens)}-token prefix stored in the cache "
+                    f"followed by at least one more token (first difference at real token {first}; the row has "
+                    f"{len(row)} real tokens). Prepend the same prefix_ids to every prompt, or build the cache from "
+                    "the prefix these rows share."
+                )
+    offset = len(base_tokens)
+    if cost_model == "auto":
+        cost_model = (
+            CascadeCostModel(new_tokens=max_new_tokens or CascadeCostModel.new_tokens)
+            if input_ids.device.type == "cuda" else None
+        )
+    elif cost_model is not None and not isinstance(cost_model, CascadeCostModel):
+        raise ValueError(f"`cost_model` must be 'auto', None or a CascadeCostModel; got {cost_model!r}.")
+    tree = find_shared_prefixes(
+        [row[offset:] for row in rows],
+        min_shared_tokens=min_shared_tokens,
+        min_rows=min_rows,
+        max_levels=max_levels,
+        keep_node=cost_model.share if cost_model is not None else None,
+    )
+    if not tree.levels and prefix_cache is None:
+        return None, input_ids, attention_mask
+    node_levels = [
+        [(node.tokens, node.parent if level else (0 if base_levels else None), offset + node.start) for node in nodes]
+        for level, nodes in enumerate(tree.levels)
+    ]
+    levels = prefill_levels(model, node_levels, base_levels, base_parents)
+
+    batch, width = input_ids.shape
+    num_base = len(base_levels)
+    row_nodes = torch.full((len(levels), batch), -1, dtype=torch.int64)
+    row_nodes[:num_base] = 0
+    for level, nodes in enumerate(tree.row_nodes):
+        row_nodes[num_base + level] = torch.tensor(nodes, dtype=torch.int64)
+    # Column of each row's first own token (the last real token is never shared, so there always is one).
+    own_start = [columns[offset + n] for columns, n in zip(row_columns, tree.row_prefix_len)]
+    suffix_width = width - min(own_start)
+    prefix_length = width - suffix_width
+    suffix_start = torch.tensor([c - prefix_length for c in own_start], dtype=torch.int64)
+    if fixed_buffers and max_new_tokens is None:
+        raise ValueError("`fixed_buffers=True` needs `max_new_tokens` to size the buffers.")
+    cache = CascadeCache(
+        model, levels, row_nodes=row_nodes, prefix_length=prefix_length,
+        max_suffix_length=suffix_width + max_new_tokens if fixed_buffers else None,
+        suffix_start=suffix_start, prefix_tree=tree,
+    )
+    return cache, input_ids, attention_mask
 
 
 def shared_prefix_inputs(
@@ -39,7 +135,6 @@ def shared_prefix_inputs(
     min_rows: int = 2,
     max_levels: int = 4,
     layout: str = "full",
-    pad_token_id: int | None = None,
     prefix_cache: CascadeCache | None = None,
     cost_model: CascadeCostModel | str | None = "auto",
     max_new_tokens: int | None = None,
@@ -53,10 +148,10 @@ def shared_prefix_inputs(
         min_shared_tokens: shortest shared segment stored as its own node.
         min_rows: fewest rows that must share a segment.
         max_levels: deepest nesting of shared segments (system prompt -> few-shot block -> ...).
-        layout: ``"full"``: returned rows are ``[prefix | pads | suffix]`` (generate() output starts with the
-            prompt); ``"suffix"``: returned ``input_ids`` hold only ``[pads | suffix]`` while ``attention_mask``
-            still spans the prefix columns (generate() output starts with the suffix).
-        pad_token_id: id written in padding columns (default: the model's pad/eos id, else 0; never attended).
+        layout: ``"full"``: the returned rows are the user's rows, as wide as ``input_ids`` (a right-padded row has
+            its padding moved to the front), so ``out[:, input_ids.shape[1]:]`` are the new tokens; ``"suffix"``:
+            returned ``input_ids`` hold only the last ``L - prefix_length`` columns (the widest own suffix) while
+            ``attention_mask`` still spans all columns (generate() output starts with those columns).
         prefix_cache: a cache from :meth:`CascadeCache.from_prefix`: every row must start with its prefix, which
             is reused (not prefilled again); sharing found below it is added as deeper levels.
         cost_model: "auto" (the H100-measured :class:`CascadeCostModel` on CUDA, share everything on CPU), None
@@ -103,69 +198,22 @@ def shared_prefix_inputs(
             f"`attention_mask` is on {attention_mask.device} but `input_ids` on {input_ids.device}; move it with "
             "`attention_mask.to(model.device)`."
         )
-    rows = _real_tokens(input_ids, attention_mask)
-
-    base_levels, base_parents, base_tokens = [], [], ()
-    if prefix_cache is not None:
-        base_levels, base_parents, base_tokens = _base_chain(prefix_cache, model)
-        for r, row in enumerate(rows):
-            if tuple(row[: len(base_tokens)]) != base_tokens or len(row) <= len(base_tokens):
-                raise ValueError(
-                    f"Row {r} does not start with the prefix stored in `prefix_cache` ({len(base_tokens)} tokens) "
-                    "followed by at least one more token. Prepend the same prefix_ids to every prompt, or build "
-                    "the cache from the prefix these rows share."
-                )
-    offset = len(base_tokens)
-    if cost_model == "auto":
-        cost_model = CascadeCostModel() if input_ids.device.type == "cuda" else None
-    elif cost_model is not None and not isinstance(cost_model, CascadeCostModel):
-        raise ValueError(f"`cost_model` must be 'auto', None or a CascadeCostModel; got {cost_model!r}.")
-    tree = find_shared_prefixes(
-        [row[offset:] for row in rows],
-        min_shared_tokens=min_shared_tokens,
-        min_rows=min_rows,
-        max_levels=max_levels,
-        keep_node=cost_model.share if cost_model is not None else None,
+    cache, input_ids, attention_mask = plan_cascade_batch(
+        model, input_ids, attention_mask, min_shared_tokens=min_shared_tokens, min_rows=min_rows,
+        max_levels=max_levels, prefix_cache=prefix_cache, cost_model=cost_model, max_new_tokens=max_new_tokens,
+        fixed_buffers=max_new_tokens is not None,
     )
-    node_levels = [
-        [(node.tokens, node.parent if level else (0 if base_levels else None), offset + node.start) for node in nodes]
-        for level, nodes in enumerate(tree.levels)
-    ]
-    levels = prefill_levels(model, node_levels, base_levels, base_parents)
-
-    batch = len(rows)
-    num_base = len(base_levels)
-    row_nodes = torch.full((len(levels), batch), -1, dtype=torch.int64)
-    row_nodes[:num_base] = 0
-    for level, nodes in enumerate(tree.row_nodes):
-        row_nodes[num_base + level] = torch.tensor(nodes, dtype=torch.int64)
-    row_prefix = [offset + n for n in tree.row_prefix_len]
-    prefix_length = max(row_prefix)
-    suffix_width = max(len(row) - p for row, p in zip(rows, row_prefix))
-
-    if pad_token_id is None:
-        pad_token_id = _default_pad_id(model)
-    new_ids = torch.full((batch, prefix_length + suffix_width), pad_token_id, dtype=torch.int64)
-    new_mask = torch.zeros((batch, prefix_length + suffix_width), dtype=attention_mask.dtype)
-    for r, (row, p) in enumerate(zip(rows, row_prefix)):
-        suffix = row[p:]
-        new_ids[r, :p] = torch.tensor(row[:p], dtype=torch.int64)
-        new_mask[r, :p] = 1
-        new_ids[r, new_ids.shape[1] - len(suffix) :] = torch.tensor(suffix, dtype=torch.int64)
-        new_mask[r, new_mask.shape[1] - len(suffix) :] = 1
-    device = input_ids.device
-    cache = CascadeCache(
-        model, levels, row_nodes=row_nodes.to(device), prefix_length=prefix_length,
-        max_suffix_length=None if max_new_tokens is None else suffix_width + max_new_tokens,
-    )
-    cache.prefix_tree = tree
+    if cache is None:  # nothing worth sharing: a cache with no prefix level (plain attention, same interface)
+        cache = CascadeCache(
+            model, [], prefix_length=0, max_suffix_length=None if max_new_tokens is None else
+            input_ids.shape[1] + max_new_tokens, prefix_tree=find_shared_prefixes([]),
+        )
+        cache.rows_verified = True
+    prefix_length = cache.prefix_length
+    new_ids, new_mask = input_ids, attention_mask
     if layout == "suffix":
         new_ids = new_ids[:, prefix_length:]
-    inputs = {
-        "input_ids": new_ids.to(device),
-        "attention_mask": new_mask.to(device),
-        "past_key_values": cache,
-    }
+    inputs = {"input_ids": new_ids, "attention_mask": new_mask, "past_key_values": cache}
     if getattr(getattr(model, "generation_config", None), "cache_implementation", None) is not None:
         inputs["cache_implementation"] = None
     return inputs
@@ -188,15 +236,3 @@ def _base_chain(prefix_cache: CascadeCache, model) -> tuple[list, list, tuple[in
         tokens += level.node_tokens[0]
     parents = [[None]] + [[0] for _ in prefix_cache.levels[1:]]
     return list(prefix_cache.levels), parents, tokens
-
-
-def _default_pad_id(model) -> int:
-    for source in (getattr(model, "generation_config", None), model.config):
-        for name in ("pad_token_id", "eos_token_id"):
-            value = getattr(source, name, None)
-            if isinstance(value, (list, tuple)):
-                value = value[0] if value else None
-            if isinstance(value, int):
-                return value
-    return 0
-

@@ -178,14 +178,14 @@ def test_mismatched_mask(cascade_model):
     ids = torch.tensor([[3, 4, 5], [3, 4, 6]])
     with pytest.raises(ValueError, match="attention_mask"):
         hf_cascade.shared_prefix_inputs(cascade_model, ids, torch.ones(3, 3, dtype=torch.long))
-    with pytest.raises(ValueError, match="padding between"):
-        hf_cascade.shared_prefix_inputs(cascade_model, ids, torch.tensor([[1, 0, 1], [1, 1, 1]]))
+    with pytest.raises(ValueError, match="Row 1 of `attention_mask` is all zeros"):
+        hf_cascade.shared_prefix_inputs(cascade_model, ids, torch.tensor([[1, 0, 1], [0, 0, 0]]))
 
 
 def test_prefix_cache_rows_must_start_with_prefix(cascade_model):
     cache = CascadeCache.from_prefix(cascade_model, [3, 4, 5, 6])
     rows = torch.tensor([[3, 4, 5, 6, 9], [3, 4, 7, 6, 9]])
-    with pytest.raises(ValueError, match="Row 1 does not start with the prefix"):
+    with pytest.raises(ValueError, match="Row 1's real tokens do not start with the 4-token prefix"):
         hf_cascade.shared_prefix_inputs(cascade_model, rows, prefix_cache=cache)
     # A prompt no longer than the prefix leaves nothing to generate from.
     with pytest.raises(ValueError, match="at least one more token"):

@@ -1,0 +1,129 @@
+"""``hf_cascade.generate``: cascade decoding for the user's own ``model.generate(...)`` call, with one argument.
+
+Pass it as transformers' official ``custom_generate`` hook::
+
+    out = model.generate(**batch, max_new_tokens=64, num_return_sequences=8, custom_generate=hf_cascade.generate)
+    pipe = pipeline("text-generation", model=model, tokenizer=tok, batch_size=16)
+    pipe(prompts, custom_generate=hf_cascade.generate)             # pipeline forwards it to generate()
+
+How it works. generate() does all of its usual preparation — generation config, logits processors, stopping
+criteria, positions, and the rows already expanded for ``num_return_sequences`` / ``num_beams`` — and then calls
+this function instead of its decoding loop. Here the expanded rows are planned as one prefix tree: what prompts
+share (a system prompt), and each prompt's own tokens, which its samples or beams share, are prefilled and stored
+once (:func:`~hf_cascade.inputs.plan_cascade_batch`). The rows keep their width and columns, so outputs are as wide
+as the input plus the new tokens. Then transformers' own decoding method for the mode (``_sample`` for greedy and
+sampling, ``_beam_search`` for beam search and beam sampling) runs on the cascade cache.
+
+Where sharing does not pay (the cost model on CUDA rejects every segment), where the user passed a cache that is
+not an hf_cascade cache, or for modes other than greedy/sampling/beams, the decoding method runs exactly as
+generate() prepared it, so the result is generate()'s own. Limits (transformers' hook, not ours): a
+``custom_generate`` callable never receives ``streamer``, ``tokenizer`` (so no ``stop_strings``), an assistant
+model or ``synced_gpus``.
+"""
+
+from __future__ import annotations
+
+import contextvars
+
+import torch
+
+from hf_cascade.attention import check_model_uses_cascade
+from hf_cascade.cache import CascadeCache
+
+# Set while hf_cascade.generate runs a decode, so the attention does not suggest using it.
+IN_CASCADE_GENERATE: contextvars.ContextVar[bool] = contextvars.ContextVar("hf_cascade_generate", default=False)
+
+_DECODING_METHODS = {"_sample", "_beam_search"}
+
+
+def generate(
+    model,
+    input_ids: torch.LongTensor,
+    logits_processor=None,
+    stopping_criteria=None,
+    generation_config=None,
+    cascade_caches: list | None = None,
+    **model_kwargs,
+):
+    """transformers' ``custom_generate`` entry point: plan the shared prefixes of the prepared rows, then decode.
+
+    Args:
+        model: a causal LM loaded with ``attn_implementation="cascade"`` (``model`` as generate() passes it).
+        input_ids: ``[B * n, L]`` the rows generate() prepared (each prompt already repeated ``n`` times for
+            ``num_return_sequences`` / ``num_beams``), left- or right-padded.
+        logits_processor, stopping_criteria, generation_config: as generate() prepared them.
+        cascade_caches: optional list; the :class:`CascadeCache` built for this call is appended to it (to read
+            ``nbytes`` or ``prefix_tree``). Pass it to ``generate()`` / a pipeline call like any other kwarg.
+        model_kwargs: generate()'s model kwargs (``attention_mask`` ``[B * n, L]``, ``position_ids``,
+            ``past_key_values``, ...).
+    Returns:
+        What generate() returns for the mode (a ``[B * n, L + new]`` tensor, or a ``GenerateOutput``).
+    """
+    from transformers.generation.utils import GENERATION_MODES_MAPPING
+
+    check_model_uses_cascade(model, "model")
+    method_name = GENERATION_MODES_MAPPING.get(generation_config.get_generation_mode())
+    if method_name not in _DECODING_METHODS:
+        raise NotImplementedError(
+            f"hf_cascade.generate runs greedy search, sampling, beam search and beam sampling; this generation config "
+            f"asks for {generation_config.get_generation_mode().name.lower()}. Call generate() without "
+            "`custom_generate` for it."
+        )
+    decode = getattr(type(model), method_name)
+    user_cache = model_kwargs.get("past_key_values")
+    if not getattr(user_cache, "_is_user_defined", False):
+        user_cache = None  # the empty DynamicCache generate() made: replaced by the cascade cache below
+    if user_cache is not None and not isinstance(user_cache, CascadeCache):
+        return _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
+
+    attention_mask = model_kwargs.get("attention_mask")
+    if attention_mask is None:  # transformers >= 5.18 drops an all-ones mask
+        attention_mask = torch.ones_like(input_ids)
+    max_new_tokens = generation_config.max_length - input_ids.shape[1]
+    if isinstance(user_cache, CascadeCache) and user_cache.rows_verified:
+        # Already planned for these rows (shared_prefix_inputs): check the room it has before any work.
+        cache = user_cache
+        _check_capacity(cache, input_ids.shape[1], max_new_tokens)
+    else:
+        from hf_cascade.inputs import plan_cascade_batch
+
+        cache, input_ids, attention_mask = plan_cascade_batch(
+            model, input_ids, attention_mask, prefix_cache=user_cache, max_new_tokens=max_new_tokens,
+            fixed_buffers=user_cache is not None and user_cache.max_suffix_length is not None,
+        )
+        if cache is None:  # nothing worth sharing: generate()'s own cache and rows, untouched
+            return _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config,
+                        model_kwargs)
+        model_kwargs["attention_mask"] = attention_mask
+        if model_kwargs.get("position_ids") is not None:  # right padding moved: positions count real tokens
+            position_ids = attention_mask.long().cumsum(-1) - 1
+            model_kwargs["position_ids"] = position_ids.masked_fill(attention_mask == 0, 1)
+    model_kwargs["past_key_values"] = cache
+    if cascade_caches is not None:
+        cascade_caches.append(cache)
+    return _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
+
+
+def _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs):
+    token = IN_CASCADE_GENERATE.set(True)
+    try:
+        return decode(
+            model, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+            generation_config=generation_config, **model_kwargs,
+        )
+    finally:
+        IN_CASCADE_GENERATE.reset(token)
+
+
+def _check_capacity(cache: CascadeCache, width: int, max_new_tokens: int) -> None:
+    """Fixed buffers must hold the rows' suffix columns plus every new token: refuse before the prefill."""
+    if cache.max_suffix_length is None:
+        return
+    needed = width - cache.prefix_length + max_new_tokens
+    if needed > cache.max_suffix_length:
+        raise ValueError(
+            f"This CascadeCache's fixed buffers hold {cache.max_suffix_length} suffix tokens per row, and this "
+            f"generate() needs {needed} ({width - cache.prefix_length} prompt columns after the prefix + "
+            f"max_new_tokens={max_new_tokens}). Build it with `shared_prefix_inputs(..., max_new_tokens="
+            f"{max_new_tokens})` (or a larger `max_suffix_length`), or lower `max_new_tokens`."
+        )
