@@ -38,6 +38,18 @@ def _left_aligned(input_ids: torch.Tensor, attention_mask: torch.Tensor):
     return input_ids, attention_mask, rows, row_columns
 
 
+def _ranges(columns: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``'0-2, 5'`` (``'none'`` if empty)."""
+    if not columns:
+        return "none"
+    parts, start = [], columns[0]
+    for prev, cur in zip(columns, columns[1:] + [None]):
+        if cur != prev + 1:
+            parts.append(f"{start}" if start == prev else f"{start}-{prev}")
+            start = cur
+    return ", ".join(parts)
+
+
 def plan_cascade_batch(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -75,12 +87,14 @@ def plan_cascade_batch(
         base_levels, base_parents, base_tokens = _base_chain(prefix_cache, model)
         for r, row in enumerate(rows):
             if tuple(row[: len(base_tokens)]) != base_tokens or len(row) <= len(base_tokens):
-                first = next((i for i, (a, b) in enumerate(zip(row, base_tokens)) if a != b), min(len(row), len(base_tokens)))
+                first = next((i for i, (a, b) in enumerate(zip(row, base_tokens)) if a != b), len(row) - 1)
+                column = row_columns[r][min(first, len(row) - 1)]
+                masked = [c for c in range(column) if c not in set(row_columns[r])]
                 raise ValueError(
                     f"Row {r}'s real tokens do not start with the {len(base_tokens)}-token prefix stored in the cache "
-                    f"followed by at least one more token (first difference at real token {first}; the row has "
-                    f"{len(row)} real tokens). Prepend the same prefix_ids to every prompt, or build the cache from "
-                    "the prefix these rows share."
+                    f"followed by at least one more token: the first difference is its real token {first} (column "
+                    f"{column}; masked columns before it: {_ranges(masked)}). Prepend the same prefix_ids to every "
+                    "prompt with attention_mask 1 over all of it, or build the cache from the prefix these rows share."
                 )
     offset = len(base_tokens)
     if cost_model == "auto":
