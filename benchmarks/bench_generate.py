@@ -7,6 +7,13 @@ for each peer in the same run, and checks that cascade's first-step logits match
 
     python benchmarks/bench_generate.py                       # the issue's grid (needs an 80 GB GPU)
     python benchmarks/bench_generate.py --layers 4 --batches 8 --prefix 1024   # a quick look
+    python benchmarks/bench_generate.py --workload nsamples grpo   # n samples of a prompt, through plain generate()
+
+Sampling workloads (``--workload nsamples grpo``): ``nsamples`` is 1 prompt of 4096 tokens x 32 samples, 64 new
+tokens; ``grpo`` is 16 prompts (a shared 256-token system prompt + 512 own tokens) x 8 samples, 128 new tokens. The
+peers are the user's own ``model.generate(**batch, num_return_sequences=N, do_sample=True)`` with sdpa, and the same
+call with ``custom_generate=hf_cascade.generate``; KV bytes are compared with the unique tokens (each prompt token
+once + every sample's own tokens).
 """
 
 from __future__ import annotations
@@ -134,6 +141,112 @@ def first_logits_check(model, ids, mask, batch_rows: int = 4) -> dict:
     }
 
 
+SAMPLING_WORKLOADS = {
+    # name: (prompts, shared system tokens, own tokens per prompt, samples per prompt, new tokens)
+    "nsamples": (1, 0, 4096, 32, 64),
+    "grpo": (16, 256, 512, 8, 128),
+}
+
+
+def make_sampling_batch(name: str, vocab: int):
+    prompts, shared, own, _, _ = SAMPLING_WORKLOADS[name]
+    g = torch.Generator().manual_seed(len(name))
+    system = torch.randint(3, vocab, (shared,), generator=g)
+    rows = torch.randint(3, vocab, (prompts, own), generator=g)
+    ids = torch.cat([system.expand(prompts, -1), rows], dim=1).cuda()
+    return ids, torch.ones_like(ids)
+
+
+def dynamic_cache_nbytes(cache) -> int:
+    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+
+
+def run_sampling(model, peer: str, ids, mask, samples: int, new_tokens: int) -> dict:
+    """The user's own generate() call with num_return_sequences; cascade = the same call + custom_generate."""
+    model.set_attn_implementation("cascade" if peer == "cascade" else "sdpa")
+    caches = []
+    extra = dict(custom_generate=hf_cascade.generate, cascade_caches=caches) if peer == "cascade" else {}
+    gen = dict(do_sample=True, top_k=50, num_return_sequences=samples, pad_token_id=0, return_dict_in_generate=True)
+    reset_memory()
+    torch.manual_seed(0)
+    t_first, _ = wall_time(lambda: model.generate(ids, attention_mask=mask, max_new_tokens=1, **gen, **extra))
+    caches.clear()
+    reset_memory()
+    torch.manual_seed(0)
+    t_all, out = wall_time(lambda: model.generate(
+        ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **gen, **extra
+    ))
+    kv = caches[0].nbytes if caches else dynamic_cache_nbytes(out.past_key_values)
+    record = {
+        "total_s": t_all,
+        "prefill_s": t_first,
+        "decode_ms_per_step": (t_all - t_first) / max(new_tokens - 1, 1) * 1e3,
+        "peak_gib": peak_gib(),
+        "kv_gib": kv / 2**30,
+        "tokens_per_s": out.sequences.shape[0] * new_tokens / t_all,
+    }
+    if caches:
+        record["prefix_tree"] = caches[0].prefix_tree.describe()
+    del out
+    return record
+
+
+def sampling_logits_check(model, ids, mask, samples: int) -> dict:
+    """First generated position, greedy, num_return_sequences rows: cascade vs sdpa logits (bf16 model)."""
+    gen = dict(max_new_tokens=1, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+               num_return_sequences=min(samples, 4))
+    ids, mask = ids[:2], mask[:2]
+    model.set_attn_implementation("sdpa")
+    want = model.generate(ids, attention_mask=mask, **gen).logits[0].float()
+    model.set_attn_implementation("cascade")
+    got = model.generate(ids, attention_mask=mask, custom_generate=hf_cascade.generate, **gen).logits[0].float()
+    return {
+        "first_logits_max_abs_diff": (got - want).abs().max().item(),
+        "first_logits_scale": want.abs().max().item(),
+        "first_token_match": bool((got.argmax(-1) == want.argmax(-1)).all()),
+    }
+
+
+def main_sampling(args, writer, model) -> None:
+    vocab = model.config.vocab_size
+    bytes_per_token = 2 * args.layers * model.config.num_key_value_heads * model.config.head_dim * 2  # K+V, bf16
+    rows = []
+    for name in args.workload:
+        prompts, shared, own, samples, new_tokens = SAMPLING_WORKLOADS[name]
+        ids, mask = make_sampling_batch(name, vocab)
+        unique_tokens = shared + prompts * own + prompts * samples * new_tokens
+        workload = dict(workload=name, layers=args.layers, prompts=prompts, shared=shared, own=own, samples=samples,
+                        new_tokens=new_tokens, unique_kv_gib=unique_tokens * bytes_per_token / 2**30)
+        check = sampling_logits_check(model, ids, mask, samples)
+        writer.write({"bench": "generate_sampling_check", **workload, **check})
+        print("check:", name, check, flush=True)
+        for peer in ("sdpa", "cascade"):  # a warm-up run of each peer first (kernel specialisation), untimed
+            try:
+                run_sampling(model, peer, ids[:1], mask[:1], 2, 2)
+            except torch.OutOfMemoryError:
+                pass
+        results = {}
+        for peer in ("sdpa", "cascade"):
+            record = {"bench": "generate_sampling", "peer": peer, **workload}
+            try:
+                record.update(run_sampling(model, peer, ids, mask, samples, new_tokens), status="ok")
+                record["kv_over_unique"] = record["kv_gib"] / workload["unique_kv_gib"]
+                results[peer] = record
+            except torch.OutOfMemoryError:
+                record["status"] = "out of memory"
+            reset_memory()
+            if peer == "cascade" and "sdpa" in results and "cascade" in results:
+                record["speedup_vs_sdpa"] = results["sdpa"]["total_s"] / record["total_s"]
+            writer.write(record)
+            rows.append(record)
+            print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in record.items()}, flush=True)
+    print(f"\n{'workload':>9} {'peer':>8} {'total s':>8} {'ms/step':>8} {'KV GiB':>7} {'KV/unique':>9} {'speedup':>7}")
+    for r in rows:
+        f = lambda k, fmt: format(r[k], fmt) if isinstance(r.get(k), (int, float)) else "-"  # noqa: E731
+        print(f"{r['workload']:>9} {r['peer']:>8} {f('total_s', '8.2f')} {f('decode_ms_per_step', '8.1f')} "
+              f"{f('kv_gib', '7.2f')} {f('kv_over_unique', '9.2f')} {f('speedup_vs_sdpa', '7.2f')}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=32)
@@ -147,6 +260,10 @@ def main(argv=None):
         "compiled peer runs once untimed per batch size first (compilation and graph capture, reported as warmup_s)",
     )
     parser.add_argument("--skip-after-oom", action="store_true", default=True)
+    parser.add_argument(
+        "--workload", nargs="+", default=["shared"], choices=["shared", *SAMPLING_WORKLOADS],
+        help="shared: B rows sharing --prefix (the grid above); nsamples / grpo: sampling workloads (docstring)",
+    )
     parser.add_argument("--output", default=None, help="JSON-lines file (default benchmarks/results/generate.jsonl)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -164,6 +281,11 @@ def main(argv=None):
         raise SystemExit(f"unknown peers {sorted(unknown)}; choose from {sorted(runners)}")
     writer = ResultWriter("generate.jsonl", args.output)
     model = build_model(args.layers)
+    sampling = [w for w in args.workload if w != "shared"]
+    if sampling:
+        main_sampling(argparse.Namespace(**{**vars(args), "workload": sampling}), writer, model)
+        if "shared" not in args.workload:
+            return
     vocab = model.config.vocab_size
     workload = dict(layers=args.layers, prefix=args.prefix, suffix=args.suffix, new_tokens=args.new_tokens)
     # Warm-up with the timed shapes (Triton specialises kernels on integer arguments: ==1, %16), so that no

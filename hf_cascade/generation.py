@@ -34,6 +34,7 @@ from hf_cascade.cache import CascadeCache
 IN_CASCADE_GENERATE: contextvars.ContextVar[bool] = contextvars.ContextVar("hf_cascade_generate", default=False)
 
 _DECODING_METHODS = {"_sample", "_beam_search"}
+_PLAN_OPTIONS = {"min_shared_tokens", "min_rows", "max_levels", "cost_model"}
 
 
 def generate(
@@ -43,6 +44,7 @@ def generate(
     stopping_criteria=None,
     generation_config=None,
     cascade_caches: list | None = None,
+    cascade_options: dict | None = None,
     **model_kwargs,
 ):
     """transformers' ``custom_generate`` entry point: plan the shared prefixes of the prepared rows, then decode.
@@ -54,6 +56,9 @@ def generate(
         logits_processor, stopping_criteria, generation_config: as generate() prepared them.
         cascade_caches: optional list; the :class:`CascadeCache` built for this call is appended to it (to read
             ``nbytes`` or ``prefix_tree``). Pass it to ``generate()`` / a pipeline call like any other kwarg.
+        cascade_options: optional planning options, any of ``min_shared_tokens`` (default 4), ``min_rows`` (2),
+            ``max_levels`` (4), ``cost_model`` ("auto": the measured cost model on CUDA; None: share everything),
+            as in :func:`hf_cascade.shared_prefix_inputs`.
         model_kwargs: generate()'s model kwargs (``attention_mask`` ``[B * n, L]``, ``position_ids``,
             ``past_key_values``, ...).
     Returns:
@@ -62,6 +67,12 @@ def generate(
     from transformers.generation.utils import GENERATION_MODES_MAPPING
 
     check_model_uses_cascade(model, "model")
+    options = dict(cascade_options or {})
+    unknown = set(options) - _PLAN_OPTIONS
+    if unknown:
+        raise ValueError(
+            f"`cascade_options` takes {sorted(_PLAN_OPTIONS)}; got unknown {sorted(unknown)}."
+        )
     method_name = GENERATION_MODES_MAPPING.get(generation_config.get_generation_mode())
     if method_name not in _DECODING_METHODS:
         raise NotImplementedError(
@@ -89,7 +100,7 @@ def generate(
 
         cache, input_ids, attention_mask = plan_cascade_batch(
             model, input_ids, attention_mask, prefix_cache=user_cache, max_new_tokens=max_new_tokens,
-            fixed_buffers=user_cache is not None and user_cache.max_suffix_length is not None,
+            fixed_buffers=user_cache is not None and user_cache.max_suffix_length is not None, **options,
         )
         if cache is None:  # nothing worth sharing: generate()'s own cache and rows, untouched
             return _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config,

@@ -92,3 +92,27 @@ def test_gpu_compiled_graph_survives_plan_cache_churn():
         for n in range(2 * cascade_op._MAX_PLANS):  # churn: other layouts evict every unpinned plan
             cascade_op.layout_plan((0,) * (n + 1), (0, 5), torch.device("cuda", torch.cuda.current_device()))
         torch.cuda.empty_cache()
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("mode", ["greedy", "samples", "beam"])
+def test_gpu_custom_generate_matches_reference(family, mode):
+    """The one-argument path on the GPU: the user's own batch, samples/beams share their prompt."""
+    ref = tiny_model(family, reference_attention(family), device="cuda")
+    cas = tiny_model(family, "cascade", device="cuda")
+    rows = make_prompts(seed=31, system=37, block=19, groups=2, per_group=2)
+    ids, mask = (t.cuda() for t in pad_batch(rows))
+    gen = dict(max_new_tokens=8, pad_token_id=0, return_dict_in_generate=True)
+    gen.update({
+        "greedy": dict(do_sample=False),
+        "samples": dict(do_sample=True, top_k=20, num_return_sequences=4),
+        "beam": dict(num_beams=3, do_sample=False),
+    }[mode])
+    torch.manual_seed(0)
+    want = ref.generate(ids, attention_mask=mask, **gen)
+    caches = []
+    torch.manual_seed(0)
+    got = cas.generate(ids, attention_mask=mask, custom_generate=hf_cascade.generate, cascade_caches=caches,
+                       cascade_options=dict(cost_model=None), **gen)
+    assert torch.equal(got.sequences, want.sequences)
+    assert caches and caches[0].num_levels >= 2
