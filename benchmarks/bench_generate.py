@@ -192,9 +192,9 @@ def run_sampling(model, peer: str, ids, mask, samples: int, new_tokens: int) -> 
 
 
 def sampling_logits_check(model, ids, mask, samples: int) -> dict:
-    """First generated position, greedy, num_return_sequences rows: cascade vs sdpa logits (bf16 model)."""
-    gen = dict(max_new_tokens=1, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
-               num_return_sequences=min(samples, 4))
+    """First generated position, num_return_sequences rows: cascade vs sdpa logits (bf16 model)."""
+    gen = dict(max_new_tokens=1, do_sample=True, top_k=1, output_logits=True, return_dict_in_generate=True,
+               pad_token_id=0, num_return_sequences=min(samples, 4))  # raw logits; top_k=1 is greedy
     ids, mask = ids[:2], mask[:2]
     model.set_attn_implementation("sdpa")
     want = model.generate(ids, attention_mask=mask, **gen).logits[0].float()
