@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from hf_cascade.attention import ATTENTION_NAME, bind_layer, check_model_uses_cascade
+from hf_cascade.attention import ATTENTION_NAME, bind_layer, check_model_uses_cascade, plain_attention
 from hf_cascade.ops.cascade_op import (
     LevelLayout,
     cascade_attention_with_layout,
@@ -648,6 +648,9 @@ class CascadeCache(Cache):
                 self._check_positions(attention_mask, kwargs.get("position_ids"))
         # Fixed buffers: None would also admit the columns not written yet; rows' own columns: see _suffix_mask.
         attention_mask = self._suffix_mask(attention_mask, layer, query.shape[2], key.shape[2])
+        if not self.levels:  # nothing shared (e.g. prefilling a tree's first level): the fastest exact kernel
+            mask = None if attention_mask is None else attention_mask[:, None]
+            return plain_attention(module, query, key, value, mask, scaling=scaling, softcap=softcap)
         prefix_keys = [level.keys[layer_idx] for level in self.levels]
         prefix_values = [level.values[layer_idx] for level in self.levels]
         layouts = self._level_layouts(query.shape[0])

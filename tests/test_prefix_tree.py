@@ -46,6 +46,9 @@ def test_cost_model_vetoes_what_measured_slower():
     assert model.share(8, 4096, 128)
     assert not model.share(4, 16384, 0)  # fewer than 8 rows: a shared pass never beat per-row KV (H100)
     assert not model.share(8, 64, 1024)  # a short segment before long suffixes: bytes barely change
+    # GRPO-shaped: 16 prompts x 8 samples share a 256-token system prompt: byte ratio 1.4, but 3,840 tokens of
+    # per-row copies (prefill and memory) are saved.
+    assert model.share(128, 256, 641) and not CascadeCostModel(min_saved_tokens=10**9).share(128, 256, 641)
     rows = [list(range(10, 30)) + [i] for i in range(3)]
     seen = []
     veto = find_shared_prefixes(rows, min_shared_tokens=1, keep_node=lambda r, t, s: seen.append((r, t, s)) or False)
