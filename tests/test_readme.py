@@ -24,7 +24,7 @@ def test_use_snippet_runs_and_matches_sdpa():
     finally:
         model.set_attn_implementation("cascade")
     assert tok.batch_decode(ref[:, batch["input_ids"].shape[1] :], skip_special_tokens=True) == completions
-    assert namespace["inputs"]["past_key_values"].num_levels == 1
+    assert namespace["caches"][0].num_levels == 1
 
 
 def test_from_prefix_snippet_runs():
@@ -39,5 +39,13 @@ def test_from_prefix_snippet_runs():
     for i, s in enumerate(suffix):
         input_ids[i, input_ids.shape[1] - len(s) :], mask[i, input_ids.shape[1] - len(s) :] = torch.tensor(s), 1
     namespace.update(prefix_ids=prefix_ids, input_ids=input_ids, mask=mask, input_ids2=input_ids[:1], mask2=mask[:1])
-    exec(compile(python_blocks()[1], "README.md", "exec"), namespace)
+    exec(compile(python_blocks()[2], "README.md", "exec"), namespace)
     assert namespace["out"].shape[0] == 2 and namespace["out2"].shape[0] == 1
+
+
+def test_samples_and_pipeline_snippet_runs():
+    namespace = {}
+    exec(compile(python_blocks()[0], "README.md", "exec"), namespace)
+    exec(compile(python_blocks()[1], "README.md", "exec"), namespace)
+    assert namespace["out"].shape == (3 * 8, namespace["batch"]["input_ids"].shape[1] + 64)
+    assert len(namespace["answers"]) == 3
