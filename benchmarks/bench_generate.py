@@ -95,6 +95,26 @@ def run_cascade(model, ids, mask, new_tokens, compiled=False):
     }
 
 
+def run_cascade_generate(model, ids, mask, new_tokens):
+    """The user's own generate() call + ``custom_generate=hf_cascade.generate`` (planning and prefill included)."""
+    model.set_attn_implementation("cascade")
+    caches = []
+    gen = dict(do_sample=False, pad_token_id=0, custom_generate=hf_cascade.generate, cascade_caches=caches)
+    reset_memory()
+    t_first, _ = wall_time(lambda: model.generate(ids, attention_mask=mask, max_new_tokens=1, **gen))
+    t_all, out = wall_time(lambda: model.generate(
+        ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **gen
+    ))
+    return {
+        "total_s": t_all,
+        "prefill_s": t_first,
+        "decode_ms_per_step": (t_all - t_first) / max(new_tokens - 1, 1) * 1e3,
+        "peak_gib": peak_gib(),
+        "kv_gib": caches[-1].nbytes / 2**30,
+        "new_tokens": out[:, ids.shape[1] :],
+    }
+
+
 def run_sdpa(model, ids, mask, new_tokens, compiled=False):
     """generate() with sdpa; ``compiled``: transformers' static cache, which generate() compiles (CUDA graphs)."""
     model.set_attn_implementation("sdpa")
@@ -287,7 +307,8 @@ def main(argv=None):
     parser.add_argument("--batches", type=int, nargs="+", default=[32, 64, 128, 256])
     parser.add_argument(
         "--peers", nargs="+",
-        default=["cascade_compiled", "cascade", "hf_prefix_reuse", "sdpa_compiled", "sdpa", "generate_batch"],
+        default=["cascade_compiled", "cascade", "cascade_generate", "hf_prefix_reuse", "sdpa_compiled", "sdpa",
+                 "generate_batch"],
         help="*_compiled: generate()'s auto-compile (torch.compile, CUDA graphs) with a fixed-size cache; each "
         "compiled peer runs once untimed per batch size first (compilation and graph capture, reported as warmup_s)",
     )
@@ -303,6 +324,7 @@ def main(argv=None):
 
     runners = {
         "cascade": run_cascade,
+        "cascade_generate": run_cascade_generate,
         "cascade_compiled": lambda *a: run_cascade(*a, compiled=True),
         "sdpa": run_sdpa,
         "sdpa_compiled": lambda *a: run_sdpa(*a, compiled=True),
@@ -362,7 +384,7 @@ def main(argv=None):
                     record["status"] = f"error: {type(err).__name__}: {str(err)[:300]}"
             reset_memory()
             if peer == "sdpa" and "sdpa" in tokens:
-                for other in ("cascade", "cascade_compiled", "sdpa_compiled", "hf_prefix_reuse"):
+                for other in ("cascade", "cascade_compiled", "cascade_generate", "sdpa_compiled", "hf_prefix_reuse"):
                     if other in tokens and other != peer:
                         record[f"greedy_tokens_equal_{other}_frac"] = (tokens[other] == tokens[peer]).float().mean().item()
             writer.write(record)
