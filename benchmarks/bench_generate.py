@@ -8,6 +8,7 @@ for each peer in the same run, and checks that cascade's first-step logits match
     python benchmarks/bench_generate.py                       # the issue's grid (needs an 80 GB GPU)
     python benchmarks/bench_generate.py --layers 4 --batches 8 --prefix 1024   # a quick look
     python benchmarks/bench_generate.py --workload nsamples grpo   # n samples of a prompt, through plain generate()
+    python benchmarks/bench_generate.py --workload stream --batches 32  # 8 batches, 8 sharing trees, compiles included
 
 Sampling workloads (``--workload nsamples grpo``): ``nsamples`` is 1 prompt of 4096 tokens x 32 samples, 64 new
 tokens; ``grpo`` is 16 prompts (a shared 256-token system prompt + 512 own tokens) x 8 samples, 128 new tokens. The
@@ -135,7 +136,7 @@ def run_sdpa(model, ids, mask, new_tokens, compiled=False):
     }
 
 
-def run_hf_prefix_reuse(model, ids, mask, new_tokens, prefix: int):
+def run_hf_prefix_reuse(model, ids, mask, new_tokens, prefix: int, once: bool = False):
     """transformers' documented prefix reuse: prefill the shared prefix once into a DynamicCache, copy it,
     ``batch_repeat_interleave(B)``, then ``generate(past_key_values=...)`` (the prefix is stored once per row)."""
     import copy
@@ -155,6 +156,9 @@ def run_hf_prefix_reuse(model, ids, mask, new_tokens, prefix: int):
         return model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=n, min_new_tokens=n,
                               **gen)
 
+    if once:
+        t_all, _ = wall_time(lambda: recipe(new_tokens))
+        return {"total_s": t_all}
     t_first, _ = wall_time(lambda: recipe(1))
     t_all, out = wall_time(lambda: recipe(new_tokens))
     return {
@@ -298,6 +302,83 @@ def main_sampling(args, writer, model) -> None:
               f"{f('kv_gib', '7.2f')} {f('kv_over_unique', '9.2f')} {f('speedup_vs_sdpa', '7.2f')}")
 
 
+# A stream of 8 batches of 32 rows, each with another sharing tree: per level (number of groups, tokens each),
+# then each row's own tokens. Levels nest: group g of level l+1 hangs under group g * n_l // n_{l+1} of level l.
+LAYOUT_STREAM = [
+    ([(1, 4096)], 64),
+    ([(1, 1024), (4, 1024)], 64),
+    ([(1, 8192)], 32),
+    ([(1, 512), (2, 2048), (8, 512)], 64),
+    ([(1, 2048), (8, 512)], 64),
+    ([(1, 1024)], 128),
+    ([(1, 1024), (4, 1024), (16, 256)], 64),
+    ([(1, 4096), (2, 2048)], 64),
+]
+
+
+def make_tree_batch(levels, own: int, rows: int, vocab: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    segments = [[torch.randint(3, vocab, (tokens,), generator=g) for _ in range(groups)] for groups, tokens in levels]
+    batch = []
+    for r in range(rows):
+        parts = [segments[l][r * groups // rows] for l, (groups, _) in enumerate(levels)]
+        batch.append(torch.cat(parts + [torch.randint(3, vocab, (own,), generator=g)]))
+    ids = torch.stack(batch).cuda()
+    return ids, torch.ones_like(ids)
+
+
+def common_prefix_length(ids) -> int:
+    same = (ids == ids[:1]).all(dim=0)
+    return int(same.long().cumprod(0).sum())
+
+
+def main_stream(args, writer, model) -> None:
+    """8 consecutive batches with 8 sharing trees: total time including every compilation, per peer."""
+    from torch._dynamo.utils import counters
+
+    vocab = model.config.vocab_size
+    batches = [make_tree_batch(levels, own, 32, vocab, seed) for seed, (levels, own) in enumerate(LAYOUT_STREAM)]
+    totals = {}
+    for peer in ("cascade_generate", "hf_prefix_reuse", "sdpa"):
+        graphs_before = counters["stats"]["unique_graphs"]
+        per_batch, status = [], "ok"
+        for ids, mask in batches:
+            try:
+                if peer == "sdpa":
+                    model.set_attn_implementation("sdpa")
+                    t, _ = wall_time(lambda: model.generate(ids, attention_mask=mask, max_new_tokens=args.new_tokens,
+                                                            min_new_tokens=args.new_tokens, do_sample=False,
+                                                            pad_token_id=0))
+                elif peer == "hf_prefix_reuse":
+                    prefix = common_prefix_length(ids)
+                    t = run_hf_prefix_reuse(model, ids, mask, args.new_tokens, prefix=prefix, once=True)["total_s"]
+                else:
+                    model.set_attn_implementation("cascade")
+                    t, _ = wall_time(lambda: model.generate(
+                        ids, attention_mask=mask, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                        do_sample=False, pad_token_id=0, custom_generate=hf_cascade.generate,
+                    ))
+                per_batch.append(t)
+            except torch.OutOfMemoryError:
+                status = "out of memory"
+                break
+            finally:
+                reset_memory()
+        record = {
+            "bench": "generate_layout_stream", "peer": peer, "layers": args.layers, "batch": 32,
+            "new_tokens": args.new_tokens, "layouts": [[list(l) for l in levels] for levels, _ in LAYOUT_STREAM],
+            "per_batch_s": per_batch, "total_s": sum(per_batch), "status": status,
+            "compiled_graphs": counters["stats"]["unique_graphs"] - graphs_before,
+        }
+        totals[peer] = record["total_s"]
+        writer.write(record)
+        print({k: v for k, v in record.items() if k != "layouts"}, flush=True)
+    for peer in ("sdpa", "hf_prefix_reuse"):
+        if totals.get(peer):
+            print(f"layout stream: cascade {totals['cascade_generate']:.1f} s, {peer} {totals[peer]:.1f} s "
+                  f"({totals[peer] / totals['cascade_generate']:.2f}x)")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=32)
@@ -314,7 +395,7 @@ def main(argv=None):
     )
     parser.add_argument("--skip-after-oom", action="store_true", default=True)
     parser.add_argument(
-        "--workload", nargs="+", default=["shared"], choices=["shared", *SAMPLING_WORKLOADS],
+        "--workload", nargs="+", default=["shared"], choices=["shared", "stream", *SAMPLING_WORKLOADS],
         help="shared: B rows sharing --prefix (the grid above); nsamples / grpo: sampling workloads (docstring)",
     )
     parser.add_argument("--output", default=None, help="JSON-lines file (default benchmarks/results/generate.jsonl)")
@@ -336,11 +417,13 @@ def main(argv=None):
         raise SystemExit(f"unknown peers {sorted(unknown)}; choose from {sorted(runners)}")
     writer = ResultWriter("generate.jsonl", args.output)
     model = build_model(args.layers)
-    sampling = [w for w in args.workload if w != "shared"]
+    sampling = [w for w in args.workload if w in SAMPLING_WORKLOADS]
     if sampling:
         main_sampling(argparse.Namespace(**{**vars(args), "workload": sampling}), writer, model)
-        if "shared" not in args.workload:
-            return
+    if "stream" in args.workload:
+        main_stream(args, writer, model)
+    if "shared" not in args.workload:
+        return
     vocab = model.config.vocab_size
     workload = dict(layers=args.layers, prefix=args.prefix, suffix=args.suffix, new_tokens=args.new_tokens)
     # Warm-up with the timed shapes (Triton specialises kernels on integer arguments: ==1, %16), so that no

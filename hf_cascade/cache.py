@@ -33,12 +33,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from hf_cascade.attention import ATTENTION_NAME, bind_layer, check_model_uses_cascade, plain_attention
-from hf_cascade.ops.cascade_op import (
-    LevelLayout,
-    cascade_attention_with_layout,
-    encode_layouts,
-    prepare_cascade_attention,
-)
+from hf_cascade.ops.plan import CascadePlan, cascade_attention_planned, plan_cascade
 
 
 class _SuffixLayer(CacheLayerMixin):
@@ -278,6 +273,7 @@ class CascadeCache(Cache):
         max_suffix_length: int | None = None,
         suffix_start: torch.Tensor | None = None,
         prefix_tree=None,
+        window_mask: torch.Tensor | None = None,
     ):
         check_model_uses_cascade(model)
         if max_suffix_length is not None and (
@@ -314,19 +310,32 @@ class CascadeCache(Cache):
                 )
             if not bool(suffix_start.any()):
                 suffix_start = None
+        # Fixed buffers + rows planned from their tokens: the mask over the suffix window is known here, so a
+        # compiled step builds it from device data and nothing in the graph depends on prefix_length (a batch
+        # with another layout reuses the compiled step). ``window_mask`` bool [B, sw]: the user's mask over the
+        # suffix window's prompt columns; stored [max_suffix_length, B] (batch last, like row_nodes).
+        self._planned_window = None
+        if window_mask is not None and max_suffix_length is not None:
+            window = torch.ones((max_suffix_length, window_mask.shape[0]), dtype=torch.bool)
+            window[: window_mask.shape[1]] = window_mask.detach().to("cpu", torch.bool).T
+            if suffix_start is not None:
+                window &= torch.arange(max_suffix_length)[:, None] >= suffix_start[None, :]
+            self._planned_window = window
         self._planned_row_nodes = row_nodes
         self._planned_suffix_start = suffix_start
-        self._set_rows(row_nodes, suffix_start)
+        self._set_rows(row_nodes, suffix_start, self._planned_window)
         # The rows' token ids were checked against the stored prefix (shared_prefix_inputs, hf_cascade.generate).
         # A from_prefix cache given straight to generate() is not: its first prefill checks the rows' positions.
         self.rows_verified = row_nodes is not None
         self.prefix_tree = prefix_tree
         self.prefilled_prefix_tokens = sum(level.node_starts[-1] for level in self.levels)
         if max_suffix_length is not None and not torch.compiler.is_compiling():
-            # CUDA graphs read the prefix in place (no copy per replay); a new cache re-records, never recompiles.
+            # CUDA graphs read the prefix in place (no copy per replay); a new cache re-records, never recompiles,
+            # and a level of another length is the same graph (its length is dynamic).
             for level in self.levels:
                 for tensor in (*level.keys, *level.values):
                     torch._dynamo.mark_static_address(tensor, guard=False)
+                    torch._dynamo.maybe_mark_dynamic(tensor, 1)
         # The attention modules this cache may serve (reusing it with another model is an error).
         self._modules: dict[int, weakref.WeakSet] = {}
         for module in model.modules():
@@ -418,6 +427,8 @@ class CascadeCache(Cache):
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         kv_length, _ = self.layers[layer_idx].get_mask_sizes(query_length)
+        if self.window is not None and torch.compiler.is_compiling():
+            return kv_length, 0  # unused: attend() builds the compiled step's mask itself (_suffix_mask)
         return kv_length, self.prefix_length
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:  # transformers 5.17
@@ -442,13 +453,13 @@ class CascadeCache(Cache):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
-        if self.row_nodes is not None or self.suffix_start is not None:
+        state = self._row_state()
+        if any(t is not None for t in state):
             # Beams of one prompt share its prefix nodes and columns, so this is usually a no-op; check on the host.
             index = beam_idx.to("cpu")
-            row_nodes = None if self.row_nodes is None else self.row_nodes.index_select(1, index)
-            starts = None if self.suffix_start is None else self.suffix_start.index_select(0, index)
-            if not (_same(row_nodes, self.row_nodes) and _same(starts, self.suffix_start)):
-                self._set_rows(row_nodes, starts)
+            reordered = tuple(None if t is None else t.index_select(t.dim() - 1, index) for t in state)
+            if not all(_same(a, b) for a, b in zip(reordered, state)):
+                self._set_rows(*reordered)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
@@ -463,7 +474,7 @@ class CascadeCache(Cache):
         """Drop every row's suffix and go back to the stored prefix (which is kept)."""
         for layer in self.layers:
             layer.reset()
-        self._set_rows(self._planned_row_nodes, self._planned_suffix_start)
+        self._set_rows(self._planned_row_nodes, self._planned_suffix_start, self._planned_window)
         self._positions_checked = False
 
     def _claim(self) -> None:
@@ -512,38 +523,37 @@ class CascadeCache(Cache):
         )
 
     # ------------------------------------------------------------------ attention
-    def _set_rows(self, row_nodes: torch.Tensor | None, suffix_start: torch.Tensor | None = None) -> None:
-        """The rows' layout: ``row_nodes`` ``[num_levels, B]`` (node per level, -1 none; None: node 0 everywhere)
-        and ``suffix_start`` ``[B]`` (first column of the suffix window holding the row's own tokens; None: 0)."""
+    def _set_rows(
+        self, row_nodes: torch.Tensor | None, suffix_start: torch.Tensor | None = None,
+        window: torch.Tensor | None = None,
+    ) -> None:
+        """The rows' layout: ``row_nodes`` ``[num_levels, B]`` (node per level, -1 none; None: node 0 everywhere),
+        ``suffix_start`` ``[B]`` (first column of the suffix window holding the row's own tokens; None: 0) and
+        ``window`` ``[max_suffix_length, B]`` (fixed buffers, planned rows: which suffix columns each row sees)."""
         self.row_nodes = row_nodes
         self.suffix_start = suffix_start
-        self._suffix_start_dev = None
+        self.window = window
+        self._suffix_start_dev = self._window_dev = None
         self._mask_memo = None
-        self._layouts: dict[int, tuple[LevelLayout, ...]] = {}
+        self._plans: dict[int, CascadePlan] = {}
+        self._plan: CascadePlan | None = None
+        self._op_inputs: list[torch.Tensor] | None = None
 
-    def _row_state(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        return self.row_nodes, self.suffix_start
+    def _row_state(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        return self.row_nodes, self.suffix_start, self.window
 
-    def _level_layouts(self, batch_size: int) -> tuple[LevelLayout, ...]:
-        """Per level ``(row_node, node_starts)`` host tuples for the current rows (built once per batch layout)."""
-        layouts = self._layouts.get(batch_size)
-        if layouts is None:
-            layouts = tuple(
-                (
-                    (0,) * batch_size if self.row_nodes is None else tuple(self.row_nodes[level_idx].tolist()),
-                    tuple(level.node_starts),
-                )
-                for level_idx, level in enumerate(self.levels)
-            )
-            self._layouts[batch_size] = layouts
-        return layouts
+    def _plan_for(self, batch_size: int, device: torch.device) -> CascadePlan:
+        """The :class:`CascadePlan` of the current rows (built once per batch layout, on the host)."""
+        plan = self._plans.get(batch_size)
+        if plan is None:
+            plan = plan_cascade(self.row_nodes, [level.node_starts for level in self.levels], batch_size, device)
+            self._plans[batch_size] = plan
+        return plan
 
     def _match_rows(self, batch_size: int, device: torch.device) -> None:
         """Fit the planned rows to the batch generate() runs: num_return_sequences / num_beams expand rows
         with repeat_interleave and never the cache, so a multiple of the planned batch is expanded the same way."""
-        planned = self.row_nodes.shape[1] if self.row_nodes is not None else (
-            self.suffix_start.shape[0] if self.suffix_start is not None else batch_size
-        )
+        planned = next((t.shape[-1] for t in self._row_state() if t is not None), batch_size)
         if planned != batch_size:
             if batch_size % planned:
                 raise ValueError(
@@ -555,14 +565,21 @@ class CascadeCache(Cache):
             self._set_rows(
                 *(None if t is None else t.repeat_interleave(batch_size // planned, dim=-1) for t in self._row_state())
             )
-        self._level_layouts(batch_size)  # planned here, outside any compiled or captured region
+        # Planned here, outside any compiled or captured region.
+        self._plan = self._plan_for(batch_size, device) if self.levels else None
         if self.suffix_start is not None and self._suffix_start_dev is None:
             self._suffix_start_dev = self.suffix_start.to(device)
+        if self.window is not None and self._window_dev is None:
+            self._window_dev = self.window.T.contiguous().to(device)  # [B, max_suffix_length]
 
     def _suffix_mask(self, attention_mask: torch.Tensor | None, layer, query_length: int, kv_length: int):
         """The mask over the suffix KV: transformers' mask (or causal), and, when rows start their own tokens
         at different columns of the suffix window, without each row's columns before ``suffix_start`` (those
         tokens are in the row's prefix chain, or padding). bool ``[B or 1, q_len, S]`` or None (causal)."""
+        if self._window_dev is not None and torch.compiler.is_compiling():
+            # Compiled step: the mask from device data only (transformers' was built at kv_offset 0, see
+            # get_mask_sizes), so the graph does not depend on this batch's prefix_length.
+            return self._window_dev[:, None, :] & layer.causal_mask(query_length)
         if attention_mask is None:
             attention_mask = layer.causal_mask(query_length)
         if self._suffix_start_dev is None:
@@ -632,8 +649,10 @@ class CascadeCache(Cache):
         if not torch.compiler.is_compiling():  # checked eagerly at prefill; a compiled step is bound to this model
             self._check_module(module)
         layer_idx = module.layer_idx
-        if sliding_window is not None and self.levels:
-            last_column = self.prefix_length + key.shape[2] - 1
+        compiling = torch.compiler.is_compiling()
+        if sliding_window is not None and self.levels and not compiling:  # fixed buffers: checked at prefill
+            last_column = self.prefix_length + (key.shape[2] if self.max_suffix_length is None else
+                                                self.max_suffix_length) - 1
             if last_column >= sliding_window:
                 raise NotImplementedError(
                     f"{type(module).__name__} (layer {layer_idx}) uses a sliding window of {sliding_window} tokens, "
@@ -653,19 +672,15 @@ class CascadeCache(Cache):
             return plain_attention(module, query, key, value, mask, scaling=scaling, softcap=softcap)
         prefix_keys = [level.keys[layer_idx] for level in self.levels]
         prefix_values = [level.values[layer_idx] for level in self.levels]
-        layouts = self._level_layouts(query.shape[0])
         # One launch per prefix level plus one for the suffix (which also merges the levels' states).
-        if torch.compiler.is_compiling():
-            out, _ = torch.ops.hf_cascade.cascade_attention(
-                query, key, value, prefix_keys, prefix_values, encode_layouts(layouts), attention_mask, scaling,
-                softcap,
-            )
-        else:
-            if layer.is_compileable and query.shape[2] > 1:
-                # Plan the decode step (one query position) now, outside the compiled step's CUDA graphs.
-                prepare_cascade_attention(query[:, :, -1:], key, prefix_keys, layouts)
-            out, _ = cascade_attention_with_layout(
-                query, key, value, prefix_keys, prefix_values, layouts, scale=scaling, mask=attention_mask,
-                softcap=softcap,
-            )
-        return out
+        if compiling:
+            return torch.ops.hf_cascade.cascade_attention(
+                query, key, value, prefix_keys, prefix_values, self._op_inputs, attention_mask, scaling, softcap,
+            )[0]
+        if layer.is_compileable and self._op_inputs is None:
+            # Plan the decode step (one query position) now, outside the compiled step's CUDA graphs.
+            self._op_inputs = self._plan.op_inputs(query[:, :, -1:], key, prefix_keys)
+        return cascade_attention_planned(
+            query, key, value, prefix_keys, prefix_values, self._plan, scale=scaling, mask=attention_mask,
+            softcap=softcap,
+        )

@@ -34,7 +34,7 @@ from hf_cascade.cache import CascadeCache
 IN_CASCADE_GENERATE: contextvars.ContextVar[bool] = contextvars.ContextVar("hf_cascade_generate", default=False)
 
 _DECODING_METHODS = {"_sample", "_beam_search"}
-_PLAN_OPTIONS = {"min_shared_tokens", "min_rows", "max_levels", "cost_model"}
+_PLAN_OPTIONS = {"min_shared_tokens", "min_rows", "max_levels", "cost_model", "fixed_buffers"}
 
 
 def generate(
@@ -58,7 +58,8 @@ def generate(
             ``nbytes`` or ``prefix_tree``). Pass it to ``generate()`` / a pipeline call like any other kwarg.
         cascade_options: optional planning options, any of ``min_shared_tokens`` (default 4), ``min_rows`` (2),
             ``max_levels`` (4), ``cost_model`` ("auto": the measured cost model on CUDA; None: share everything),
-            as in :func:`hf_cascade.shared_prefix_inputs`.
+            as in :func:`hf_cascade.shared_prefix_inputs`, and ``fixed_buffers`` (None: on where generate()
+            compiles the decode step — CUDA, greedy or sampling, no ``disable_compile=True``; True / False).
         model_kwargs: generate()'s model kwargs (``attention_mask`` ``[B * n, L]``, ``position_ids``,
             ``past_key_values``, ...).
     Returns:
@@ -98,9 +99,14 @@ def generate(
     else:
         from hf_cascade.inputs import plan_cascade_batch
 
+        fixed = options.pop("fixed_buffers", None)
+        if fixed is None:  # compiled decode by default where transformers compiles it (CUDA, greedy/sampling)
+            fixed = _compiles_decode(model, input_ids, generation_config, method_name) or (
+                user_cache is not None and user_cache.max_suffix_length is not None
+            )
         cache, input_ids, attention_mask = plan_cascade_batch(
             model, input_ids, attention_mask, prefix_cache=user_cache, max_new_tokens=max_new_tokens,
-            fixed_buffers=user_cache is not None and user_cache.max_suffix_length is not None, **options,
+            fixed_buffers=fixed, bucket_buffers=fixed, **options,
         )
         if cache is None:  # nothing worth sharing: generate()'s own cache and rows, untouched
             return _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config,
@@ -113,6 +119,21 @@ def generate(
     if cascade_caches is not None:
         cascade_caches.append(cache)
     return _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
+
+
+def _compiles_decode(model, input_ids, generation_config, method_name: str) -> bool:
+    """Whether transformers' decoding loop will compile the step for a compileable cache: its own criteria
+    (``_sample`` only, not ``disable_compile``, CUDA unless the compile config says all devices)."""
+    if method_name != "_sample" or getattr(generation_config, "disable_compile", False):
+        return False
+    if generation_config.use_cache is False:
+        return False
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is not None and not getattr(quantizer, "is_compileable", False):
+        return False
+    compile_config = getattr(generation_config, "compile_config", None)
+    all_devices = bool(getattr(compile_config, "_compile_all_devices", False))
+    return model.device.type == "cuda" or all_devices
 
 
 def _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs):

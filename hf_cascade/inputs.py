@@ -62,6 +62,7 @@ def plan_cascade_batch(
     cost_model: CascadeCostModel | str | None = "auto",
     max_new_tokens: int | None = None,
     fixed_buffers: bool = False,
+    bucket_buffers: bool = False,
 ) -> tuple[CascadeCache | None, torch.Tensor, torch.Tensor]:
     """Find what the rows share, prefill each shared segment once, and build the cache for the user's own rows.
 
@@ -77,6 +78,7 @@ def plan_cascade_batch(
         prefix_cache: a :meth:`CascadeCache.from_prefix` cache every row must start with (reused, not prefilled).
         max_new_tokens: the new tokens generate() will add (sizes fixed buffers; informs the cost model).
         fixed_buffers: keep suffixes in fixed buffers of ``sw + max_new_tokens`` columns (compileable).
+        bucket_buffers: round that up to a power of two (:func:`suffix_capacity`): one compiled step per bucket.
     Returns:
         ``(cache, input_ids, attention_mask)``: ``cache`` is None when no segment is worth sharing (the caller then
         runs plain attention); the ids and mask are the user's, right padding moved to the front of each row.
@@ -134,10 +136,18 @@ def plan_cascade_batch(
         raise ValueError("`fixed_buffers=True` needs `max_new_tokens` to size the buffers.")
     cache = CascadeCache(
         model, levels, row_nodes=row_nodes, prefix_length=prefix_length,
-        max_suffix_length=suffix_width + max_new_tokens if fixed_buffers else None,
-        suffix_start=suffix_start, prefix_tree=tree,
+        max_suffix_length=None if not fixed_buffers else (
+            suffix_capacity(suffix_width + max_new_tokens) if bucket_buffers else suffix_width + max_new_tokens
+        ),
+        suffix_start=suffix_start, prefix_tree=tree, window_mask=attention_mask[:, prefix_length:].cpu(),
     )
     return cache, input_ids, attention_mask
+
+
+def suffix_capacity(tokens: int) -> int:
+    """Fixed suffix buffers hold a power of two of columns (at least 64): batches whose suffix windows plus new
+    tokens fall in one bucket share one compiled decode step (the buffers' size is part of the graph)."""
+    return max(64, 1 << (tokens - 1).bit_length())
 
 
 def shared_prefix_inputs(

@@ -154,3 +154,25 @@ def test_fixed_buffers_crop_both_conventions():
     assert cache.suffix_length == 1 and int(cache.get_seq_length()) == cache.prefix_length + 1
     with pytest.raises(ValueError, match="immutable"):
         cache.crop(-2)
+
+
+def test_one_argument_path_compiles_once_for_new_layouts():
+    """custom_generate=hf_cascade.generate with fixed buffers (the CUDA default; here forced on CPU): batches with
+    other sharing trees (other lengths, other nodes) reuse the compiled step; only the number of prefix levels or
+    the batch size makes another graph (as transformers' static cache does for a new size)."""
+    from torch._dynamo.utils import counters
+
+    ref, cas = model_pair("llama")
+    gen = dict(max_new_tokens=MAX_NEW, pad_token_id=0, do_sample=False)
+    graphs = []
+    for seed, system, block in ((51, 11, 7), (52, 14, 5), (53, 9, 9), (54, 12, 6)):
+        rows = make_prompts(seed=seed, system=system, block=block, groups=2, per_group=2)
+        ids, mask = pad_batch(rows)
+        caches = []
+        got = cas.generate(ids, attention_mask=mask, custom_generate=hf_cascade.generate, cascade_caches=caches,
+                           cascade_options=dict(min_shared_tokens=2, fixed_buffers=True),
+                           compile_config=cpu_compile_config(), **gen)
+        assert caches[0].is_compileable and caches[0].num_levels == 2
+        assert torch.equal(got, ref.generate(ids, attention_mask=mask, **gen)), seed
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[-1] == graphs[0], f"a new layout recompiled: unique graphs after each batch {graphs}"

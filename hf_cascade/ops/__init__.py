@@ -9,6 +9,7 @@ state over no keys has ``lse = -inf``. Importing this package never imports Trit
 from ._backend import triton_available
 from .cascade_attention import cascade_attention
 from .merge import merge_attention_states
+from .plan import CascadePlan, cascade_attention_planned, plan_cascade
 from .prefix_attention import PrefixPlan, plan_shared_prefix, shared_prefix_attention
 from .reference import (
     merge_attention_states_ref,
@@ -18,7 +19,10 @@ from .reference import (
 from .suffix_attention import suffix_attention
 
 __all__ = [
+    "CascadePlan",
     "PrefixPlan",
+    "cascade_attention_planned",
+    "plan_cascade",
     "cascade_attention",
     "merge_attention_states",
     "merge_attention_states_ref",

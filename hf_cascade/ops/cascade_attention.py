@@ -12,6 +12,8 @@ from .merge import merge_attention_states
 from .prefix_attention import (
     PrefixPlan,
     _check_plan,
+    _num_splits_for,
+    _prefix_config,
     _prefix_launch_config,
     launch_combine,
     launch_prefix,
@@ -87,7 +89,7 @@ _HBM_BYTES_PER_S = 2.9e12  # H100 device-to-device copy (read + write), measured
 _DOT_FLOPS_PER_S = 4.0e14  # the prefix kernel's measured tensor-core rate (bf16, B*G >= 256, H100)
 
 
-def _fuse_suffix(query: Tensor, key: Tensor, prefixes) -> bool:
+def _fuse_suffix(query: Tensor, key: Tensor, prefixes, shape_only: bool = False) -> bool:
     """Cost model: run the last level's prefix programs and the suffix programs in one launch?
 
     Overlapping the passes pays when the suffix's memory traffic is large next to the prefix pass
@@ -95,7 +97,8 @@ def _fuse_suffix(query: Tensor, key: Tensor, prefixes) -> bool:
     0.043 vs 0.057 ms, P=16K/S=1K 0.127 vs 0.149; but P=16K/S=256 0.101 vs 0.083 and B=128,
     P=16K/S=128 0.183 vs 0.114 (the fused prefix programs use smaller tiles to share the SM). Only
     for 16-bit inputs with head_dim <= 128 (else the fused kernel's registers spill). The
-    interpreter (CI) always takes the fused path.
+    interpreter (CI) always takes the fused path. ``shape_only``: decide from tensor shapes alone (every
+    row on one node: rows B, key-row pairs B*T), as a compiled step whose layout changes between replays must.
     """
     if query.device.type != "cuda":
         return True
@@ -104,35 +107,66 @@ def _fuse_suffix(query: Tensor, key: Tensor, prefixes) -> bool:
     B, Hq, Lq, D = query.shape
     Hkv, S = key.shape[1], key.shape[2]
     g_lq = Hq // Hkv * Lq
-    if max(max(plan.rows_per_node, default=0) for _, _, plan in prefixes) * g_lq < _FUSE_MIN_ROWS:
+    if shape_only:
+        sizes = [(B, k_pre.shape[1], B * k_pre.shape[1]) for k_pre, _, _ in prefixes]
+    else:
+        sizes = [(max(plan.rows_per_node, default=0), plan.total_keys, plan.key_row_pairs) for _, _, plan in prefixes]
+    if max(rows for rows, _, _ in sizes) * g_lq < _FUSE_MIN_ROWS:
         return False
     e = query.element_size()
-    t_prefix = sum(max(2 * Hkv * D * e * plan.total_keys / _HBM_BYTES_PER_S,
-                       4 * D * Lq * Hq * plan.key_row_pairs / _DOT_FLOPS_PER_S) for _, _, plan in prefixes)
+    t_prefix = sum(max(2 * Hkv * D * e * keys / _HBM_BYTES_PER_S, 4 * D * Lq * Hq * pairs / _DOT_FLOPS_PER_S)
+                   for _, keys, pairs in sizes)
     t_suffix = 2 * B * Hkv * S * D * e / _HBM_BYTES_PER_S
     return t_suffix >= _FUSE_SUFFIX_RATIO * t_prefix
 
 
-def launch_plan(query: Tensor, key: Tensor, prefixes, fuse_suffix: bool | None = None) -> tuple[bool, list]:
+def launch_configs(query: Tensor, key: Tensor, prefixes, fuse_suffix: bool | None = None,
+                   shape_only: bool = False) -> tuple[bool, list]:
     """The Triton launch choices of a call with these shapes: (fuse the suffix into the last level's launch?,
-    per level the prefix launch config). Built on the host and cached in the plans, so that calling this
-    once ahead (e.g. before CUDA-graph capture) leaves the call itself nothing to allocate but its outputs."""
+    per level ``(schedule, splits, BLOCK_M, BLOCK_N, num_warps, num_stages)``). ``prefixes``: per level
+    ``(prefix_key, _, PrefixPlan or a ready _Schedule)``. ``shape_only``: every choice from tensor shapes alone,
+    so that a compiled step replayed with another layout keeps valid choices (see ``ops/plan.py``). Cached in the
+    plans: calling this once ahead (before CUDA-graph capture) leaves the call nothing to allocate but outputs."""
     if fuse_suffix is None:
-        fuse_suffix = _fuse_suffix(query, key, prefixes)
-    configs = [_prefix_launch_config(query, k_pre, plan, None, None, None, fused=fuse_suffix)
-               for k_pre, _, plan in prefixes]
+        fuse_suffix = _fuse_suffix(query, key, prefixes, shape_only)
+    if not shape_only:
+        return fuse_suffix, [_prefix_launch_config(query, k_pre, plan, None, None, None, fused=fuse_suffix)
+                             for k_pre, _, plan in prefixes]
+    B, Hq, Lq, D = query.shape
+    configs = []
+    for k_pre, _, plan in prefixes:
+        Hkv, T = k_pre.shape[0], k_pre.shape[1]
+        G = Hq // Hkv
+        block_m, block_n, num_warps, num_stages = _prefix_config(D, B * G * Lq, query.device, fused=fuse_suffix)
+        sched = plan.schedule(G * Lq, block_m) if isinstance(plan, PrefixPlan) else plan
+        splits = _num_splits_for(T, sched.num_tiles, Hkv, block_n, query.device)
+        configs.append((sched, splits, block_m, block_n, num_warps, num_stages))
     return fuse_suffix, configs
 
 
+def launch_plan(query: Tensor, key: Tensor, prefixes, fuse_suffix: bool | None = None) -> tuple[bool, list]:
+    """:func:`launch_configs` from the layout's contents (eager calls)."""
+    return launch_configs(query, key, prefixes, fuse_suffix)
+
+
 def _cascade_triton(query, key, value, prefixes, *, scale, mask, causal, softcap, fuse_suffix: bool | None = None):
-    """Triton launches. ``fuse_suffix``: the last level's prefix programs and the suffix programs share
-    one launch and a combine kernel merges all states (L + 1 launches); else the suffix kernel merges
-    the prefix states in its prologue (also L + 1 launches, no overlap of the two passes)."""
+    """Triton launches with the launch choices of this layout (see :func:`launch_cascade`)."""
+    fuse_suffix, configs = launch_plan(query, key, prefixes, fuse_suffix)
+    return launch_cascade(query, key, value, [(k, v) for k, v, _ in prefixes], configs, fuse_suffix,
+                          scale=scale, mask=mask, causal=causal, softcap=softcap)
+
+
+def launch_cascade(query, key, value, prefix_kv, configs, fuse_suffix, *, scale, mask, causal, softcap):
+    """Triton launches of one cascade attention call. ``fuse_suffix``: the last level's prefix programs and the
+    suffix programs share one launch and a combine kernel merges all states (L + 1 launches); else the suffix
+    kernel merges the prefix states in its prologue (also L + 1 launches, no overlap of the two passes).
+
+    ``prefix_kv``: per level ``(prefix_key, prefix_value)``; ``configs``: per level from :func:`launch_configs`.
+    """
     B, Hq, Lq, D = query.shape
     Hkv = key.shape[1]
     G = Hq // Hkv
     dev = query.device
-    fuse_suffix, configs = launch_plan(query, key, prefixes, fuse_suffix)
     slots = sum(cfg[1] for cfg in configs) + (1 if fuse_suffix else 0)
     m_total = B * Lq * G
     part_out = torch.empty((slots, Hkv, m_total, D), dtype=torch.float32, device=dev)
@@ -140,9 +174,9 @@ def _cascade_triton(query, key, value, prefixes, *, scale, mask, causal, softcap
     o_strides, l_strides = partial_strides(part_out, part_lse, Lq, G, D)
     if not fuse_suffix:
         slot0 = 0
-        for (k_pre, v_pre, plan), cfg in zip(prefixes, configs):
+        for (k_pre, v_pre), cfg in zip(prefix_kv, configs):
             if m_total:
-                launch_prefix(query, k_pre, v_pre, plan, cfg, part_out, part_lse, o_strides, l_strides, slot0,
+                launch_prefix(query, k_pre, v_pre, None, cfg, part_out, part_lse, o_strides, l_strides, slot0,
                               scale=scale, softcap=softcap)
             slot0 += cfg[1]
         return launch_suffix(query, key, value, scale=scale, mask=mask, causal=causal, softcap=softcap,
@@ -153,11 +187,11 @@ def _cascade_triton(query, key, value, prefixes, *, scale, mask, causal, softcap
     if m_total == 0:
         return out, lse
     slot0 = 0
-    for (k_pre, v_pre, plan), cfg in zip(prefixes[:-1], configs[:-1]):
-        launch_prefix(query, k_pre, v_pre, plan, cfg, part_out, part_lse, o_strides, l_strides, slot0,
+    for (k_pre, v_pre), cfg in zip(prefix_kv[:-1], configs[:-1]):
+        launch_prefix(query, k_pre, v_pre, None, cfg, part_out, part_lse, o_strides, l_strides, slot0,
                       scale=scale, softcap=softcap)
         slot0 += cfg[1]
-    k_pre, v_pre, plan = prefixes[-1]
+    k_pre, v_pre = prefix_kv[-1]
     _launch_fused(query, k_pre, v_pre, configs[-1], key, value, mask, causal, part_out, part_lse,
                   o_strides, l_strides, slot0, slots - 1, scale=scale, softcap=softcap)
     launch_combine(out, lse, part_out, part_lse, G)

@@ -289,7 +289,12 @@ def _prefix_config(D: int, m_node: int, device: torch.device, *, fused: bool = F
 def _num_splits(plan: PrefixPlan, tiles: int, hkv: int, block_n: int, device: torch.device) -> int:
     """KV splits: about one program per SM (measured best: 128 programs on the H100's 132 SMs, from
     B=1 to B=256), each split at least ``_MIN_KEYS_PER_SPLIT`` keys."""
-    by_len = max(1, -(-plan.max_node_len // max(_MIN_KEYS_PER_SPLIT, block_n)))
+    return _num_splits_for(plan.max_node_len, tiles, hkv, block_n, device)
+
+
+def _num_splits_for(keys: int, tiles: int, hkv: int, block_n: int, device: torch.device) -> int:
+    """:func:`_num_splits` for a node of ``keys`` keys (trailing splits of shorter nodes are empty)."""
+    by_len = max(1, -(-keys // max(_MIN_KEYS_PER_SPLIT, block_n)))
     want = max(1, num_programs_target(device) // max(1, tiles * hkv))
     return max(1, min(by_len, want))
 

@@ -1,0 +1,189 @@
+"""``CascadePlan``: one batch's prefix layout, all levels, as host data and device tensors (FlashInfer's plan/run).
+
+A cache builds one plan per batch layout on the host, before any compiled or captured step (``plan_cascade``);
+every layer and decode step then runs on it. The compiled decode step calls the custom op
+``torch.ops.hf_cascade.cascade_attention`` with the plan's **index tensors** (no layout ints), and every launch
+choice the op makes (tile size, KV splits, fused suffix or not) is a function of tensor shapes alone. So a batch
+with another sharing tree re-plans on the host and runs the same compiled graph: dynamo has nothing to specialise
+on (the tensors' sizes are marked dynamic), and a CUDA graph replay reads the new layout from the op's inputs.
+
+Per level the op takes six tensors: the tile schedule of the prefix kernel for the step's ``G * Lq`` query rows
+per batch row (``rows`` int32 [B], ``row_start`` int32 [N+2], ``node_starts`` int64 [N+2], ``tile_node`` /
+``tile_m0`` int32 [tiles]; see ``_prefix_kernel``), and ``row_node`` int64 [B] (the torch path's key mask).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ._backend import resolve_backend
+from .cascade_attention import cascade_attention, launch_cascade, launch_configs
+from .prefix_attention import PrefixPlan, _Schedule, plan_shared_prefix
+from .reference import _scores, _softmax_attend, merge_attention_states_ref
+from .suffix_attention import suffix_attention
+
+__all__ = ["CascadePlan", "plan_cascade"]
+
+_TENSORS_PER_LEVEL = 6
+
+
+@dataclass(eq=False)
+class CascadePlan:
+    """The prefix layout of one batch (all levels) on one device.
+
+    Attributes:
+        levels: per level the :class:`PrefixPlan` (host layout, device row lists, cached tile schedules).
+        row_node: per level int64 ``[B]`` on the device: the node of each row (-1 none).
+    """
+
+    levels: tuple[PrefixPlan, ...]
+    row_node: tuple[Tensor, ...]
+    _inputs: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def batch_size(self) -> int:
+        return self.levels[0].batch_size if self.levels else 0
+
+    def prefixes(self, keys: Sequence[Tensor], values: Sequence[Tensor]) -> list[tuple[Tensor, Tensor, PrefixPlan]]:
+        """``[(prefix_key [Hkv, T_l, D], prefix_value, PrefixPlan)]`` for :func:`cascade_attention` (eager)."""
+        return list(zip(keys, values, self.levels))
+
+    def op_inputs(self, query: Tensor, key: Tensor, prefix_keys: Sequence[Tensor]) -> list[Tensor]:
+        """The index tensors of the compiled op for a step with ``query`` ``[B, Hq, Lq, D]`` (built once per
+        ``(G, Lq)`` and cached; call it eagerly before a CUDA graph captures the step)."""
+        B, Hq, Lq, D = query.shape
+        Hkv = key.shape[1]
+        cache_key = (Hq // Hkv, Lq, D, query.dtype, tuple(k.shape[1] for k in prefix_keys), key.shape[2])
+        tensors = self._inputs.get(cache_key)
+        if tensors is None:
+            fuse, configs = launch_configs(query, key, [(k, None, p) for k, p in zip(prefix_keys, self.levels)],
+                                           shape_only=True)
+            tensors = []
+            for plan, row_node, (sched, *_rest) in zip(self.levels, self.row_node, configs):
+                tensors += [sched.rows, sched.row_start, sched.node_starts, sched.tile_node, sched.tile_m0, row_node]
+            for t in tensors:
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+            self._inputs[cache_key] = tensors
+        return tensors
+
+
+def plan_cascade(
+    row_nodes: Tensor | None, node_starts: Sequence[Sequence[int]], batch_size: int, device: torch.device
+) -> CascadePlan:
+    """Build the plan of a batch: ``row_nodes`` int64 ``[L, B]`` on the host (None: every row reads node 0 of
+    every level), ``node_starts[l]`` the ``N_l + 1`` key offsets of level ``l``'s packed nodes."""
+    levels, row_node_dev = [], []
+    for level, starts in enumerate(node_starts):
+        nodes = torch.zeros(batch_size, dtype=torch.int64) if row_nodes is None else row_nodes[level]
+        plan = plan_shared_prefix(nodes, torch.tensor(list(starts), dtype=torch.int64), device=device)
+        levels.append(plan)
+        row_node_dev.append(nodes.to(plan.device))
+    return CascadePlan(tuple(levels), tuple(row_node_dev))
+
+
+def _planned_attention(query, key, value, prefix_keys, prefix_values, plan_tensors, mask, scale, softcap):
+    """The op's body: launch choices from shapes only, the layout from ``plan_tensors``."""
+    levels = [plan_tensors[i : i + _TENSORS_PER_LEVEL] for i in range(0, len(plan_tensors), _TENSORS_PER_LEVEL)]
+    if resolve_backend("auto", query.device, "cascade_attention") == "torch" or not levels:
+        out, lse = _planned_torch(query, key, value, prefix_keys, prefix_values, levels, mask, scale, softcap)
+    else:
+        schedules = [
+            _Schedule(rows=t[0], row_start=t[1], node_starts=t[2], tile_node=t[3], tile_m0=t[4],
+                      num_tiles=t[3].numel(), max_node_rows=0)
+            for t in levels
+        ]
+        fuse, configs = launch_configs(query, key, list(zip(prefix_keys, [None] * len(levels), schedules)),
+                                       shape_only=True)
+        out, lse = launch_cascade(query, key, value, list(zip(prefix_keys, prefix_values)), configs, fuse,
+                                  scale=scale, mask=mask, causal=True, softcap=softcap)
+    return out.transpose(1, 2).contiguous(), lse.contiguous()
+
+
+def _planned_torch(query, key, value, prefix_keys, prefix_values, levels, mask, scale, softcap):
+    """fp32 reference from the index tensors alone (no host sync): each row's queries against its node's keys."""
+    B, Hq, Lq, D = query.shape
+    prefix_out = prefix_lse = None
+    for k_pre, v_pre, tensors in zip(prefix_keys, prefix_values, levels):
+        node_starts, row_node = tensors[2], tensors[5]
+        Hkv, T = k_pre.shape[0], k_pre.shape[1]
+        G = Hq // Hkv
+        has_node = row_node >= 0
+        node = row_node.clamp(min=0)
+        start = torch.where(has_node, node_starts[node], 0)
+        end = torch.where(has_node, node_starts[node + 1], 0)
+        columns = torch.arange(T, device=query.device)
+        keep = (columns[None, :] >= start[:, None]) & (columns[None, :] < end[:, None])  # [B, T]
+        q = query.float().reshape(B, Hkv, G * Lq, D)
+        s = _scores(q, k_pre.float()[None], scale, softcap)  # [B, Hkv, G*Lq, T]
+        s = s.masked_fill(~keep[:, None, None, :], float("-inf"))
+        o, lse = _softmax_attend(s, v_pre.float()[None])
+        o, lse = o.reshape(B, Hq, Lq, D), lse.reshape(B, Hq, Lq)
+        if prefix_out is None:
+            prefix_out, prefix_lse = o, lse
+        else:
+            prefix_out, prefix_lse = merge_attention_states_ref(prefix_out, prefix_lse, o, lse)
+    return suffix_attention(query, key, value, scale=scale, mask=mask, causal=True, softcap=softcap,
+                            prefix_out=prefix_out, prefix_lse=prefix_lse, backend="torch")
+
+
+@torch.library.custom_op(
+    "hf_cascade::cascade_attention",
+    mutates_args=(),
+    schema=(
+        "(Tensor query, Tensor key, Tensor value, Tensor[] prefix_keys, Tensor[] prefix_values, Tensor[] plan, "
+        "Tensor? mask, float scale, float? softcap) -> (Tensor, Tensor)"
+    ),
+)
+def _cascade_attention_op(query, key, value, prefix_keys, prefix_values, plan, mask, scale, softcap):
+    return _planned_attention(query, key, value, prefix_keys, prefix_values, plan, mask, scale, softcap)
+
+
+@_cascade_attention_op.register_fake
+def _(query, key, value, prefix_keys, prefix_values, plan, mask, scale, softcap):
+    B, Hq, Lq, D = query.shape
+    out = query.new_empty((B, Lq, Hq, D))
+    lse = query.new_empty((B, Hq, Lq), dtype=torch.float32)
+    return out, lse
+
+
+def cascade_attention_planned(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    prefix_keys: Sequence[Tensor],
+    prefix_values: Sequence[Tensor],
+    plan: CascadePlan,
+    *,
+    scale: float,
+    mask: Tensor | None = None,
+    softcap: float | None = None,
+    compiled: bool = False,
+) -> Tensor:
+    """Cascade attention of one layer on a :class:`CascadePlan`; causal suffix.
+
+    Args:
+        query: ``[B, Hq, Lq, D]``; key, value: the suffix KV ``[B, Hkv, S, D]``.
+        prefix_keys, prefix_values: per level ``[Hkv, T_l, D]``.
+        mask: None (causal, bottom-right) or bool ``[B or 1, Lq, S]`` over the suffix keys.
+        compiled: go through the custom op with the plan's index tensors (inside ``torch.compile``).
+    Returns:
+        ``[B, Lq, Hq, D]`` contiguous, in ``query.dtype``.
+    """
+    if not len(prefix_keys) == len(prefix_values) == len(plan.levels):
+        raise ValueError(
+            f"cascade_attention: got {len(prefix_keys)} prefix keys, {len(prefix_values)} prefix values and a plan "
+            f"of {len(plan.levels)} levels; pass one of each per prefix level."
+        )
+    if compiled:
+        out, _ = torch.ops.hf_cascade.cascade_attention(
+            query, key, value, list(prefix_keys), list(prefix_values), plan.op_inputs(query, key, prefix_keys),
+            mask, scale, softcap,
+        )
+        return out
+    out, _ = cascade_attention(query, key, value, plan.prefixes(prefix_keys, prefix_values), scale=scale, mask=mask,
+                               causal=True, softcap=softcap)
+    return out.transpose(1, 2).contiguous()
