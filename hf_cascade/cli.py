@@ -567,8 +567,8 @@ def format_demo(r: dict, show: int | None = None) -> str:
     lines.append(f"model loaded in {r['load_s']:.1f} s")
     if r["chat"]:
         lines.append(
-            f"{r['batch']} chat prompts of {r['prompt_tokens_min']}-{r['prompt_tokens_max']} tokens: one system prompt"
-            f" + {r['shots']} solved questions (shared by all) + a question of each row's own"
+            f"{r['batch']} chat prompts ({r['prompt_tokens_min']}-{r['prompt_tokens_max']} tokens): a system prompt + "
+            f"{r['shots']} solved questions, shared by all; then one question each"
         )
     else:
         lines.append(
