@@ -151,7 +151,7 @@ def _check_capacity(cache: CascadeCache, width: int, max_new_tokens: int) -> Non
     """Fixed buffers must hold the rows' suffix columns plus every new token: refuse before the prefill."""
     if cache.max_suffix_length is None:
         return
-    needed = width - cache.prefix_length + max_new_tokens
+    needed = width - cache.prefix_length + max_new_tokens - 1  # the last new token is never fed back
     if needed > cache.max_suffix_length:
         raise ValueError(
             f"This CascadeCache's fixed buffers hold {cache.max_suffix_length} suffix tokens per row, and this "

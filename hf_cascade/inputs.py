@@ -137,7 +137,8 @@ def plan_cascade_batch(
     cache = CascadeCache(
         model, levels, row_nodes=row_nodes, prefix_length=prefix_length,
         max_suffix_length=None if not fixed_buffers else (
-            suffix_capacity(suffix_width + max_new_tokens) if bucket_buffers else suffix_width + max_new_tokens
+            # The last new token is sampled and never fed back: sw + max_new_tokens - 1 columns are written.
+            suffix_capacity(suffix_width + max_new_tokens - 1) if bucket_buffers else suffix_width + max_new_tokens
         ),
         suffix_start=suffix_start, prefix_tree=tree, window_mask=attention_mask[:, prefix_length:].cpu(),
     )
@@ -145,9 +146,12 @@ def plan_cascade_batch(
 
 
 def suffix_capacity(tokens: int) -> int:
-    """Fixed suffix buffers hold a power of two of columns (at least 64): batches whose suffix windows plus new
-    tokens fall in one bucket share one compiled decode step (the buffers' size is part of the graph)."""
-    return max(64, 1 << (tokens - 1).bit_length())
+    """Columns of bucketed fixed suffix buffers: 64 x a power of two up to 1024, then a multiple of 512. Batches
+    whose suffix windows plus new tokens fall in one bucket share one compiled decode step (the buffers' size is
+    part of the graph); 64 and 128 (prompt column + 64 or 128 new tokens) fit exactly."""
+    if tokens <= 1024:
+        return max(64, 1 << (max(tokens, 1) - 1).bit_length())
+    return -(-tokens // 512) * 512
 
 
 def shared_prefix_inputs(
