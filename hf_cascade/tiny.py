@@ -183,8 +183,9 @@ def load_model_and_tokenizer(
                     model.generation_config.save_pretrained(tmp)
                     tokenizer.save_pretrained(tmp)
                     save_model(model, os.path.join(tmp, "model.safetensors"))  # tied embeddings stored once
-                    shutil.rmtree(cached, ignore_errors=True)  # a leftover without its weights
-                    os.replace(tmp, cached)  # the folder appears whole or not at all
+                    if not os.path.isfile(os.path.join(cached, "model.safetensors")):  # else: cached meanwhile
+                        shutil.rmtree(cached, ignore_errors=True)  # a leftover without its weights
+                        os.replace(tmp, cached)  # the folder appears whole or not at all
                 except OSError as err:
                     warnings.warn(f"Could not cache the dequantised GGUF under {root}: {err}", stacklevel=2)
                 finally:
