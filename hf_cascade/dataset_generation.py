@@ -2,8 +2,9 @@
 
 The rows of few-shot evaluation, synthetic-data generation or best-of-k sampling share long preambles. This
 module orders the rows so that rows sharing a prefix land in the same batch, packs batches under a token
-budget, and runs cascade ``generate()`` on each (:func:`hf_cascade.shared_prefix_inputs`): every shared prefix is
-prefilled and stored once per batch, and a prefix that spans several batches (a dataset-wide system prompt) is
+budget, and runs the user-facing cascade call on each (``model.generate(..., custom_generate=hf_cascade.generate)``,
+compiled on CUDA and compiled once for all batches of a size): every shared prefix is prefilled and stored once per
+batch, and a prefix that spans several batches (a dataset-wide system prompt) is
 prefilled once for all of them (:meth:`hf_cascade.CascadeCache.from_prefix`). Completions come back in the
 dataset's original row order.
 
@@ -171,8 +172,8 @@ def generate_dataset(
             once, plus ``rows x num_return_sequences x max_new_tokens``. A single row above the budget still
             runs, alone.
         max_batch_size: most prompt rows per batch.
-        min_shared_tokens, max_levels: passed to :func:`hf_cascade.shared_prefix_inputs` (shortest shared
-            segment kept as its own node; deepest nesting).
+        min_shared_tokens, max_levels: passed to the planner (``cascade_options`` of :func:`hf_cascade.generate`;
+            shortest shared segment kept as its own node; deepest nesting).
         add_special_tokens: passed to the tokenizer for string prompts (e.g. BOS).
         skip_special_tokens: passed to ``tokenizer.batch_decode``.
         progress: show a tqdm bar (rows/s, new tokens/s) and print the summary at the end.
@@ -575,8 +576,8 @@ def _make_batches(rows, order, max_batch_tokens, max_batch_size, new_tokens_per_
 
 
 class _CarriedPrefix:
-    """A prefix shared by consecutive batches, prefilled once (``CascadeCache.from_prefix``) and handed to
-    ``shared_prefix_inputs(prefix_cache=...)`` for each of them. Rows are sorted, so the batches a prefix serves
+    """A prefix shared by consecutive batches, prefilled once (``CascadeCache.from_prefix``) and passed as
+    ``past_key_values`` to each of them (hf_cascade.generate plans the batch below it). Rows are sorted, so the batches a prefix serves
     are consecutive: once a batch does not start with it, it is dropped for good."""
 
     def __init__(self, model, min_shared_tokens):
@@ -628,20 +629,27 @@ def _run_batch(
     model, tokenizer, rows, batch, next_batch, carried, gen_kwargs, num_return, eos_ids,
     min_shared_tokens, max_levels, skip_special_tokens, stats,
 ):
-    """Generate one batch; return (completions in batch order, new-token count)."""
-    from hf_cascade.inputs import shared_prefix_inputs
+    """Generate one batch; return (completions in batch order, new-token count).
+
+    The batch goes through the user-facing one-argument path (``custom_generate=hf_cascade.generate``), so on CUDA
+    its decode step is the compiled one, shared by every batch of the dataset (a new sharing tree re-plans on the
+    host; only a new batch size or number of prefix levels compiles again)."""
+    import hf_cascade
     from hf_cascade.prefix_tree import find_shared_prefixes
 
     batch_rows = [rows[i] for i in batch]
     next_rows = [rows[i] for i in next_batch] if next_batch else None
     prefix_cache, carried_len = carried.for_batch(batch_rows, next_rows, stats)
     ids, mask = _pad_left(batch_rows, gen_kwargs["pad_token_id"], model.device)
-    inputs = shared_prefix_inputs(
-        model, ids, mask, min_shared_tokens=min_shared_tokens, max_levels=max_levels, prefix_cache=prefix_cache
+    caches = []
+    extra = {} if prefix_cache is None else {"past_key_values": prefix_cache}
+    out = model.generate(
+        ids, attention_mask=mask, custom_generate=hf_cascade.generate, cascade_caches=caches,
+        cascade_options=dict(min_shared_tokens=min_shared_tokens, max_levels=max_levels), **extra, **gen_kwargs,
     )
-    cache = inputs["past_key_values"]
 
     # Sharing bookkeeping: tokens of each row served by a shared prefix, and prefix tokens prefilled here.
+    cache = caches[0] if caches else None
     tree = getattr(cache, "prefix_tree", None)
     if tree is None:
         tree = find_shared_prefixes(
@@ -649,13 +657,12 @@ def _run_batch(
         )
     shared_per_row = [carried_len + n for n in tree.row_prefix_len]
     stats.prompt_tokens += sum(len(r) for r in batch_rows)
-    stats.shared_prompt_tokens += sum(shared_per_row)
-    prefilled = getattr(cache, "prefilled_prefix_tokens", tree.shared_tokens + carried_len)
+    stats.shared_prompt_tokens += sum(shared_per_row) if cache is not None else 0
+    prefilled = cache.prefilled_prefix_tokens if cache is not None else carried_len
     stats.prefix_tokens_prefilled += int(prefilled) - carried_len
 
-    out = model.generate(**inputs, **gen_kwargs)
     sequences = out.sequences if hasattr(out, "sequences") else out
-    new = sequences[:, inputs["input_ids"].shape[1] :]
+    new = sequences[:, ids.shape[1] :]
     texts = tokenizer.batch_decode(new, skip_special_tokens=skip_special_tokens)
     counts = _count_new_tokens(new, eos_ids, gen_kwargs["pad_token_id"])
     if num_return > 1:

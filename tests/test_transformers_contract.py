@@ -1,0 +1,73 @@
+"""The transformers surfaces hf_cascade relies on that are not documented extension points, each checked to still
+behave as assumed. If transformers changes one, this file fails loudly instead of hf_cascade going silently wrong.
+
+The documented ones (AttentionInterface, AttentionMaskInterface, Cache/CacheLayerMixin, generate(custom_generate=))
+are exercised by every generate test; here: the private ones.
+"""
+
+import inspect
+
+import torch
+from transformers import AttentionInterface, GenerationConfig
+from transformers.generation.utils import GENERATION_MODES_MAPPING, GenerationMixin, GenerationMode
+
+import hf_cascade
+from hf_cascade import CascadeCache
+
+from test_generate import make_prompts, model_pair, pad_batch
+
+
+def test_generate_marks_a_user_cache_with_is_user_defined():
+    """CascadeCache.reset() runs when generate() sets ``cache._is_user_defined = True`` on a cache the user passed
+    (so one cache serves several batches, and a second thread's call is detected)."""
+    _, cas = model_pair("llama")
+    cache = CascadeCache.from_prefix(cas, [5, 6, 7, 8])
+    calls = []
+    original = CascadeCache._claim
+    cache._claim = lambda: (calls.append(1), original(cache))  # instance attribute, this test only
+    cas.generate(torch.tensor([[5, 6, 7, 8, 9]]), past_key_values=cache, max_new_tokens=1, pad_token_id=0)
+    assert calls == [1] and cache._user_defined
+
+
+def test_decoding_methods_hf_cascade_generate_delegates_to():
+    """hf_cascade.generate maps the mode to transformers' own decoding method by GENERATION_MODES_MAPPING."""
+    assert GENERATION_MODES_MAPPING[GenerationMode.GREEDY_SEARCH] == "_sample"
+    assert GENERATION_MODES_MAPPING[GenerationMode.SAMPLE] == "_sample"
+    assert GENERATION_MODES_MAPPING[GenerationMode.BEAM_SEARCH] == "_beam_search"
+    assert GENERATION_MODES_MAPPING[GenerationMode.BEAM_SAMPLE] == "_beam_search"
+    for name in ("_sample", "_beam_search"):
+        params = inspect.signature(getattr(GenerationMixin, name)).parameters
+        assert {"input_ids", "logits_processor", "stopping_criteria", "generation_config"} <= set(params)
+
+
+def test_custom_generate_routes_extra_keyword_arguments():
+    """generate() passes the callable's own keyword arguments (cascade_caches, cascade_options) to it, and the rows
+    it hands over are already expanded for num_return_sequences."""
+    _, cas = model_pair("llama")
+    seen = {}
+
+    def probe(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
+              cascade_probe=None, **model_kwargs):
+        seen.update(rows=input_ids.shape[0], probe=cascade_probe, cache=type(model_kwargs["past_key_values"]).__name__,
+                    max_new=generation_config.max_new_tokens)
+        return input_ids
+
+    ids, mask = pad_batch(make_prompts(seed=1, groups=1))
+    cas.generate(ids, attention_mask=mask, custom_generate=probe, cascade_probe="here", num_return_sequences=3,
+                 do_sample=True, max_new_tokens=4, pad_token_id=0)
+    assert seen == {"rows": 3 * ids.shape[0], "probe": "here", "cache": "DynamicCache", "max_new": 4}
+
+
+def test_auto_compile_criteria_fields():
+    """hf_cascade.generate sizes fixed buffers where transformers would compile: disable_compile and
+    compile_config._compile_all_devices are the fields its criteria read."""
+    config = GenerationConfig()
+    assert hasattr(config, "disable_compile")
+    source = inspect.getsource(GenerationMixin._valid_auto_compile_criteria)
+    assert "disable_compile" in source and "_compile_all_devices" in source and "is_compileable" in source
+
+
+def test_attention_registry_is_readable():
+    """`python -m hf_cascade info` reads AttentionInterface._global_mapping to say whether "cascade" is registered."""
+    assert "cascade" in AttentionInterface._global_mapping
+    assert AttentionInterface._global_mapping["cascade"] is hf_cascade.attention.cascade_attention_forward
