@@ -150,6 +150,10 @@ def bench_point(writer, copy_gbs, heads, b, p, s, repeat):
     record = dict(bench="decode_step", op="cascade_attention", form=form, launches=2, heads=heads, batch=b, prefix=p,
                   suffix=s, head_dim=D, dtype="bf16", input_copies=n)
     record.update(rel_err=err, rel_err_bf16_rounding=bf16_err, check_ok=err <= 2 * bf16_err + 1e-3)
+    if not record["check_ok"]:  # verification gates timing: a wrong answer has no speed
+        record["status"] = f"check failed: relative error {err:.2e} > 2 x bf16 rounding {bf16_err:.2e} + 1e-3"
+        writer.write(record)
+        return record
     record.update({f"cascade_eager_{k}": v for k, v in eager_time(calls, repeat=repeat).items()})
     t = graph_time(calls, repeat=repeat)
     record.update({f"cascade_{k}": v for k, v in t.items()})
@@ -192,6 +196,9 @@ def run_grid(args):
     for heads, b, p, s in itertools.product(args.heads, args.batches, args.prefixes, args.suffixes):
         r = bench_point(writer, copy_gbs, heads, b, p, s, args.repeat)
         rows.append(r)
+        if not r["check_ok"]:
+            print(f"{heads:>6} {b:>4} {p:>6} {s:>5} FAIL ({r['status']}): not timed", flush=True)
+            continue
         sd_ms = r.get("sdpa_ms")
         sd_txt = f"{sd_ms:.4f}" if sd_ms else "-"
         speedup_txt = f"{r['speedup_vs_sdpa']:.1f}x" if sd_ms else "-"
