@@ -130,3 +130,34 @@ def test_cascade_rejects_bad_inputs():
         cascade_attention(q, ks, ks, [(k, v, None)], scale=0.1)
     with pytest.raises(ValueError, match="plan"):
         cascade_attention(q, ks, ks, [(k, v, plan_shared_prefix(rows[:1], starts, device=DEVICE))], scale=0.1)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_planned_op_any_layout_same_shapes(backend):
+    """The compiled step's op (ops/plan.py): the layout arrives as index tensors and every launch choice comes from
+    shapes, so two layouts with equal shapes (what a CUDA-graph replay sees) are both exact. Odd shapes: GQA 6/2,
+    d=24, a node with no rows, rows with no node at a level, an empty node."""
+    from hf_cascade.ops.plan import _planned_attention, plan_cascade
+
+    torch.manual_seed(0)
+    B, Hq, Hkv, D, S = 5, 6, 2, 24, 7
+    dtype = torch.float32
+    layouts = [  # (row_nodes per level, node lengths per level): same T per level, other trees
+        ([[0, 0, 1, 1, 1], [0, -1, 1, 2, 2]], [[9, 4], [3, 0, 5]]),
+        ([[1, 1, 1, 0, 0], [2, 2, -1, 0, 1]], [[6, 7], [4, 2, 2]]),
+    ]
+    q = torch.randn(B, Hq, 1, D, device=DEVICE, dtype=dtype)
+    ks = torch.randn(B, Hkv, S, D, device=DEVICE, dtype=dtype)
+    vs = torch.randn(B, Hkv, S, D, device=DEVICE, dtype=dtype)
+    mask = torch.ones(B, 1, S, dtype=torch.bool, device=DEVICE)
+    mask[1, :, :3] = False  # a row whose first suffix columns are padding
+    for row_nodes, lens in layouts:
+        levels = [make_level(Hkv, D, dtype, l, r) for l, r in zip(lens, row_nodes)]
+        plan = plan_cascade(torch.tensor(row_nodes), [s.tolist() for *_, s in levels], B, torch.device(DEVICE))
+        tensors = plan.op_inputs(q, ks, [k for k, *_ in levels])
+        out, lse = _planned_attention(q, ks, vs, [k for k, *_ in levels], [v for _, v, *_ in levels], tensors, mask,
+                                      D ** -0.5, None, backend=backend)
+        exp_out, exp_lse = cascade_f64(q, ks, vs, levels, D ** -0.5, mask.expand(B, 1, S))
+        torch.testing.assert_close(out.transpose(1, 2).double().cpu(), exp_out, atol=2e-5, rtol=2e-5)
+        fin = torch.isfinite(exp_lse)
+        torch.testing.assert_close(lse.double().cpu()[fin], exp_lse[fin], atol=1e-4, rtol=1e-5)

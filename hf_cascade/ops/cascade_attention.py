@@ -144,14 +144,9 @@ def launch_configs(query: Tensor, key: Tensor, prefixes, fuse_suffix: bool | Non
     return fuse_suffix, configs
 
 
-def launch_plan(query: Tensor, key: Tensor, prefixes, fuse_suffix: bool | None = None) -> tuple[bool, list]:
-    """:func:`launch_configs` from the layout's contents (eager calls)."""
-    return launch_configs(query, key, prefixes, fuse_suffix)
-
-
 def _cascade_triton(query, key, value, prefixes, *, scale, mask, causal, softcap, fuse_suffix: bool | None = None):
     """Triton launches with the launch choices of this layout (see :func:`launch_cascade`)."""
-    fuse_suffix, configs = launch_plan(query, key, prefixes, fuse_suffix)
+    fuse_suffix, configs = launch_configs(query, key, prefixes, fuse_suffix)
     return launch_cascade(query, key, value, [(k, v) for k, v, _ in prefixes], configs, fuse_suffix,
                           scale=scale, mask=mask, causal=causal, softcap=softcap)
 

@@ -85,10 +85,11 @@ def plan_cascade(
     return CascadePlan(tuple(levels), tuple(row_node_dev))
 
 
-def _planned_attention(query, key, value, prefix_keys, prefix_values, plan_tensors, mask, scale, softcap):
+def _planned_attention(query, key, value, prefix_keys, prefix_values, plan_tensors, mask, scale, softcap,
+                       backend: str = "auto"):
     """The op's body: launch choices from shapes only, the layout from ``plan_tensors``."""
     levels = [plan_tensors[i : i + _TENSORS_PER_LEVEL] for i in range(0, len(plan_tensors), _TENSORS_PER_LEVEL)]
-    if resolve_backend("auto", query.device, "cascade_attention") == "torch" or not levels:
+    if resolve_backend(backend, query.device, "cascade_attention") == "torch" or not levels:
         out, lse = _planned_torch(query, key, value, prefix_keys, prefix_values, levels, mask, scale, softcap)
     else:
         schedules = [
