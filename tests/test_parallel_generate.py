@@ -42,17 +42,26 @@ SCENARIOS = {
     "llama_tree_odd_length": ("llama", [23], 0, dict(combine="tree"), {}),
     "llama_all_to_all_odd_length": ("llama", [23], 0, dict(combine="all_to_all"), {}),
     "llama_all_gather_kv_baseline": ("llama", [23], 0, dict(combine="all_gather_kv"), {}),
+    "llama_all_gather_odd_length": ("llama", [23], 0, dict(combine="all_gather"), {}),
+    # No `combine`: the default ("all_gather").
+    "qwen3_default_combine_left_padded_batch": ("qwen3", [17, 9, 12], 0, {}, {}),
     "qwen3_tree_left_padded_batch": ("qwen3", [17, 9, 12], 0, dict(combine="tree"), {}),
     "qwen3_all_to_all_left_padded_batch": ("qwen3", [17, 9, 12], 0,
                                            dict(combine="all_to_all", placement="round_robin"), {}),
     # Fewer prompt tokens than ranks: some ranks hold nothing; a 1-token prompt prefills nothing.
     "llama_two_token_prompt": ("llama", [2], 0, dict(combine="tree"), {}),
     "llama_one_token_prompt": ("llama", [1], 0, dict(combine="all_to_all"), {}),
+    "llama_all_gather_two_token_prompt": ("llama", [2], 0, dict(combine="all_gather"), {}),
     # Cascade composition: 13 shared tokens prefilled once and sharded, per-row suffixes local.
     "llama_shared_prefix": ("llama", [16, 18, 15], 13, dict(combine="all_to_all", shared_prefix=True), {}),
+    "llama_shared_prefix_all_gather": ("llama", [16, 18, 15], 13, dict(combine="all_gather", shared_prefix=True),
+                                       {}),
     "qwen3_beam_search": ("qwen3", [19, 14], 0, dict(combine="tree"), dict(num_beams=2)),
+    "qwen3_beam_search_all_gather": ("qwen3", [19, 14], 0, dict(combine="all_gather"), dict(num_beams=2)),
 }
 SAMPLING = ("llama", [21, 15], 0, dict(combine="tree"), dict(do_sample=True, top_k=20, num_return_sequences=2))
+SAMPLING_ALL_GATHER = ("llama", [21, 15], 0, dict(combine="all_gather"),
+                       dict(do_sample=True, top_k=20, num_return_sequences=2))
 
 
 def _generate_kwargs(extra):
@@ -65,10 +74,11 @@ def _generate_kwargs(extra):
 def _generate_worker(rank, world):
     results = {}
     models = {}
-    for name, (family, lengths, shared, options, extra) in {**SCENARIOS, "sampling": SAMPLING}.items():
+    scenarios = {**SCENARIOS, "sampling": SAMPLING, "sampling_all_gather": SAMPLING_ALL_GATHER}
+    for name, (family, lengths, shared, options, extra) in scenarios.items():
         model = models.setdefault(family, tiny_model(family, "cascade", seed=0))
         ids, mask = _left_pad(_rows(lengths, seed=sum(lengths), shared=shared))
-        if name == "sampling":
+        if name.startswith("sampling"):
             torch.manual_seed(100 + rank)  # different seeds: context_parallel_inputs must sync them
         inputs = hf_cascade.context_parallel_inputs(model, ids, mask, **options)
         cache = inputs["past_key_values"]
@@ -81,6 +91,7 @@ def _generate_worker(rank, world):
             logits=torch.stack(out.logits) if not extra else None,
             prompt_nbytes=prompt_nbytes,
             counts=cache.rank_token_counts(),
+            combine=cache.combine,
             again=None if again is None else again.sequences,
         )
     return results
@@ -117,13 +128,22 @@ def test_context_parallel_generate_matches_sdpa(cp_results, references, name):
             assert err < LOGIT_TOL, f"rank {rank}: logits differ by {err}"
 
 
-def test_tree_and_all_to_all_agree(cp_results):
+def test_all_gather_tree_and_all_to_all_agree(cp_results):
     world, results = cp_results
     for rank in range(world):
         for a, b in (("llama_tree_odd_length", "llama_all_to_all_odd_length"),
-                     ("qwen3_tree_left_padded_batch", "qwen3_all_to_all_left_padded_batch")):
-            assert torch.equal(results[rank][a]["sequences"], results[rank][b]["sequences"])
-            assert (results[rank][a]["logits"] - results[rank][b]["logits"]).abs().max() < LOGIT_TOL
+                     ("llama_tree_odd_length", "llama_all_gather_odd_length"),
+                     ("qwen3_tree_left_padded_batch", "qwen3_all_to_all_left_padded_batch"),
+                     ("qwen3_tree_left_padded_batch", "qwen3_default_combine_left_padded_batch"),
+                     ("llama_shared_prefix", "llama_shared_prefix_all_gather")):
+            assert torch.equal(results[rank][a]["sequences"], results[rank][b]["sequences"]), (a, b)
+            assert (results[rank][a]["logits"] - results[rank][b]["logits"]).abs().max() < LOGIT_TOL, (a, b)
+
+
+def test_default_combine_is_all_gather(cp_results):
+    world, results = cp_results
+    assert all(results[rank]["qwen3_default_combine_left_padded_batch"]["combine"] == "all_gather"
+               for rank in range(world))
 
 
 @pytest.mark.parametrize("name", ["llama_tree_odd_length", "qwen3_tree_left_padded_batch", "llama_shared_prefix"])
@@ -151,9 +171,10 @@ def test_each_rank_holds_about_one_nth_of_the_prompt_kv(cp_results, references, 
     assert max(counts) - min(counts) <= 2 * world + 1
 
 
-def test_sampling_gives_the_same_tokens_on_every_rank(cp_results):
+@pytest.mark.parametrize("name", ["sampling", "sampling_all_gather"])
+def test_sampling_gives_the_same_tokens_on_every_rank(cp_results, name):
     world, results = cp_results
-    seqs = [results[rank]["sampling"]["sequences"] for rank in range(world)]
+    seqs = [results[rank][name]["sequences"] for rank in range(world)]
     assert seqs[0].shape[0] == 4  # 2 prompts x num_return_sequences=2
     assert all(torch.equal(s, seqs[0]) for s in seqs)
 
@@ -207,3 +228,9 @@ def test_a_stalled_rank_makes_the_others_fail_within_the_timeout():
 def test_bad_options_are_rejected():
     with pytest.raises(ValueError, match="unknown option"):
         hf_cascade.context_parallel_inputs(tiny_model("llama", "cascade"), torch.tensor([[1, 2]]), bogus=1)
+
+
+def test_unknown_combine_lists_the_valid_ones():
+    # Checked before any collective (no process group needed to see it).
+    with pytest.raises(ValueError, match="'all_gather'.*'tree'.*'all_to_all'"):
+        hf_cascade.context_parallel_inputs(tiny_model("llama", "cascade"), torch.tensor([[1, 2]]), combine="allgather")

@@ -1,8 +1,9 @@
-"""Context-parallel primitives on CPU/gloo: zigzag layout, ring attention, tree / all-to-all combine.
+"""Context-parallel primitives on CPU/gloo: zigzag layout, ring attention, all-gather / tree / all-to-all combine.
 
 Each distributed check runs in one spawn of 2 or 4 gloo processes (module-scoped fixture); every worker returns
 its max errors against full attention over the gathered sequence, computed in fp64 on every rank, and the tests
-assert on them. fp32 everywhere; tolerance 2e-5 (fp32 rounding of a softmax over <= 64 keys).
+assert on them. fp32 everywhere; tolerance 2e-5 (fp32 rounding of a softmax over <= 64 keys). The combines are
+also held to 1e-6 against each other and against fp32 attention over all keys in one process (``EXACT_TOL``).
 """
 
 from __future__ import annotations
@@ -13,6 +14,10 @@ import torch
 from hf_cascade.parallel.layout import ZigzagLayout
 
 TOL = 2e-5
+# Combines vs each other and vs one-process fp32 attention: out is an O(1) average of N(0, 1) values and lse ~4, so
+# a few fp32 roundings of the merge (ulp 6e-8 / 4.8e-7); observed <= 2.4e-7 (out) and 4.8e-7 (lse).
+EXACT_TOL = 1e-6
+COMBINE_METHODS = ("all_gather", "tree", "all_to_all")
 
 
 # ----------------------------------------------------------------------------- layout (no processes)
@@ -124,7 +129,7 @@ COMBINE_CASES = {
 def _combine_worker(rank, world, cases):
     from hf_cascade.ops.suffix_attention import suffix_attention
     from hf_cascade.parallel._group import resolve_group
-    from hf_cascade.parallel.combine import all_gather_kv, combine_all_to_all, combine_tree
+    from hf_cascade.parallel.combine import all_gather_kv, combine_states
 
     info = resolve_group()
     errors = {}
@@ -139,16 +144,30 @@ def _combine_worker(rank, world, cases):
         owner[: min(S, world)] = torch.arange(min(S, world)).flip(0)
         mine = torch.nonzero(owner == rank).flatten()
         o, lse = suffix_attention(q, k[:, :, mine], v[:, :, mine], scale=0.25, mask=visible[:, :, mine])
+        # One process, all keys, fp32: what the combines must reproduce to ~1e-6.
+        one_out, one_lse = suffix_attention(q, k, v, scale=0.25, mask=visible)
+        # Garbage (NaN) in the outputs of empty states: the merge must ignore it, not propagate it.
+        o_nan = torch.where((lse == float("-inf")).unsqueeze(-1), float("nan"), o)
+        finite = ref_lse > float("-inf")
         result = {}
-        for method, fn in (("tree", combine_tree), ("all_to_all", combine_all_to_all)):
-            out, lse_c = fn(o, lse, info)
-            finite = ref_lse > float("-inf")
-            result[method] = (
-                float((out.double() - ref_out).abs().max()),
-                float(torch.where(finite, lse_c.double() - ref_lse, 0.0).abs().max()),
-                bool((lse_c[~finite] == float("-inf")).all()),
-                out,
+        for method in COMBINE_METHODS:
+            out, lse_c = combine_states(o, lse, info, method)
+            out_nan, lse_nan = combine_states(o_nan, lse, info, method)
+            result[method] = dict(
+                err_out=float((out.double() - ref_out).abs().max()),
+                err_lse=float(torch.where(finite, lse_c.double() - ref_lse, 0.0).abs().max()),
+                empty_ok=bool((lse_c[~finite] == float("-inf")).all() and (out[~finite] == 0).all()),
+                err_one_out=float((out - one_out).abs().max()),
+                err_one_lse=float(torch.where(finite, lse_c - one_lse, 0.0).abs().max()),
+                nan_ignored=bool(torch.equal(out_nan, out) and torch.equal(lse_nan, lse_c)),
+                dtypes=(out.dtype, lse_c.dtype),
+                out=out,
+                lse=lse_c,
             )
+        # Low-precision outputs come back in their dtype; the LSE stays fp32.
+        out_bf16, lse_bf16 = combine_states(o.bfloat16(), lse, info, "all_gather")
+        result["all_gather"]["bf16_dtypes"] = (out_bf16.dtype, lse_bf16.dtype)
+        result["all_gather"]["bf16_err"] = float((out_bf16.float() - result["all_gather"]["out"]).abs().max())
         lengths = [int((owner == r).sum()) for r in range(world)]
         kk, vv, cols = all_gather_kv(k[:, :, mine], v[:, :, mine], mine, lengths, info)
         order = torch.argsort(cols)
@@ -182,19 +201,37 @@ def test_ring_attention_matches_full_causal_attention(distributed_results, case)
 
 
 @pytest.mark.parametrize("case", list(COMBINE_CASES))
-def test_tree_and_all_to_all_combine_match_full_attention(distributed_results, case):
+@pytest.mark.parametrize("method", COMBINE_METHODS)
+def test_combine_matches_full_attention(distributed_results, case, method):
+    world, _, combine = distributed_results
+    for rank in range(world):
+        r = combine[rank][case][0][method]
+        assert r["err_out"] < TOL, f"{method} rank {rank}: out max error {r['err_out']} vs fp64"
+        assert r["err_lse"] < TOL, f"{method} rank {rank}: lse max error {r['err_lse']} vs fp64"
+        assert r["err_one_out"] < EXACT_TOL, f"{method} rank {rank}: out vs 1-process fp32: {r['err_one_out']}"
+        assert r["err_one_lse"] < EXACT_TOL, f"{method} rank {rank}: lse vs 1-process fp32: {r['err_one_lse']}"
+        assert r["empty_ok"], f"{method} rank {rank}: a query with no keys anywhere must get out 0, lse -inf"
+        assert r["nan_ignored"], f"{method} rank {rank}: NaN in an empty state's output must not change the result"
+        assert r["dtypes"] == (torch.float32, torch.float32)
+        # Every rank holds the same result, bit for bit.
+        assert torch.equal(r["out"], combine[0][case][0][method]["out"]), f"{method}: rank {rank} differs from rank 0"
+        assert torch.equal(r["lse"], combine[0][case][0][method]["lse"]), f"{method}: rank {rank} differs from rank 0"
+
+
+@pytest.mark.parametrize("case", list(COMBINE_CASES))
+def test_combines_agree_and_gather_kv(distributed_results, case):
     world, _, combine = distributed_results
     for rank in range(world):
         result, gathered_ok = combine[rank][case]
-        for method in ("tree", "all_to_all"):
-            err_out, err_lse, empty_ok, _ = result[method]
-            assert err_out < TOL, f"{method} rank {rank}: out max error {err_out}"
-            assert err_lse < TOL, f"{method} rank {rank}: lse max error {err_lse}"
-            assert empty_ok, f"{method} rank {rank}: a query with no keys anywhere must get lse -inf"
         assert gathered_ok, f"rank {rank}: all_gather_kv must return every key once"
-        # Every rank holds the same result, and both methods agree.
-        assert torch.equal(result["tree"][3], combine[0][case][0]["tree"][3])
-        assert (result["tree"][3] - result["all_to_all"][3]).abs().max() < TOL
+        for method in ("tree", "all_to_all"):
+            assert (result["all_gather"]["out"] - result[method]["out"]).abs().max() < EXACT_TOL
+            finite = result[method]["lse"] > float("-inf")
+            assert torch.equal(finite, result["all_gather"]["lse"] > float("-inf"))
+            diff = torch.where(finite, result["all_gather"]["lse"] - result[method]["lse"], 0.0)
+            assert diff.abs().max() < EXACT_TOL
+        assert result["all_gather"]["bf16_dtypes"] == (torch.bfloat16, torch.float32)
+        assert result["all_gather"]["bf16_err"] < 1e-2  # bf16 inputs: 8 mantissa bits
 
 
 def test_combine_local_handles_empty_partials():
@@ -206,3 +243,24 @@ def test_combine_local_handles_empty_partials():
     assert torch.equal(out, torch.tensor([[1.0, 2.0]])) and torch.allclose(lse, torch.tensor([0.5]))
     out, lse = combine_local(outs, torch.full((2, 1), float("-inf")))
     assert torch.equal(out, torch.zeros(1, 2)) and lse.item() == float("-inf")
+
+
+def test_combine_local_n_way_is_exact_and_stable():
+    from hf_cascade.parallel.combine import combine_local
+
+    torch.manual_seed(0)
+    # 5 partial states, LSEs far apart (exp would overflow without the max shift); two empty (-inf, +inf).
+    outs = torch.randn(5, 3, 4)
+    lses = torch.tensor([[300.0, -2.0, 0.0], [299.0, float("-inf"), 1.0], [float("inf")] * 3,
+                         [float("-inf")] * 3, [310.0, -3.0, float("nan")]])
+    out, lse = combine_local(outs, lses)
+    valid = torch.isfinite(lses)
+    ref_lse = torch.logsumexp(torch.where(valid, lses, float("-inf")).double(), dim=0)
+    w = torch.where(valid, torch.exp(lses.double() - ref_lse), 0.0)
+    ref_out = (w.unsqueeze(-1) * torch.where(valid.unsqueeze(-1), outs.double(), 0.0)).sum(0)
+    assert (lse.double() - ref_lse).abs().max() < 5e-5  # lse ~300: fp32 spacing 3e-5 there
+    assert (out.double() - ref_out).abs().max() < 1e-6
+    with pytest.raises(ValueError, match="all_gather"):
+        from hf_cascade.parallel.combine import check_combine
+
+        check_combine("allgather")

@@ -1,12 +1,19 @@
 """Context parallelism: one long prompt's KV sharded over the ranks of a process group, inside ``generate()``.
 
 Prefill runs zigzag ring attention (:mod:`~hf_cascade.parallel.ring`), decode combines per-rank partial
-attention exactly (:mod:`~hf_cascade.parallel.combine`: ``"tree"`` or ``"all_to_all"``); the KV lives in a
-:class:`~hf_cascade.parallel.cache.ContextParallelCache`. Start with :func:`context_parallel_inputs`.
+attention exactly (:mod:`~hf_cascade.parallel.combine`: ``"all_gather"``, the default, ``"tree"`` or
+``"all_to_all"``); the KV lives in a :class:`~hf_cascade.parallel.cache.ContextParallelCache`. Start with
+:func:`context_parallel_inputs`.
 """
 
 from hf_cascade.parallel.cache import ContextParallelCache
-from hf_cascade.parallel.combine import COMBINES, combine_all_to_all, combine_local, combine_tree
+from hf_cascade.parallel.combine import (
+    COMBINES,
+    combine_all_gather,
+    combine_all_to_all,
+    combine_local,
+    combine_tree,
+)
 from hf_cascade.parallel.inputs import context_parallel_inputs
 from hf_cascade.parallel.layout import ZigzagLayout
 from hf_cascade.parallel.ring import ring_attention
@@ -15,6 +22,7 @@ __all__ = [
     "COMBINES",
     "ContextParallelCache",
     "ZigzagLayout",
+    "combine_all_gather",
     "combine_all_to_all",
     "combine_local",
     "combine_tree",

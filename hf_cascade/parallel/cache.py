@@ -20,9 +20,11 @@ Attention (through the registered ``"cascade"`` attention, see :mod:`hf_cascade.
 
 * prefill (inside ``context_parallel_inputs``): zigzag ring attention
   (:func:`~hf_cascade.parallel.ring.ring_attention`);
-* decode: this rank's partial attention (shared-prefix shard merged with its row KV, fp32 LSE), then the exact
-  ``combine`` across ranks: ``"tree"``, ``"all_to_all"`` (:mod:`~hf_cascade.parallel.combine`), or the
-  ``"all_gather_kv"`` baseline (gathers every rank's KV; for benchmarks).
+* decode: this rank's partial attention (shared-prefix shard merged with its row KV: out ``[B, H, Lq, D]``, lse
+  fp32 ``[B, H, Lq]``), then the exact ``combine`` across ranks: ``"all_gather"`` (default; one all-gather of
+  the packed states per layer, merged locally), ``"tree"`` or ``"all_to_all"``
+  (:mod:`~hf_cascade.parallel.combine`), or the ``"all_gather_kv"`` baseline (gathers every rank's KV; for
+  benchmarks).
 
 All ranks must call the model in lockstep (same batch, same number of tokens): each attention layer is a
 collective operation.
@@ -136,11 +138,12 @@ class ContextParallelCache(Cache):
     Args:
         model: the causal LM (``attn_implementation="cascade"``) this cache serves.
         info: the process group (:func:`hf_cascade.parallel._group.resolve_group`).
-        combine: ``"tree"`` (default), ``"all_to_all"`` or ``"all_gather_kv"`` (baseline).
+        combine: ``"all_gather"`` (default: one collective per layer), ``"tree"``, ``"all_to_all"`` or
+            ``"all_gather_kv"`` (baseline); see :mod:`hf_cascade.parallel.combine`.
         placement: where each forward's new tokens go: ``"least_loaded"`` (default) or ``"round_robin"``.
     """
 
-    def __init__(self, model: torch.nn.Module, info: GroupInfo, *, combine: str = "tree",
+    def __init__(self, model: torch.nn.Module, info: GroupInfo, *, combine: str = "all_gather",
                  placement: str = "least_loaded"):
         check_model_uses_cascade(model)
         if placement not in PLACEMENTS:

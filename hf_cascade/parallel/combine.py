@@ -6,17 +6,23 @@ for a rank whose slice is empty or fully masked). The exact answer over all keys
 
     m = max_r lse_r,   w_r = exp(lse_r - m),   out = sum_r w_r out_r / sum_r w_r,   lse = m + log(sum_r w_r).
 
-Two ways to compute it across ranks (both exact; every rank ends with the same full result):
+Every combine ends in the same local N-way merge (:func:`combine_local`, or its two halves around the tree's
+all-reduce), so all of them are exact and every rank ends with the same full result. Across ranks:
 
+* ``"all_gather"`` (default): each rank packs its state into ONE contiguous fp32 buffer ``[out_r | lse_r]``
+  (``B*H*Lq*D + B*H*Lq`` floats), ONE all-gather (``all_gather_single``, formerly ``all_gather_into_tensor``;
+  works on NCCL and gloo) collects all ranks' buffers, and every rank merges the ``N`` states locally. One
+  collective per layer; each rank sends ``4 * (D + 1)`` bytes per (row, head, query) and receives ``N - 1``
+  times that: independent of the sequence length.
 * ``"tree"`` (Tree Attention, Shyam et al.): one all-reduce(MAX) of the LSE, then ONE all-reduce(SUM) of a
   packed fp32 buffer ``[w_r * out_r | w_r]`` (``[..., D + 1]``). Two collectives, log(p)-deep in NCCL's tree
-  algorithm, message size ``4 * (D + 1)`` bytes per (row, head, query): independent of the sequence length.
+  algorithm, the same message size as ``"all_gather"`` sends; fewer bytes received at large ``N``.
 * ``"all_to_all"`` (vLLM DCP a2a / Helix): heads are split into ``N`` groups; one all-to-all sends head group
   ``j`` of ``[out_r | lse_r]`` to rank ``j``, which combines its heads from all ranks locally; one all-gather
   puts the heads back together (vLLM stops before the gather because tensor parallelism follows; we have no TP).
 
 ``"all_gather_kv"`` is not a combine but the naive baseline the benchmark compares against: gather every
-rank's KV slice and attend locally (see :func:`all_gather_kv`).
+rank's KV slice (message size grows with the context) and attend locally (see :func:`all_gather_kv`).
 """
 
 from __future__ import annotations
@@ -26,23 +32,22 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from hf_cascade.ops.reference import _empty_guard
 from hf_cascade.parallel._group import GroupInfo
 
-COMBINES = ("tree", "all_to_all", "all_gather_kv")
+STATE_COMBINES = ("all_gather", "tree", "all_to_all")  # exact combines of per-rank partial states
+COMBINES = (*STATE_COMBINES, "all_gather_kv")  # + the benchmark baseline
 _NEG_INF = float("-inf")
 
 
 def check_combine(combine: str) -> str:
     """Validate the ``combine`` option; returns it."""
     if combine not in COMBINES:
-        raise ValueError(f"`combine` must be one of {COMBINES}; got {combine!r}.")
+        raise ValueError(
+            f"`combine` must be one of {COMBINES} ('all_gather', the default, is one all-gather per layer; "
+            f"'all_gather_kv' is a benchmark baseline); got {combine!r}."
+        )
     return combine
-
-
-def _sanitize(lse: torch.Tensor) -> torch.Tensor:
-    """fp32 copy of ``lse`` with NaN / +inf (FlashAttention-2's empty rows) mapped to -inf ("no keys")."""
-    lse = lse.float()
-    return torch.where(torch.isnan(lse) | (lse == float("inf")), _NEG_INF, lse)
 
 
 def _check_state(out: torch.Tensor, lse: torch.Tensor, caller: str) -> None:
@@ -56,8 +61,32 @@ def _check_state(out: torch.Tensor, lse: torch.Tensor, caller: str) -> None:
         raise ValueError(f"{caller}: out is on {out.device} but lse on {lse.device}.")
 
 
+# The merge, in two halves so that the tree combine can run its all-reduce between them.
+def _scale(outs: torch.Tensor, lses: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(w * out fp32 [..., D], w fp32 [...])`` with ``w = exp(lse - m)``.
+
+    ``lses`` already guarded (-inf = empty), ``m`` their max broadcastable to them (any value where all are empty:
+    it is replaced by 0 there, so every weight is 0, not NaN).
+    """
+    m = torch.where(m == _NEG_INF, 0.0, m)
+    w = torch.exp(lses - m)  # 0 for empty partials
+    # where(), not multiply: an empty partial may hold NaN garbage; 0 * NaN must stay 0.
+    weighted = torch.where(w.unsqueeze(-1) > 0, outs.float() * w.unsqueeze(-1), 0.0)
+    return weighted, w
+
+
+def _normalize(weighted: torch.Tensor, total: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sum w out / sum w, m + log sum w)`` from the sums; all empty (``total == 0``): out 0, lse -inf."""
+    out = weighted / torch.where(total > 0, total, 1.0).unsqueeze(-1)
+    return out, torch.where(m == _NEG_INF, 0.0, m) + torch.log(total)  # log(0) = -inf
+
+
 def combine_local(outs: torch.Tensor, lses: torch.Tensor, dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Combine partial states stacked along ``dim`` (no communication).
+    """Exact N-way merge of partial states stacked along ``dim`` (no communication).
+
+    ``m = max lse``, ``w = exp(lse - m)``, ``out = sum w out / sum w``, ``lse = m + log sum w``: every weight is
+    at most 1, so nothing overflows; empty partials (lse -inf, +inf or NaN, see
+    :func:`hf_cascade.ops.reference._empty_guard`) get weight 0 and their ``out`` is ignored (it may be NaN).
 
     Args:
         outs: ``[..., N, ..., D]`` partial outputs (any float dtype), stacked along ``dim``.
@@ -66,16 +95,10 @@ def combine_local(outs: torch.Tensor, lses: torch.Tensor, dim: int = 0) -> tuple
         ``(out [..., D] float32, lse [...] float32)`` with ``dim`` reduced. All empty: out 0, lse -inf.
     """
     dim = dim % lses.dim()
-    lses = _sanitize(lses)
+    lses = _empty_guard(lses.float())
     m = lses.amax(dim=dim, keepdim=True)
-    m = torch.where(m == _NEG_INF, 0.0, m)
-    w = torch.exp(lses - m)  # 0 for empty partials
-    total = w.sum(dim=dim)
-    # where(), not multiply: an empty partial may hold NaN garbage; 0 * NaN must stay 0.
-    weighted = torch.where(w.unsqueeze(-1) > 0, outs.float() * w.unsqueeze(-1), 0.0).sum(dim=dim)
-    out = weighted / torch.where(total > 0, total, 1.0).unsqueeze(-1)
-    lse = m.squeeze(dim) + torch.log(total)  # log(0) = -inf when every partial is empty
-    return out, lse
+    weighted, w = _scale(outs, lses, m)
+    return _normalize(weighted.sum(dim=dim), w.sum(dim=dim), m.squeeze(dim))
 
 
 def combine_tree(out: torch.Tensor, lse: torch.Tensor, info: GroupInfo) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,21 +112,19 @@ def combine_tree(out: torch.Tensor, lse: torch.Tensor, info: GroupInfo) -> tuple
         ``(out [..., D] in out.dtype, lse [...] float32)`` over the keys of all ranks; identical on every rank.
     """
     _check_state(out, lse, "combine_tree")
-    lse = _sanitize(lse)
+    lse = _empty_guard(lse)
     if info.world_size == 1:
         return out, lse
     m = lse.clone()
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=info.group)
-    m = torch.where(m == _NEG_INF, 0.0, m)  # every rank empty: all weights 0
-    w = torch.exp(lse - m).unsqueeze(-1)
+    weighted, w = _scale(out, lse, m)
     D = out.shape[-1]
     packed = torch.empty((*out.shape[:-1], D + 1), dtype=torch.float32, device=out.device)
-    packed[..., :D] = torch.where(w > 0, out.float() * w, 0.0)
-    packed[..., D:] = w
+    packed[..., :D] = weighted
+    packed[..., D] = w
     dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=info.group)
-    total = packed[..., D]
-    result = packed[..., :D] / torch.where(total > 0, total, 1.0).unsqueeze(-1)
-    return result.to(out.dtype), m + torch.log(total)
+    result, lse = _normalize(packed[..., :D], packed[..., D], m)
+    return result.to(out.dtype), lse
 
 
 def _all_gather_flat(output: torch.Tensor, tensor: torch.Tensor, info: GroupInfo) -> None:
@@ -115,6 +136,39 @@ def _all_gather_flat(output: torch.Tensor, tensor: torch.Tensor, info: GroupInfo
         warnings.simplefilter("ignore", FutureWarning)
         # gloo accepts a flat output only, NCCL either.
         fn(output.view(-1), tensor.contiguous().view(-1), group=info.group)
+
+
+def combine_all_gather(out: torch.Tensor, lse: torch.Tensor, info: GroupInfo) -> tuple[torch.Tensor, torch.Tensor]:
+    """All-gather combine: ONE all-gather of every rank's packed state, then the exact N-way merge locally.
+
+    Args:
+        out: ``[B, H, Lq, D]`` (or any ``[..., D]``) this rank's partial output, any float dtype, same shape on
+            every rank.
+        lse: ``out.shape[:-1]`` float32 natural-log LSE (-inf = no keys on this rank).
+        info: the process group.
+    Returns:
+        ``(out [..., D] in out.dtype, lse [...] float32)`` over the keys of all ranks; bitwise identical on every
+        rank (the same gathered bytes merged by the same code).
+
+    Example:
+        >>> o, lse = suffix_attention(q, k_shard, v_shard, scale=s, mask=m)   # this rank's keys only
+        >>> o, lse = combine_all_gather(o, lse, resolve_group())           # all keys, on every rank
+    """
+    _check_state(out, lse, "combine_all_gather")
+    n = info.world_size
+    if n == 1:
+        return out, _empty_guard(lse)
+    numel_out, numel_lse = out.numel(), lse.numel()
+    # One contiguous fp32 buffer per rank: [out (B*H*Lq*D) | lse (B*H*Lq)]; the gather stacks them in rank order.
+    send = torch.empty(numel_out + numel_lse, dtype=torch.float32, device=out.device)
+    send[:numel_out].view(out.shape).copy_(out)
+    send[numel_out:].view(lse.shape).copy_(lse)
+    recv = torch.empty((n, numel_out + numel_lse), dtype=torch.float32, device=out.device)
+    _all_gather_flat(recv, send, info)
+    outs = recv[:, :numel_out].view(n, *out.shape)
+    lses = recv[:, numel_out:].view(n, *lse.shape)
+    result, lse = combine_local(outs, lses, dim=0)
+    return result.to(out.dtype), lse
 
 
 def combine_all_to_all(out: torch.Tensor, lse: torch.Tensor, info: GroupInfo) -> tuple[torch.Tensor, torch.Tensor]:
@@ -131,7 +185,7 @@ def combine_all_to_all(out: torch.Tensor, lse: torch.Tensor, info: GroupInfo) ->
     _check_state(out, lse, "combine_all_to_all")
     if out.dim() != 4:
         raise ValueError(f"combine_all_to_all: out must be [B, H, Lq, D]; got shape {tuple(out.shape)}.")
-    lse = _sanitize(lse)
+    lse = _empty_guard(lse)
     n = info.world_size
     if n == 1:
         return out, lse
@@ -154,15 +208,20 @@ def combine_all_to_all(out: torch.Tensor, lse: torch.Tensor, info: GroupInfo) ->
     return gathered[..., :D].to(out.dtype), gathered[..., D].contiguous()
 
 
+_STATE_COMBINE_FNS = {"all_gather": combine_all_gather, "tree": combine_tree, "all_to_all": combine_all_to_all}
+
+
 def combine_states(
-    out: torch.Tensor, lse: torch.Tensor, info: GroupInfo, combine: str = "tree"
+    out: torch.Tensor, lse: torch.Tensor, info: GroupInfo, combine: str = "all_gather"
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dispatch to :func:`combine_tree` or :func:`combine_all_to_all` (``out [B, H, Lq, D]``, ``lse [B, H, Lq]``)."""
-    if combine == "tree":
-        return combine_tree(out, lse, info)
-    if combine == "all_to_all":
-        return combine_all_to_all(out, lse, info)
-    raise ValueError(f"combine_states: `combine` must be 'tree' or 'all_to_all'; got {combine!r}.")
+    """Dispatch to :func:`combine_all_gather`, :func:`combine_tree` or :func:`combine_all_to_all`.
+
+    ``out [B, H, Lq, D]`` any float dtype, ``lse [B, H, Lq]`` float32; returns them combined over all ranks.
+    """
+    fn = _STATE_COMBINE_FNS.get(combine)
+    if fn is None:
+        raise ValueError(f"combine_states: `combine` must be one of {STATE_COMBINES}; got {combine!r}.")
+    return fn(out, lse, info)
 
 
 def all_gather_kv(

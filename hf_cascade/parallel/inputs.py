@@ -33,6 +33,7 @@ import torch.distributed as dist
 from hf_cascade.attention import check_model_uses_cascade
 from hf_cascade.parallel._group import check_device, resolve_group
 from hf_cascade.parallel.cache import ContextParallelCache
+from hf_cascade.parallel.combine import check_combine
 from hf_cascade.parallel.layout import ZigzagLayout
 
 _OPTIONS = ("placement", "shared_prefix", "min_shared_tokens", "pad_token_id", "sync_rng", "check_inputs")
@@ -142,7 +143,7 @@ def context_parallel_inputs(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     *,
-    combine: str = "tree",
+    combine: str = "all_gather",
     group=None,
     **options,
 ) -> dict:
@@ -156,8 +157,11 @@ def context_parallel_inputs(
             layers; sliding windows only while the sequence fits the window).
         input_ids: ``[batch, seq]`` int64 token ids on the model's device, left-padded when rows differ.
         attention_mask: ``[batch, seq]`` 1 = real token, 0 = padding (left only); None = no padding.
-        combine: how decode merges the ranks' partial attention: ``"tree"`` (all-reduce max + one all-reduce,
-            default), ``"all_to_all"`` (vLLM DCP style), or ``"all_gather_kv"`` (baseline: gathers the KV).
+        combine: how decode merges the ranks' partial attention (out ``[B, H, 1, D]``, fp32 lse ``[B, H, 1]`` per
+            rank and layer), exactly: ``"all_gather"`` (default: ONE all-gather of every rank's packed fp32
+            state, merged locally), ``"tree"`` (all-reduce max + one all-reduce), ``"all_to_all"`` (vLLM DCP
+            style: all-to-all + all-gather), or ``"all_gather_kv"`` (baseline: gathers the KV, grows with the
+            context).
         group: the process group (default: the default group set up by torchrun / Accelerate).
         **options:
             placement: ``"least_loaded"`` (default) or ``"round_robin"``: which rank stores each new token's KV.
@@ -181,6 +185,7 @@ def context_parallel_inputs(
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
         raise ValueError(f"context_parallel_inputs: unknown option(s) {unknown}; valid options are {_OPTIONS}.")
+    check_combine(combine)  # before any collective: a typo fails at once on every rank
     info = resolve_group(group)
     check_model_uses_cascade(model)
     check_device(info, model.device, "context_parallel_inputs")
