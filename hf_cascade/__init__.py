@@ -9,7 +9,7 @@ from hf_cascade.attention import ATTENTION_NAME, register
 register()
 
 from hf_cascade.cache import CascadeCache  # noqa: E402
-from hf_cascade.generation import generate  # noqa: E402
+from hf_cascade.generation import generate, write_custom_generate  # noqa: E402
 from hf_cascade.dataset_generation import GenerationInterrupted, GenerationStats, generate_dataset  # noqa: E402
 from hf_cascade.inputs import shared_prefix_inputs  # noqa: E402
 from hf_cascade.prefix_tree import PrefixTree, find_shared_prefixes  # noqa: E402
@@ -29,6 +29,7 @@ __all__ = [
     "GenerationStats",
     "register",
     "shared_prefix_inputs",
+    "write_custom_generate",
 ]
 
 

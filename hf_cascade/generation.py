@@ -159,3 +159,51 @@ def _check_capacity(cache: CascadeCache, width: int, max_new_tokens: int) -> Non
             f"max_new_tokens={max_new_tokens}). Build it with `shared_prefix_inputs(..., max_new_tokens="
             f"{max_new_tokens})` (or a larger `max_suffix_length`), or lower `max_new_tokens`."
         )
+
+
+_CUSTOM_GENERATE_PY = '''"""Written by hf_cascade.write_custom_generate: this checkpoint's plain ``model.generate(...)`` (and a pipeline's)
+share prompt prefixes through hf_cascade. transformers binds this function as ``model.generate`` when the folder
+is loaded with ``from_pretrained(..., trust_remote_code=True)``; delete this folder to undo."""
+
+from transformers import GenerationMixin
+
+import hf_cascade
+
+
+def generate(*args, model, **kwargs):
+    if getattr(model.config, "_attn_implementation", None) != hf_cascade.ATTENTION_NAME:
+        model.set_attn_implementation(hf_cascade.ATTENTION_NAME)  # without an hf_cascade cache: exactly sdpa
+    kwargs.setdefault("custom_generate", hf_cascade.generate)
+    return GenerationMixin.generate(model, *args, **kwargs)
+'''
+
+
+def write_custom_generate(checkpoint_dir: str) -> str:
+    """Make a local checkpoint's plain ``generate()`` use cascade decoding, with no argument at the call.
+
+    Writes ``checkpoint_dir/custom_generate/generate.py`` (+ ``requirements.txt``), transformers' own format for a
+    checkpoint's custom decoding. A model loaded with ``AutoModelForCausalLM.from_pretrained(checkpoint_dir,
+    trust_remote_code=True)`` then runs ``model.generate(**batch, ...)`` — and ``pipeline("text-generation",
+    model=model, ...)`` — through :func:`hf_cascade.generate`. Without ``trust_remote_code=True`` transformers
+    ignores the file and generate() is the stock one (no sharing).
+
+    Args:
+        checkpoint_dir: a folder holding a checkpoint (``config.json``), e.g. written by ``save_pretrained``.
+    Returns:
+        The path of the written ``generate.py``.
+    """
+    import os
+
+    if not os.path.isfile(os.path.join(checkpoint_dir, "config.json")):
+        raise ValueError(
+            f"`checkpoint_dir` must be a local checkpoint folder with a config.json; {checkpoint_dir!r} has none. "
+            "Write one with `model.save_pretrained(checkpoint_dir)` first."
+        )
+    folder = os.path.join(checkpoint_dir, "custom_generate")
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "generate.py")
+    with open(path, "w") as f:
+        f.write(_CUSTOM_GENERATE_PY)
+    with open(os.path.join(folder, "requirements.txt"), "w") as f:
+        f.write("hf-cascade\n")
+    return path

@@ -5,6 +5,8 @@ returns, fp32 on CPU: identical tokens, logits within 1e-4, and KV bytes equal t
 (every shared node once + each row's suffix columns).
 """
 
+import functools
+
 import pytest
 import torch
 from transformers import DynamicCache, pipeline
@@ -190,3 +192,31 @@ def test_real_model_greedy_and_samples(smollm2):
     assert greedy_cache.levels and sampled_cache.num_levels == 2  # system prompt -> each question's samples
     answers = tokenizer.batch_decode(results["cascade"][0][:, batch["input_ids"].shape[1]:], skip_special_tokens=True)
     assert "Paris" in answers[0]
+
+
+def test_zero_argument_checkpoint(tmp_path):
+    """write_custom_generate: a checkpoint loaded with trust_remote_code=True shares prefixes in its plain
+    generate() and pipeline() calls (transformers binds custom_generate/generate.py as model.generate)."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = tiny_tokenizer()
+    ref = tiny_model("llama", attn_implementation="sdpa")
+    ref.save_pretrained(tmp_path)
+    hf_cascade.write_custom_generate(str(tmp_path))
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True)
+    system = "You are a terse assistant. Answer with one word.\n"
+    prompts = [system + f"Q: what is {w}?\nA:" for w in ("red", "a cat", "rain", "tea")]
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    got = model.generate(**batch, max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True)
+    assert isinstance(got.past_key_values, hf_cascade.CascadeCache)  # the shared system prompt was stored once
+    assert got.past_key_values.num_levels >= 1
+    assert torch.equal(got.sequences, ref.generate(**batch, max_new_tokens=NEW, do_sample=False))
+    gen = dict(max_new_tokens=NEW, do_sample=False, return_full_text=False)
+    texts = pipeline("text-generation", model=model, tokenizer=tokenizer, batch_size=4)(prompts, **gen)
+    want = pipeline("text-generation", model=ref, tokenizer=tokenizer, batch_size=4)(prompts, **gen)
+    assert texts == want
+    # Without trust_remote_code, transformers ignores the file: plain generate(), no hf_cascade.
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert not isinstance(plain.generate, functools.partial)
+    with pytest.raises(ValueError, match="config.json"):
+        hf_cascade.write_custom_generate(str(tmp_path / "nowhere"))
