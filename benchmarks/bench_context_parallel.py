@@ -8,17 +8,19 @@ One invocation per machine checks correctness and then times everything, on sub-
 
 Workloads (each record is one JSON line in ``<out>/context_parallel.jsonl``; GPU name, versions, git SHA in each):
 
-* ``check_fp32``: 2-layer Llama-3-8B-width model, fp32, odd prompt: context-parallel generate() (tree and
-  all-to-all, every group size) must give the tokens of single-GPU sdpa generate(), logits within 1e-3.
+* ``check_fp32``: 2-layer Llama-3-8B-width model, fp32, odd prompt: context-parallel generate() (every
+  ``--combines`` method, every group size) must give the tokens of single-GPU sdpa generate(), logits within 1e-3.
 * ``check_bf16``: the full bf16 model, 4K prompt: first-step logits vs single-GPU sdpa (cosine, max abs diff,
-  top-1), greedy tokens agreement, tree == all-to-all, every rank the same tokens.
+  top-1), greedy tokens agreement, each combine == the first one, every rank the same tokens.
 * ``prefill``: ``context_parallel_inputs`` time per prompt length and GPU count (after a warm-up; median of
   ``--reps`` for prompts <= 32K, else one run), % of ideal scaling ``t_1 / (n * t_n)``, peak memory and KV bytes
-  per GPU. 1-GPU runs above ``--max-1gpu-tokens`` (or that run out of memory) are extrapolated from the measured ones (``t = a L + b L^2``,
-  flagged ``extrapolated``). Plus the 1-GPU sdpa prefill (transformers, no hf_cascade) for reference.
-* ``decode``: per-step latency at each ``--decode-contexts`` length, per GPU count, for ``tree``, ``all_to_all``,
-  the ``all_gather_kv`` baseline, and ``no_combine`` (communication removed: wrong numbers, same compute), which
-  gives the combine's share of a step.
+  per GPU. 1-GPU runs above ``--max-1gpu-tokens`` (or that run out of memory) are extrapolated from the measured
+  ones (``t = a L + b L^2``, flagged ``extrapolated``). Plus the 1-GPU sdpa prefill (transformers, no hf_cascade)
+  for reference.
+* ``decode``: per-step latency at each ``--decode-contexts`` length, per GPU count, for every ``--combines``
+  method (default ``all_gather`` = one all-gather per layer, ``tree`` = two all-reduces, ``all_to_all``), the
+  ``all_gather_kv`` baseline, and ``no_combine`` (communication removed: wrong numbers, same compute), which
+  gives each combine's share of a step.
 * ``longest``: the longest prompt per GPU count estimated from the measured memory (weights + per-token slope).
 
 CPU smoke test of this script (gloo, tiny model):
@@ -34,13 +36,18 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 
 import torch
 import torch.distributed as dist
 
-import hf_cascade
-import hf_cascade.parallel.cache as cp_cache
+# Run from a checkout without installing the package (torchrun puts only benchmarks/ on sys.path).
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import hf_cascade  # noqa: E402
+import hf_cascade.parallel.cache as cp_cache  # noqa: E402
+from hf_cascade.parallel.combine import STATE_COMBINES  # noqa: E402
 
 
 def parse_args():
@@ -53,13 +60,20 @@ def parse_args():
     p.add_argument("--layers", type=int, default=32, help="decoder layers (32 in Llama-3-8B)")
     p.add_argument("--max-tokens-per-gpu", type=int, default=None,
                    help="skip (GPUs, length) points above this many prompt tokens per GPU (saves time on big grids)")
+    p.add_argument("--combines", default=",".join(STATE_COMBINES),
+                   help=f"exact combines to check and time, comma-separated (default: all of {STATE_COMBINES})")
     p.add_argument("--skip-check", action="store_true")
     p.add_argument("--tiny", action="store_true", help="CPU/gloo smoke test with a tiny model")
     p.add_argument("--phases", default="check,prefill,decode", help="subset of check,prefill,decode to run")
     p.add_argument("--budget-s", type=float, default=540.0,
                    help="stop starting new measurements after this many seconds (the device tool's 10-min limit)")
     p.add_argument("--out", default="benchmarks/results", help="directory of context_parallel.jsonl")
-    return p.parse_args()
+    args = p.parse_args()
+    args.combines = [c.strip() for c in args.combines.split(",") if c.strip()]
+    bad = [c for c in args.combines if c not in STATE_COMBINES]
+    if bad or not args.combines:
+        p.error(f"--combines: unknown {bad}; choose from {STATE_COMBINES}")
+    return args
 
 
 # ----------------------------------------------------------------------------- setup
@@ -183,7 +197,7 @@ def check_fp32(args, groups, record):
     gen = dict(max_new_tokens=8, do_sample=False, return_dict_in_generate=True, output_logits=True)
     ref = model.generate(ids, attention_mask=torch.ones_like(ids), **gen)  # no hf_cascade cache: plain sdpa
     for n, group in groups.items():
-        for combine in ("tree", "all_to_all"):
+        for combine in args.combines:
             if group is None:
                 continue
             out = model.generate(**hf_cascade.context_parallel_inputs(model, ids, combine=combine, group=group), **gen)
@@ -196,7 +210,7 @@ def check_fp32(args, groups, record):
 
 
 def check_bf16(args, model, groups, record):
-    """bf16, real model shape: first-step logits vs 1-GPU sdpa, token agreement, tree == all-to-all."""
+    """bf16, real model shape: first-step logits vs 1-GPU sdpa, token agreement, every combine == the first."""
     ids = prompt(4096 if not args.tiny else 40, model.config.vocab_size)
     gen = dict(max_new_tokens=16, do_sample=False, return_dict_in_generate=True, output_logits=True)
     ref = model.generate(ids, attention_mask=torch.ones_like(ids), **gen)
@@ -205,22 +219,24 @@ def check_bf16(args, model, groups, record):
         if group is None:
             continue
         outs = {c: model.generate(**hf_cascade.context_parallel_inputs(model, ids, combine=c, group=group), **gen)
-                for c in ("tree", "all_to_all")}
-        first = outs["tree"].logits[0].float()
+                for c in args.combines}
+        main = args.combines[0]
+        first = outs[main].logits[0].float()
         cos = torch.nn.functional.cosine_similarity(first, ref_first, dim=-1).min().item()
-        new = outs["tree"].sequences[:, ids.shape[1]:]
+        new = outs[main].sequences[:, ids.shape[1]:]
         ref_new = ref.sequences[:, ids.shape[1]:]
         agree = (new == ref_new).float().mean().item()
         gathered = [torch.empty_like(new) for _ in range(n)]
         dist.all_gather(gathered, new, group=group)
         ranks_agree = all(torch.equal(g, gathered[0]) for g in gathered)
-        tree_eq_a2a = torch.equal(outs["tree"].sequences, outs["all_to_all"].sequences)
+        combines_equal = {f"{main}_equals_{c}": torch.equal(outs[main].sequences, outs[c].sequences)
+                          for c in args.combines[1:]}
         top1 = bool((first.argmax(-1) == ref_first.argmax(-1)).all())
-        record(dict(kind="check_bf16", gpus=n, first_logits_cosine=cos,
+        record(dict(kind="check_bf16", gpus=n, combine=main, first_logits_cosine=cos,
                     first_logits_max_abs_diff=(first - ref_first).abs().max().item(), top1_match=top1,
-                    greedy_token_agreement=agree, ranks_agree=ranks_agree, tree_equals_all_to_all=tree_eq_a2a,
+                    greedy_token_agreement=agree, ranks_agree=ranks_agree, **combines_equal,
                     # bf16 sanity check only (exactness is the fp32 check): a random-init 32-layer bf16 model has
-                    # near-tied top logits, so top-1 and tree-vs-all-to-all bitwise equality are recorded, not
+                    # near-tied top logits, so top-1 and bitwise equality between combines are recorded, not
                     # required (on 8xH200 even the 1-GPU path, no communication, had cosine 0.9991 vs sdpa).
                     passed=ranks_agree and cos > 0.998, prompt_tokens=ids.shape[1]))
 
@@ -329,10 +345,10 @@ def bench_decode(args, model, groups, contexts, record):
                 record(dict(kind="decode", gpus=n, context=context, out_of_memory=True))
                 continue
             cache = inputs["past_key_values"]
-            methods = ("tree",) if n == 1 else ("tree", "all_to_all", "all_gather_kv", "no_combine")
+            methods = args.combines[:1] if n == 1 else (*args.combines, "all_gather_kv", "no_combine")
             step_ms = {}
             for method in methods:
-                cache.combine = "tree" if method == "no_combine" else method
+                cache.combine = args.combines[0] if method == "no_combine" else method
                 original = cp_cache.combine_states
                 if method == "no_combine":
                     cp_cache.combine_states = _no_combine
@@ -349,7 +365,7 @@ def bench_decode(args, model, groups, contexts, record):
                 record(dict(kind="decode", gpus=n, context=context, combine=method, step_ms=step_ms[method],
                             steps=steps, kv_gib_per_gpu=group_max(cache.nbytes, group) / 2**30))
             if "no_combine" in step_ms:
-                for method in ("tree", "all_to_all"):
+                for method in args.combines:
                     record(dict(kind="decode_combine_overhead", gpus=n, context=context, combine=method,
                                 pct_of_step=100.0 * (step_ms[method] - step_ms["no_combine"]) / step_ms[method]))
             del inputs, cache
