@@ -37,7 +37,8 @@ from transformers.cache_utils import Cache
 
 from hf_cascade.attention import bind_layer, check_model_uses_cascade
 from hf_cascade.cache import _num_layers, _SuffixLayer
-from hf_cascade.ops.prefix_attention import plan_shared_prefix, shared_prefix_attention
+from hf_cascade.ops.plan import CascadePlan, plan_cascade
+from hf_cascade.ops.prefix_attention import shared_prefix_attention
 from hf_cascade.ops.suffix_attention import suffix_attention
 from hf_cascade.parallel._group import GroupInfo
 from hf_cascade.parallel.combine import all_gather_kv, check_combine, combine_states
@@ -158,7 +159,7 @@ class ContextParallelCache(Cache):
         self._segments: list[tuple[int, int, int]] = []  # (start, end, owner rank) of each later forward
         self._counts = [0] * info.world_size  # keys held by each rank (= rank_token_counts())
         self._prefix_length = 0
-        self._prefix_plan = None
+        self._prefix_plan: CascadePlan | None = None  # one level, one node (the shared prefix shard); per batch
         self._prompt_length = 0  # what generate() starts from (see _is_user_defined)
         self._user_defined = False
         self._modules = {id(m) for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int)}
@@ -357,9 +358,10 @@ class ContextParallelCache(Cache):
         start = layer.length - q_len  # first new column
         prefix_out = prefix_lse = None
         if layer.prefix_keys is not None and layer.prefix_keys.shape[1] > 0:
+            plan = self._shared_plan(query, layer)
             prefix_out, prefix_lse = shared_prefix_attention(
-                query, layer.prefix_keys, layer.prefix_values, *self._shared_plan_args(query, layer),
-                scale=scaling, softcap=softcap, plan=self._prefix_plan,
+                query, layer.prefix_keys, layer.prefix_values, plan.row_node[0], plan.levels[0].node_starts_dev,
+                scale=scaling, softcap=softcap, plan=plan.levels[0],
             )
         mask, causal = None, False
         if attention_mask is not None:
@@ -377,16 +379,15 @@ class ContextParallelCache(Cache):
         out, _ = combine_states(out, lse, self.info, self.combine)
         return out.transpose(1, 2)
 
-    def _shared_plan_args(self, query: torch.Tensor, layer: _ShardLayer) -> tuple[torch.Tensor, torch.Tensor]:
-        """(row_node, node_starts) for the shared-prefix shard: every row uses node 0; plan built once per batch."""
+    def _shared_plan(self, query: torch.Tensor, layer: _ShardLayer) -> CascadePlan:
+        """The shared-prefix shard's plan (one level, one node that every row reads); built once per batch layout
+        with :func:`hf_cascade.ops.plan.plan_cascade`, as the single-process cache builds its own."""
         batch, keys = query.shape[0], layer.prefix_keys.shape[1]
         plan = self._prefix_plan
-        if plan is None or plan.batch_size != batch or plan.total_keys != keys or plan.device != query.device:
-            row_node = torch.zeros(batch, dtype=torch.long, device=query.device)
-            starts = torch.tensor([0, keys], dtype=torch.long)
-            self._prefix_plan = plan_shared_prefix(row_node, starts, device=query.device)
-            self._prefix_args = (row_node, starts)
-        return self._prefix_args
+        level = plan.levels[0] if plan is not None else None
+        if level is None or (level.batch_size, level.total_keys, level.device) != (batch, keys, query.device):
+            plan = self._prefix_plan = plan_cascade(None, [(0, keys)], batch, query.device)
+        return plan
 
     def _attend_all_gather_kv(self, layer, query, key, value, attention_mask, scaling, softcap):
         """Baseline: gather every rank's row KV, then plain attention over the whole sequence on every rank."""
