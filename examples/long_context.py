@@ -34,7 +34,7 @@ def parse_args():
     p.add_argument("--prompt-file", default=None, help="text file holding the prompt")
     p.add_argument("--prompt-tokens", type=int, default=1000, help="random prompt length when no --prompt-file")
     p.add_argument("--max-new-tokens", type=int, default=32)
-    p.add_argument("--combine", default="tree", choices=["tree", "all_to_all", "all_gather_kv"])
+    p.add_argument("--combine", default="all_gather", choices=["all_gather", "tree", "all_to_all", "all_gather_kv"])
     p.add_argument("--dtype", default=None, help="float32 / bfloat16 / float16 (default: checkpoint's, fp32 tiny)")
     p.add_argument("--do-sample", action="store_true", help="sample (the same tokens on every rank)")
     p.add_argument("--timeout", type=float, default=120.0,
