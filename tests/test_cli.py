@@ -95,7 +95,7 @@ def test_gguf_cache_roundtrip(smollm2, tmp_path, monkeypatch):
 
     model, tokenizer = smollm2
     calls = []
-    monkeypatch.setattr(hf_cascade.real_model, "load_gguf", lambda *a, **k: calls.append(a) or (model, tokenizer))
+    monkeypatch.setattr(hf_cascade.real_model, "_dequantize_gguf", lambda *a, **k: calls.append(a) or (model, tokenizer))
     gguf = hf_cascade.real_model.smollm2_path()
     first, _ = load_model_and_tokenizer(gguf, gguf_cache_dir=str(tmp_path))
     assert first is model and len(calls) == 1
