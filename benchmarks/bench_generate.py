@@ -75,6 +75,16 @@ def reset_memory():
     torch.cuda.reset_peak_memory_stats()
 
 
+def step_timings(t_first: float, t_all: float, new_tokens: int) -> dict:
+    """total / prefill (a 1-token generate()) / decode ms per step, and peak memory, of one timed peer."""
+    return {
+        "total_s": t_all,
+        "prefill_s": t_first,
+        "decode_ms_per_step": (t_all - t_first) / max(new_tokens - 1, 1) * 1e3,
+        "peak_gib": peak_gib(),
+    }
+
+
 def run_cascade(model, ids, mask, new_tokens, compiled=False):
     """hf_cascade; ``compiled``: fixed suffix buffers, so generate() compiles the decode step (CUDA graphs)."""
     model.set_attn_implementation("cascade")
@@ -107,10 +117,7 @@ def run_cascade_generate(model, ids, mask, new_tokens):
         ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **gen
     ))
     return {
-        "total_s": t_all,
-        "prefill_s": t_first,
-        "decode_ms_per_step": (t_all - t_first) / max(new_tokens - 1, 1) * 1e3,
-        "peak_gib": peak_gib(),
+        **step_timings(t_first, t_all, new_tokens),
         "kv_gib": caches[-1].nbytes / 2**30,
         "new_tokens": out[:, ids.shape[1] :],
     }
@@ -128,10 +135,7 @@ def run_sdpa(model, ids, mask, new_tokens, compiled=False):
         lambda: model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **gen)
     )
     return {
-        "total_s": t_all,
-        "prefill_s": t_first,
-        "decode_ms_per_step": (t_all - t_first) / max(new_tokens - 1, 1) * 1e3,
-        "peak_gib": peak_gib(),
+        **step_timings(t_first, t_all, new_tokens),
         "new_tokens": out[:, ids.shape[1] :],
     }
 
@@ -162,10 +166,7 @@ def run_hf_prefix_reuse(model, ids, mask, new_tokens, prefix: int, once: bool = 
     t_first, _ = wall_time(lambda: recipe(1))
     t_all, out = wall_time(lambda: recipe(new_tokens))
     return {
-        "total_s": t_all,
-        "prefill_s": t_first,
-        "decode_ms_per_step": (t_all - t_first) / max(new_tokens - 1, 1) * 1e3,
-        "peak_gib": peak_gib(),
+        **step_timings(t_first, t_all, new_tokens),
         "new_tokens": out[:, ids.shape[1] :],
     }
 
@@ -240,10 +241,7 @@ def run_sampling(model, peer: str, ids, mask, samples: int, new_tokens: int) -> 
     ))
     kv = caches[-1].nbytes if caches else dynamic_cache_nbytes(out.past_key_values)
     record.update({
-        "total_s": t_all,
-        "prefill_s": t_first,
-        "decode_ms_per_step": (t_all - t_first) / max(new_tokens - 1, 1) * 1e3,
-        "peak_gib": peak_gib(),
+        **step_timings(t_first, t_all, new_tokens),
         "kv_gib": kv / 2**30,
         "tokens_per_s": out.sequences.shape[0] * new_tokens / t_all,
     })
