@@ -15,6 +15,7 @@ from torch import Tensor
 
 __all__ = [
     "merge_attention_states_ref",
+    "merge_states_ref",
     "shared_prefix_attention_ref",
     "suffix_attention_ref",
 ]
@@ -27,10 +28,48 @@ def _empty_guard(lse: Tensor) -> Tensor:
     return torch.where(torch.isnan(lse) | (lse == float("inf")), _NEG_INF, lse)
 
 
+def merge_states_ref(outs: Tensor, lses: Tensor, dim: int = 0) -> tuple[Tensor, Tensor]:
+    """Exact N-way merge of attention states over disjoint key sets, stacked along ``dim`` (fp32 math).
+
+    ``m = max lse``, ``w = exp(lse - m)``, ``out = sum w out / sum w``, ``lse = m + log sum w``: every weight is
+    at most 1, so nothing overflows; empty states (lse -inf, +inf or NaN, see :func:`_empty_guard`) get weight 0
+    and their ``out`` is ignored (it may hold garbage or NaN). The one merge of the package: the 2-way merge, the
+    context-parallel combines and their references all reduce to it.
+
+    Args:
+        outs: ``[..., N, ..., D]`` states' outputs (any float dtype), stacked along ``dim``.
+        lses: ``outs.shape[:-1]`` natural-log LSEs.
+    Returns:
+        ``(out [..., D] float32, lse [...] float32)`` with ``dim`` reduced. All empty: out 0, lse -inf.
+    """
+    dim = dim % lses.dim()
+    lses = _empty_guard(lses.float())
+    m = lses.amax(dim=dim, keepdim=True)
+    weighted, w = scale_states(outs, lses, m)
+    return normalize_states(weighted.sum(dim=dim), w.sum(dim=dim), m.squeeze(dim))
+
+
+# The merge in two halves, so that a distributed combine can reduce the weighted sums between them.
+def scale_states(outs: Tensor, lses: Tensor, m: Tensor) -> tuple[Tensor, Tensor]:
+    """``(w * out fp32 [..., D], w fp32 [...])`` with ``w = exp(lse - m)``; ``lses`` already guarded, ``m`` their
+    max, broadcastable to them (-inf where all are empty: taken as 0 there, so every weight is 0, not NaN)."""
+    m = torch.where(m == _NEG_INF, 0.0, m)
+    w = torch.exp(lses - m)  # 0 for empty states
+    # where(), not multiply: an empty state may hold NaN garbage; 0 * NaN must stay 0.
+    weighted = torch.where(w.unsqueeze(-1) > 0, outs.float() * w.unsqueeze(-1), 0.0)
+    return weighted, w
+
+
+def normalize_states(weighted: Tensor, total: Tensor, m: Tensor) -> tuple[Tensor, Tensor]:
+    """``(sum w out / sum w, m + log sum w)`` from the sums; all empty (``total == 0``): out 0, lse -inf."""
+    out = weighted / torch.where(total > 0, total, 1.0).unsqueeze(-1)
+    return out, torch.where(m == _NEG_INF, 0.0, m) + torch.log(total)  # log(0) = -inf
+
+
 def merge_attention_states_ref(
     out_a: Tensor, lse_a: Tensor, out_b: Tensor, lse_b: Tensor
 ) -> tuple[Tensor, Tensor]:
-    """Exact merge of two attention states over disjoint key sets (fp32 math).
+    """Exact merge of two attention states over disjoint key sets (fp32 math): :func:`merge_states_ref` of two.
 
     Args:
         out_a, out_b: [..., D] any float dtype, same shape.
@@ -40,20 +79,7 @@ def merge_attention_states_ref(
     Returns:
         (out [..., D] float32, lse [...] float32). Both sides empty -> out 0, lse -inf.
     """
-    la = _empty_guard(lse_a.float())
-    lb = _empty_guard(lse_b.float())
-    m = torch.maximum(la, lb)
-    m = torch.where(m == _NEG_INF, 0.0, m)
-    wa = torch.exp(la - m)
-    wb = torch.exp(lb - m)
-    total = wa + wb
-    lse = m + torch.log(total)  # log(0) = -inf: both empty
-    inv = torch.where(total > 0, 1.0 / total, 0.0)
-    wa = (wa * inv).unsqueeze(-1)
-    wb = (wb * inv).unsqueeze(-1)
-    # where(), not multiply: 0 * NaN garbage from an empty side must stay 0.
-    out = torch.where(wa > 0, out_a.float() * wa, 0.0) + torch.where(wb > 0, out_b.float() * wb, 0.0)
-    return out, lse
+    return merge_states_ref(torch.stack([out_a.float(), out_b.float()]), torch.stack([lse_a, lse_b]), dim=0)
 
 
 def _softmax_attend(scores: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:

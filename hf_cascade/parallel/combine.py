@@ -32,7 +32,7 @@ import warnings
 import torch
 import torch.distributed as dist
 
-from hf_cascade.ops.reference import _empty_guard
+from hf_cascade.ops.reference import _empty_guard, merge_states_ref, normalize_states, scale_states
 from hf_cascade.parallel._group import GroupInfo
 
 STATE_COMBINES = ("all_gather", "tree", "all_to_all")  # exact combines of per-rank partial states
@@ -61,44 +61,10 @@ def _check_state(out: torch.Tensor, lse: torch.Tensor, caller: str) -> None:
         raise ValueError(f"{caller}: out is on {out.device} but lse on {lse.device}.")
 
 
-# The merge, in two halves so that the tree combine can run its all-reduce between them.
-def _scale(outs: torch.Tensor, lses: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(w * out fp32 [..., D], w fp32 [...])`` with ``w = exp(lse - m)``.
-
-    ``lses`` already guarded (-inf = empty), ``m`` their max, broadcastable to them (-inf where all are empty: taken
-    as 0 there, so every weight is 0, not NaN).
-    """
-    m = torch.where(m == _NEG_INF, 0.0, m)
-    w = torch.exp(lses - m)  # 0 for empty partials
-    # where(), not multiply: an empty partial may hold NaN garbage; 0 * NaN must stay 0.
-    weighted = torch.where(w.unsqueeze(-1) > 0, outs.float() * w.unsqueeze(-1), 0.0)
-    return weighted, w
-
-
-def _normalize(weighted: torch.Tensor, total: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(sum w out / sum w, m + log sum w)`` from the sums; all empty (``total == 0``): out 0, lse -inf."""
-    out = weighted / torch.where(total > 0, total, 1.0).unsqueeze(-1)
-    return out, torch.where(m == _NEG_INF, 0.0, m) + torch.log(total)  # log(0) = -inf
-
-
 def combine_local(outs: torch.Tensor, lses: torch.Tensor, dim: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """Exact N-way merge of partial states stacked along ``dim`` (no communication).
-
-    ``m = max lse``, ``w = exp(lse - m)``, ``out = sum w out / sum w``, ``lse = m + log sum w``: every weight is
-    at most 1, so nothing overflows; empty partials (lse -inf, +inf or NaN, see
-    :func:`hf_cascade.ops.reference._empty_guard`) get weight 0 and their ``out`` is ignored (it may be NaN).
-
-    Args:
-        outs: ``[..., N, ..., D]`` partial outputs (any float dtype), stacked along ``dim``.
-        lses: ``outs.shape[:-1]`` natural-log LSEs (-inf = empty).
-    Returns:
-        ``(out [..., D] float32, lse [...] float32)`` with ``dim`` reduced. All empty: out 0, lse -inf.
-    """
-    dim = dim % lses.dim()
-    lses = _empty_guard(lses.float())
-    m = lses.amax(dim=dim, keepdim=True)
-    weighted, w = _scale(outs, lses, m)
-    return _normalize(weighted.sum(dim=dim), w.sum(dim=dim), m.squeeze(dim))
+    """Exact N-way merge of partial states stacked along ``dim`` (no communication): the package's one merge,
+    :func:`hf_cascade.ops.reference.merge_states_ref` (shapes, dtypes and empty-state rules there)."""
+    return merge_states_ref(outs, lses, dim)
 
 
 def combine_tree(out: torch.Tensor, lse: torch.Tensor, info: GroupInfo) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,13 +83,13 @@ def combine_tree(out: torch.Tensor, lse: torch.Tensor, info: GroupInfo) -> tuple
         return out, lse
     m = lse.clone()
     dist.all_reduce(m, op=dist.ReduceOp.MAX, group=info.group)
-    weighted, w = _scale(out, lse, m)
+    weighted, w = scale_states(out, lse, m)
     D = out.shape[-1]
     packed = torch.empty((*out.shape[:-1], D + 1), dtype=torch.float32, device=out.device)
     packed[..., :D] = weighted
     packed[..., D] = w
     dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=info.group)
-    result, lse = _normalize(packed[..., :D], packed[..., D], m)
+    result, lse = normalize_states(packed[..., :D], packed[..., D], m)
     return result.to(out.dtype), lse
 
 
