@@ -94,7 +94,7 @@ def _planned_attention(query, key, value, prefix_keys, prefix_values, plan_tenso
     else:
         schedules = [
             _Schedule(rows=t[0], row_start=t[1], node_starts=t[2], tile_node=t[3], tile_m0=t[4],
-                      num_tiles=t[3].numel(), max_node_rows=0)
+                      num_tiles=t[3].numel())
             for t in levels
         ]
         fuse, configs = launch_configs(query, key, list(zip(prefix_keys, [None] * len(levels), schedules)),

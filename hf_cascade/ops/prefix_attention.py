@@ -35,7 +35,6 @@ class PrefixPlan:
         node_starts: host tuple of N+1 key offsets.  row_node: host tuple of B node ids (-1 = none).
         device: device of the index tensors (the query's device).
         rows: int32 [B'] batch rows with a node, stably sorted by node.
-        node_row_start: int32 [N+1]; rows of node n are ``rows[node_row_start[n]:node_row_start[n+1]]``.
         node_starts_dev: int64 [N+1] copy of node_starts on ``device``.
         rows_by_node: per node an int64 index tensor of its rows, or None (torch path).
     """
@@ -47,7 +46,6 @@ class PrefixPlan:
     row_node: tuple[int, ...]
     device: torch.device
     rows: Tensor
-    node_row_start: Tensor
     node_starts_dev: Tensor
     rows_by_node: list[Tensor | None]
     rows_per_node: tuple[int, ...]
@@ -85,8 +83,6 @@ class _Schedule:
     tile_node: Tensor  # int32 [tiles]
     tile_m0: Tensor  # int32 [tiles]
     num_tiles: int
-    max_node_rows: int  # most rows on one node with keys
-    splits: dict = field(default_factory=dict, repr=False)  # launch choices cached per call shape
 
 
 def _build_schedule(plan: PrefixPlan, m_per_row: int, block_m: int) -> _Schedule:
@@ -111,7 +107,6 @@ def _build_schedule(plan: PrefixPlan, m_per_row: int, block_m: int) -> _Schedule
         tile_node=as_dev(tile_node, torch.int32),
         tile_m0=as_dev(tile_m0, torch.int32),
         num_tiles=len(tile_node),
-        max_node_rows=max((len(g) for g in groups[:-1]), default=0),
     )
 
 
@@ -172,7 +167,6 @@ def plan_shared_prefix(
         row_node=nodes,
         device=device,
         rows=torch.tensor(rows_host, dtype=torch.int32, device=device),
-        node_row_start=torch.tensor(row_start, dtype=torch.int32, device=device),
         node_starts_dev=torch.tensor(starts, dtype=torch.int64, device=device),
         rows_by_node=rows_by_node,
         rows_per_node=tuple(counts),
