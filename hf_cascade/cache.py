@@ -27,12 +27,12 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from hf_cascade.attention import ATTENTION_NAME, bind_layer, check_model_uses_cascade, plain_attention
+from hf_cascade.prefill import PrefixLevel, prefill_levels, validate_token_ids
 from hf_cascade.ops.plan import CascadePlan, cascade_attention_planned, plan_cascade
 
 
@@ -214,30 +214,6 @@ class _StaticSuffixLayer(_SuffixLayer):
         return (columns[None, :] <= last[:, None])[None]
 
 
-@dataclass
-class PrefixLevel:
-    """One level of the shared-prefix tree.
-
-    Attributes:
-        node_tokens: token ids of each node.
-        node_starts: ``[N + 1]`` offsets of the nodes in the packed KV (CPU list).
-        keys, values: per model layer, ``[num_kv_heads, T, head_dim]`` (``T = node_starts[-1]``).
-    """
-
-    node_tokens: list[tuple[int, ...]]
-    node_starts: list[int]
-    keys: list[torch.Tensor] = field(repr=False)
-    values: list[torch.Tensor] = field(repr=False)
-
-    @property
-    def num_nodes(self) -> int:
-        return len(self.node_tokens)
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
-
-
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 
@@ -367,8 +343,6 @@ class CascadeCache(Cache):
             A cache holding the prefix KV once; pass it to ``model.generate(input_ids, attention_mask=...,
             past_key_values=cache)`` with rows laid out ``[prefix | pads | suffix]``.
         """
-        from hf_cascade.prefill import prefill_levels, validate_token_ids
-
         check_model_uses_cascade(model)
         prefix = validate_token_ids(prefix_ids, "prefix_ids", model)
         if prefix.dim() == 2:
@@ -384,7 +358,7 @@ class CascadeCache(Cache):
                 f"`prefix_ids` must be a non-empty [P] or [1, P] tensor of token ids; got shape {tuple(prefix.shape)}."
             )
         tokens = tuple(prefix.tolist())
-        levels = prefill_levels(model, [[(tokens, None, 0)]])
+        levels = prefill_levels(model, [[(tokens, None, 0)]], cache_class=cls)
         return cls(model, levels, row_nodes=None, prefix_length=len(tokens), max_suffix_length=max_suffix_length)
 
     # ------------------------------------------------------------------ what generate() calls

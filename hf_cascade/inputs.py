@@ -119,7 +119,7 @@ def plan_cascade_batch(
         [(node.tokens, node.parent if level else (0 if base_levels else None), offset + node.start) for node in nodes]
         for level, nodes in enumerate(tree.levels)
     ]
-    levels = prefill_levels(model, node_levels, base_levels, base_parents)
+    levels = prefill_levels(model, node_levels, base_levels, base_parents, cache_class=CascadeCache)
 
     batch, width = input_ids.shape
     num_base = len(base_levels)

@@ -9,8 +9,33 @@ node's KV; it is packed (padding dropped) into the new level.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
+
+@dataclass
+class PrefixLevel:
+    """One level of the shared-prefix tree.
+
+    Attributes:
+        node_tokens: token ids of each node.
+        node_starts: ``[N + 1]`` offsets of the nodes in the packed KV (CPU list).
+        keys, values: per model layer, ``[num_kv_heads, T, head_dim]`` (``T = node_starts[-1]``).
+    """
+
+    node_tokens: list[tuple[int, ...]]
+    node_starts: list[int]
+    keys: list[torch.Tensor] = field(repr=False)
+    values: list[torch.Tensor] = field(repr=False)
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.node_tokens)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
+
 
 # (tokens of the node, index of its parent in the previous level or None, position of its first token)
 NodeSpec = tuple[tuple[int, ...], int | None, int]
@@ -60,19 +85,20 @@ def prefill_levels(
     node_levels: Sequence[Sequence[NodeSpec]],
     base_levels: Sequence = (),
     base_parents: Sequence[Sequence[int | None]] = (),
+    *,
+    cache_class,
 ) -> list:
-    """Run the model over every node once and return the packed :class:`~hf_cascade.cache.PrefixLevel` list.
+    """Run the model over every node once and return the packed :class:`PrefixLevel` list.
 
     Args:
         model: a causal LM loaded with ``attn_implementation="cascade"``.
         node_levels: ``node_levels[l]`` lists level ``l``'s nodes as ``(tokens, parent index, start position)``.
         base_levels: already-prefilled levels the new ones hang below (their parents index into them).
         base_parents: the parent index of each node of ``base_levels``.
+        cache_class: :class:`~hf_cascade.cache.CascadeCache` (passed in: the cache imports this module).
     Returns:
         ``base_levels`` followed by the new levels.
     """
-    from hf_cascade.cache import CascadeCache, PrefixLevel
-
     levels = list(base_levels)
     parents = [list(p) for p in base_parents]
     device = model.device
@@ -83,7 +109,7 @@ def prefill_levels(
         width = max(lengths)
         prefix_length = max(start for _, _, start in nodes)
         row_nodes = _chains(len(levels), parents, node_parent).to(device) if levels else None
-        cache = CascadeCache(model, levels, row_nodes=row_nodes, prefix_length=prefix_length)
+        cache = cache_class(model, levels, row_nodes=row_nodes, prefix_length=prefix_length)
         input_ids = torch.zeros(len(nodes), width, dtype=torch.int64)
         attention_mask = torch.zeros(len(nodes), prefix_length + width, dtype=torch.int64)
         position_ids = torch.zeros(len(nodes), width, dtype=torch.int64)
