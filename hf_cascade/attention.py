@@ -212,10 +212,12 @@ def cascade_attention_forward(
     return out, None
 
 
+# Set while hf_cascade.generate runs a decode (it planned the batch), so the attention does not suggest using it.
+IN_CASCADE_GENERATE: contextvars.ContextVar[bool] = contextvars.ContextVar("hf_cascade_generate", default=False)
+
+
 def _suggest_custom_generate() -> None:
     """Say once that a batched prefill on a "cascade" model ran as plain sdpa (no hf_cascade cache in play)."""
-    from hf_cascade.generation import IN_CASCADE_GENERATE
-
     if torch.compiler.is_compiling() or IN_CASCADE_GENERATE.get():
         return
     logger.warning_once(

@@ -23,15 +23,10 @@ model or ``synced_gpus``.
 
 from __future__ import annotations
 
-import contextvars
-
 import torch
 
-from hf_cascade.attention import check_model_uses_cascade
+from hf_cascade.attention import IN_CASCADE_GENERATE, check_model_uses_cascade
 from hf_cascade.cache import CascadeCache
-
-# Set while hf_cascade.generate runs a decode, so the attention does not suggest using it.
-IN_CASCADE_GENERATE: contextvars.ContextVar[bool] = contextvars.ContextVar("hf_cascade_generate", default=False)
 
 _DECODING_METHODS = {"_sample", "_beam_search"}
 _PLAN_OPTIONS = {"min_shared_tokens", "min_rows", "max_levels", "cost_model", "fixed_buffers"}
