@@ -201,8 +201,15 @@ def collect_info() -> dict:
         path = "torch: fp32 PyTorch reference ops on the CPU (no CUDA GPU); Triton kernels run on CUDA GPUs"
     from transformers import AttentionInterface
 
+    if gpus:
+        decode = ("compiled: generate(..., custom_generate=hf_cascade.generate) keeps suffixes in fixed buffers and "
+                  "transformers compiles the decode step (CUDA graphs) for greedy/sampling; disable_compile=True "
+                  "opts out, beam search stays eager")
+    else:
+        decode = "eager: generate(..., custom_generate=hf_cascade.generate) decodes eagerly (compiled only on CUDA)"
     return {
         "versions": versions,
+        "decode_path": decode,
         "cuda": torch.version.cuda,
         "gpus": gpus,
         "attention_registered": "cascade" in AttentionInterface._global_mapping,
@@ -234,6 +241,7 @@ def cmd_info(args) -> int:
     registered = "yes" if info["attention_registered"] else "NO"
     lines.append(f"attention    'cascade' registered with transformers: {registered}")
     lines.append(f"kernel path  {info['kernel_path']}")
+    lines.append(f"decode path  {info['decode_path']}")
     if info["triton_interpret"]:
         lines.append("             TRITON_INTERPRET=1: ops forced to backend='triton' run on Triton's CPU interpreter")
     print("\n".join(lines))
