@@ -80,7 +80,9 @@ def generate(
     user_cache = model_kwargs.get("past_key_values")
     if not getattr(user_cache, "_is_user_defined", False):
         user_cache = None  # the empty DynamicCache generate() made: replaced by the cascade cache below
-    if user_cache is not None and not isinstance(user_cache, CascadeCache):
+    if (user_cache is not None and not isinstance(user_cache, CascadeCache)) or (
+        model_kwargs.get("inputs_embeds") is not None and user_cache is None
+    ):  # the user's own cache, or prompts given as embeddings (no token ids to find sharing in): generate()'s own
         return _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
 
     attention_mask = model_kwargs.get("attention_mask")

@@ -220,3 +220,15 @@ def test_zero_argument_checkpoint(tmp_path):
     assert not isinstance(plain.generate, functools.partial)
     with pytest.raises(ValueError, match="config.json"):
         hf_cascade.write_custom_generate(str(tmp_path / "nowhere"))
+
+
+def test_inputs_embeds_run_as_plain_generate():
+    """Prompts given as embeddings carry no token ids to find sharing in: the call is generate()'s own."""
+    ref, cas = model_pair("llama")
+    ids, mask = pad_batch(make_prompts(seed=12))
+    embeds = cas.get_input_embeddings()(ids)
+    caches = []
+    got = cas.generate(inputs_embeds=embeds, attention_mask=mask, custom_generate=hf_cascade.generate,
+                       cascade_caches=caches, max_new_tokens=NEW, pad_token_id=0, do_sample=False)
+    want = ref.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=NEW, pad_token_id=0, do_sample=False)
+    assert caches == [] and torch.equal(got, want)
