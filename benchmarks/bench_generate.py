@@ -12,8 +12,9 @@ for each peer in the same run, and checks that cascade's first-step logits match
 
 Sampling workloads (``--workload nsamples grpo``): ``nsamples`` is 1 prompt of 4096 tokens x 32 samples, 64 new
 tokens; ``grpo`` is 16 prompts (a shared 256-token system prompt + 512 own tokens) x 8 samples, 128 new tokens. The
-peers are the user's own ``model.generate(**batch, num_return_sequences=N, do_sample=True)`` with sdpa, and the same
-call with ``custom_generate=hf_cascade.generate``; KV bytes are compared with the unique tokens (each prompt token
+peers are the user's own ``model.generate(**batch, num_return_sequences=N, do_sample=True)`` with sdpa, transformers'
+prefix-reuse recipe on the repeated rows (``hf_prefix_reuse``), and the same call with
+``custom_generate=hf_cascade.generate``; KV bytes are compared with the unique tokens (each prompt token
 once + every sample's own tokens).
 """
 
@@ -140,7 +141,7 @@ def run_sdpa(model, ids, mask, new_tokens, compiled=False):
     }
 
 
-def run_hf_prefix_reuse(model, ids, mask, new_tokens, prefix: int, once: bool = False):
+def run_hf_prefix_reuse(model, ids, mask, new_tokens, prefix: int, once: bool = False, **sampling):
     """transformers' documented prefix reuse: prefill the shared prefix once into a DynamicCache, copy it,
     ``batch_repeat_interleave(B)``, then ``generate(past_key_values=...)`` (the prefix is stored once per row)."""
     import copy
@@ -148,7 +149,7 @@ def run_hf_prefix_reuse(model, ids, mask, new_tokens, prefix: int, once: bool = 
     from transformers import DynamicCache
 
     model.set_attn_implementation("sdpa")
-    gen = dict(do_sample=False, pad_token_id=0)
+    gen = dict(sampling or dict(do_sample=False), pad_token_id=0)
     reset_memory()
 
     def recipe(n):
@@ -157,16 +158,18 @@ def run_hf_prefix_reuse(model, ids, mask, new_tokens, prefix: int, once: bool = 
             model(ids[:1, :prefix], past_key_values=cache, use_cache=True)
         cache = copy.deepcopy(cache)
         cache.batch_repeat_interleave(ids.shape[0])
-        return model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=n, min_new_tokens=n,
-                              **gen)
+        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=n, min_new_tokens=n,
+                             **gen)
+        return out, cache
 
     if once:
         t_all, _ = wall_time(lambda: recipe(new_tokens))
         return {"total_s": t_all}
     t_first, _ = wall_time(lambda: recipe(1))
-    t_all, out = wall_time(lambda: recipe(new_tokens))
+    t_all, (out, cache) = wall_time(lambda: recipe(new_tokens))
     return {
         **step_timings(t_first, t_all, new_tokens),
+        "kv_gib": dynamic_cache_nbytes(cache) / 2**30,
         "new_tokens": out[:, ids.shape[1] :],
     }
 
@@ -218,7 +221,18 @@ def dynamic_cache_nbytes(cache) -> int:
 
 
 def run_sampling(model, peer: str, ids, mask, samples: int, new_tokens: int) -> dict:
-    """The user's own generate() call with num_return_sequences; cascade = the same call + custom_generate."""
+    """The user's own generate() call with num_return_sequences; cascade = the same call + custom_generate;
+    hf_prefix_reuse = transformers' recipe: the rows' common prefix prefilled once into a DynamicCache, repeated
+    for every sample row, then generate() on the repeated rows (each prompt's own tokens prefilled per sample)."""
+    if peer == "hf_prefix_reuse":
+        rows = ids.repeat_interleave(samples, dim=0)
+        prefix = min(common_prefix_length(rows), rows.shape[1] - 1)
+        torch.manual_seed(0)
+        record = run_hf_prefix_reuse(model, rows, torch.ones_like(rows), new_tokens, prefix=prefix,
+                                     do_sample=True, top_k=50)
+        record.pop("new_tokens", None)
+        record["tokens_per_s"] = rows.shape[0] * new_tokens / record["total_s"]
+        return record
     model.set_attn_implementation("cascade" if peer == "cascade" else "sdpa")
     caches = []
     extra = dict(custom_generate=hf_cascade.generate, cascade_caches=caches) if peer == "cascade" else {}
@@ -281,13 +295,13 @@ def main_sampling(args, writer, model) -> None:
         check = sampling_logits_check(model, ids, mask, samples)
         writer.write({"bench": "generate_sampling_check", **workload, **check})
         print("check:", name, check, flush=True)
-        for peer in ("sdpa", "cascade"):  # a warm-up run of each peer first (kernel specialisation), untimed
+        for peer in ("sdpa", "hf_prefix_reuse", "cascade"):  # a warm-up run of each peer first, untimed
             try:
                 run_sampling(model, peer, ids[:1], mask[:1], 2, 2)
             except torch.OutOfMemoryError:
                 pass
         results = {}
-        for peer in ("sdpa", "cascade"):
+        for peer in ("sdpa", "hf_prefix_reuse", "cascade"):
             record = {"bench": "generate_sampling", "peer": peer, **workload}
             try:
                 record.update(run_sampling(model, peer, ids, mask, samples, new_tokens), status="ok")
@@ -296,16 +310,20 @@ def main_sampling(args, writer, model) -> None:
             except torch.OutOfMemoryError:
                 record["status"] = "out of memory"
             reset_memory()
-            if peer == "cascade" and "sdpa" in results and "cascade" in results:
-                record["speedup_vs_sdpa"] = results["sdpa"]["total_s"] / record["total_s"]
+            if peer == "cascade" and "cascade" in results:
+                for other in ("sdpa", "hf_prefix_reuse"):
+                    if other in results:
+                        record[f"speedup_vs_{other}"] = results[other]["total_s"] / record["total_s"]
             writer.write(record)
             rows.append(record)
             print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in record.items()}, flush=True)
-    print(f"\n{'workload':>9} {'peer':>8} {'total s':>8} {'ms/step':>8} {'KV GiB':>7} {'KV/unique':>9} {'speedup':>7}")
+    print(f"\n{'workload':>9} {'peer':>15} {'total s':>8} {'ms/step':>8} {'KV GiB':>7} {'KV/unique':>9} "
+          f"{'vs sdpa':>7} {'vs reuse':>8}")
     for r in rows:
         f = lambda k, fmt: format(r[k], fmt) if isinstance(r.get(k), (int, float)) else "-"  # noqa: E731
-        print(f"{r['workload']:>9} {r['peer']:>8} {f('total_s', '8.2f')} {f('decode_ms_per_step', '8.1f')} "
-              f"{f('kv_gib', '7.2f')} {f('kv_over_unique', '9.2f')} {f('speedup_vs_sdpa', '7.2f')}")
+        print(f"{r['workload']:>9} {r['peer']:>15} {f('total_s', '8.2f')} {f('decode_ms_per_step', '8.1f')} "
+              f"{f('kv_gib', '7.2f')} {f('kv_over_unique', '9.2f')} {f('speedup_vs_sdpa', '7.2f')} "
+              f"{f('speedup_vs_hf_prefix_reuse', '8.2f')}")
 
 
 # A stream of 8 batches of 32 rows, each with another sharing tree: per level (number of groups, tokens each),
