@@ -82,7 +82,9 @@ def generate(
         user_cache = None  # the empty DynamicCache generate() made: replaced by the cascade cache below
     if (user_cache is not None and not isinstance(user_cache, CascadeCache)) or (
         model_kwargs.get("inputs_embeds") is not None and user_cache is None
-    ):  # the user's own cache, or prompts given as embeddings (no token ids to find sharing in): generate()'s own
+    ) or generation_config.use_cache is False:
+        # The user's own cache, prompts given as embeddings (no token ids to find sharing in), or no cache at all:
+        # generate()'s own.
         return _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
 
     attention_mask = model_kwargs.get("attention_mask")
@@ -101,13 +103,14 @@ def generate(
             fixed = _compiles_decode(model, input_ids, generation_config, method_name) or (
                 user_cache is not None and user_cache.max_suffix_length is not None
             )
-        cache, input_ids, attention_mask = plan_cascade_batch(
+        cache, planned_ids, attention_mask = plan_cascade_batch(
             model, input_ids, attention_mask, prefix_cache=user_cache, max_new_tokens=max_new_tokens,
             fixed_buffers=fixed, bucket_buffers=fixed, **options,
         )
         if cache is None:  # nothing worth sharing: generate()'s own cache and rows, untouched
             return _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config,
                         model_kwargs)
+        input_ids = planned_ids
         model_kwargs["attention_mask"] = attention_mask
         if model_kwargs.get("position_ids") is not None:  # right padding moved: positions count real tokens
             position_ids = attention_mask.long().cumsum(-1) - 1

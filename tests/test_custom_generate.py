@@ -232,3 +232,18 @@ def test_inputs_embeds_run_as_plain_generate():
                        cascade_caches=caches, max_new_tokens=NEW, pad_token_id=0, do_sample=False)
     want = ref.generate(inputs_embeds=embeds, attention_mask=mask, max_new_tokens=NEW, pad_token_id=0, do_sample=False)
     assert caches == [] and torch.equal(got, want)
+
+
+def test_right_padded_rows_sharing_nothing_and_no_cache():
+    """Nothing worth sharing in a right-padded batch: the rows go to generate() as the user gave them (so the
+    result is generate()'s own, right padding and all); use_cache=False: generate()'s own too."""
+    ref, cas = model_pair("llama")
+    g = torch.Generator().manual_seed(13)
+    rows = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (5, 9, 2)]
+    ids, mask = pad_batch(rows, side="right")
+    gen = dict(max_new_tokens=NEW, pad_token_id=0, do_sample=False)
+    for extra in ({}, {"use_cache": False}):
+        caches = []
+        got = cas.generate(ids, attention_mask=mask, custom_generate=hf_cascade.generate, cascade_caches=caches,
+                           **gen, **extra)
+        assert caches == [] and torch.equal(got, ref.generate(ids, attention_mask=mask, **gen, **extra))
