@@ -91,7 +91,8 @@ def plan_cascade_batch(
             if tuple(row[: len(base_tokens)]) != base_tokens or len(row) <= len(base_tokens):
                 first = next((i for i, (a, b) in enumerate(zip(row, base_tokens)) if a != b), len(row) - 1)
                 column = row_columns[r][min(first, len(row) - 1)]
-                masked = [c for c in range(column) if c not in set(row_columns[r])]
+                real = set(row_columns[r])
+                masked = [c for c in range(column) if c not in real]
                 raise ValueError(
                     f"Row {r}'s real tokens do not start with the {len(base_tokens)}-token prefix stored in the cache "
                     f"followed by at least one more token: the first difference is its real token {first} (column "
