@@ -3,7 +3,8 @@
 Prefill runs zigzag ring attention (:mod:`~hf_cascade.parallel.ring`), decode combines per-rank partial
 attention exactly (:mod:`~hf_cascade.parallel.combine`: ``"all_gather"``, the default, ``"tree"`` or
 ``"all_to_all"``); the KV lives in a :class:`~hf_cascade.parallel.cache.ContextParallelCache`. Start with
-:func:`context_parallel_inputs`.
+:func:`context_parallel_inputs`; with ``max_new_tokens=N`` the decode KV lives in fixed buffers
+(:mod:`~hf_cascade.parallel.fixed`) and generate() can compile the decode step.
 """
 
 from hf_cascade.parallel.cache import ContextParallelCache

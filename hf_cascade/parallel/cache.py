@@ -26,6 +26,12 @@ Attention (through the registered ``"cascade"`` attention, see :mod:`hf_cascade.
   (:mod:`~hf_cascade.parallel.combine`), or the ``"all_gather_kv"`` baseline (gathers every rank's KV; for
   benchmarks).
 
+Fixed decode buffers (``context_parallel_inputs(..., max_new_tokens=N)``, :mod:`~hf_cascade.parallel.fixed`): the
+decode tokens' KV goes to per-layer buffers written in place at a device-side length, round-robin over the ranks;
+``is_compileable`` is True and ``get_seq_length()`` is a device scalar, so generate() compiles the decode step
+(``torch.compile(fullgraph=True)``, functional collectives in the combine) where it compiles (CUDA; elsewhere
+with ``compile_config._compile_all_devices``).
+
 All ranks must call the model in lockstep (same batch, same number of tokens): each attention layer is a
 collective operation.
 """
@@ -42,6 +48,7 @@ from hf_cascade.ops.prefix_attention import shared_prefix_attention
 from hf_cascade.ops.suffix_attention import suffix_attention
 from hf_cascade.parallel._group import GroupInfo
 from hf_cascade.parallel.combine import all_gather_kv, check_combine, combine_states
+from hf_cascade.parallel.fixed import DecodeBuffers, attend_fixed, check_max_new_tokens
 from hf_cascade.parallel.layout import ZigzagLayout
 from hf_cascade.parallel.ring import ring_attention
 
@@ -57,6 +64,8 @@ class _ShardLayer(_SuffixLayer):
         cols: int64 ``[S_r]`` global column of each key, ascending.
         length: columns of the whole (logical) sequence this layer has seen, shared prefix included.
         prefix_keys, prefix_values: ``[num_kv_heads, P_r, head_dim]`` shared-prefix shard, or None.
+        decode: :class:`~hf_cascade.parallel.fixed.DecodeBuffers` (fixed decode buffers) or None (growing).
+        row_valid: bool ``[batch, S_r]`` with ``decode``: which row-shard keys each row sees (prompt padding).
     """
 
     def __init__(self):
@@ -64,6 +73,8 @@ class _ShardLayer(_SuffixLayer):
         self.cols = None
         self.prefix_keys = self.prefix_values = None
         self.length = 0
+        self.decode: DecodeBuffers | None = None
+        self.row_valid: torch.Tensor | None = None
         self._buffers = None  # (keys, values, cols) storage with spare capacity; keys/values/cols are views
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -116,17 +127,24 @@ class _ShardLayer(_SuffixLayer):
         self.length = min(self.length, length)
 
     def _select(self, fn) -> None:
-        super()._select(fn)
+        if self.keys is not None:
+            super()._select(fn)
         self._buffers = None  # keys/values are no longer views of the growth buffers
+        if self.row_valid is not None:
+            self.row_valid = fn(self.row_valid)
+        if self.decode is not None:
+            self.decode.select(fn)
 
     def reset(self) -> None:
         self.__init__()
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the KV held (used columns; spare capacity of the growth buffer not counted)."""
+        """Bytes of the KV held (used columns; spare capacity of the growth buffer not counted; fixed decode
+        buffers counted whole)."""
         tensors = (self.keys, self.values, self.prefix_keys, self.prefix_values)
-        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        held = sum(t.numel() * t.element_size() for t in tensors if t is not None)
+        return held + (0 if self.decode is None else self.decode.nbytes)
 
 
 
@@ -163,6 +181,7 @@ class ContextParallelCache(Cache):
         self._prompt_length = 0  # what generate() starts from (see _is_user_defined)
         self._user_defined = False
         self._modules = {id(m) for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int)}
+        self.max_new_tokens: int | None = None  # set by use_fixed_buffers (fixed decode buffers)
 
     # ------------------------------------------------------------------ prefill (driven by context_parallel_inputs)
     def begin_ring_prefill(self, layout: ZigzagLayout, key_valid: torch.Tensor | None, *, shared: bool) -> None:
@@ -199,9 +218,44 @@ class ContextParallelCache(Cache):
         """Record the current length as the prompt: each later generate() call starts again from here."""
         self._prompt_length = self.get_seq_length()
 
+    def use_fixed_buffers(self, max_new_tokens: int, prompt_mask: torch.Tensor) -> None:
+        """Switch decode to fixed buffers for ``max_new_tokens`` tokens (see :mod:`hf_cascade.parallel.fixed`).
+
+        Call after the prompt is prefilled and marked. ``prompt_mask``: ``[B, >= prompt_length]`` the prompt's
+        attention mask (1 = real token; the ``attention_mask`` generate() gets), the same on every rank.
+        """
+        max_new_tokens = check_max_new_tokens(max_new_tokens)
+        if self.combine == "all_gather_kv":
+            raise ValueError("combine='all_gather_kv' (a benchmark baseline) has no fixed-buffer decode; pick "
+                             "'all_gather', 'tree' or 'all_to_all', or drop `max_new_tokens`.")
+        length = self._prompt_length
+        if prompt_mask.dim() != 2 or prompt_mask.shape[1] < length:
+            raise ValueError(f"use_fixed_buffers: prompt_mask must be [batch, >= {length}]; got "
+                             f"{tuple(prompt_mask.shape)}.")
+        first_owner = self._counts.index(min(self._counts))  # decode tokens start on the least-loaded rank
+        valid = prompt_mask[:, :length].bool()
+        for layer in self.layers:
+            if layer.keys is not None and layer.keys.shape[0] != valid.shape[0]:
+                raise ValueError(f"use_fixed_buffers: prompt_mask has {valid.shape[0]} rows but the cache holds "
+                                 f"{layer.keys.shape[0]}.")
+            layer.row_valid = None if layer.keys is None else valid.index_select(1, layer.cols)
+            layer.decode = DecodeBuffers(max_new_tokens, self.info, first_owner, length, prompt_mask.device)
+            layer.is_compileable = True
+            if layer.keys is not None:
+                layer.keys, layer.values = layer.keys.contiguous(), layer.values.contiguous()
+                layer._buffers = None
+            # Read in place by the compiled step (CUDA graphs: fixed addresses; a new cache re-records).
+            for tensor in (layer.keys, layer.values, layer.row_valid, layer.prefix_keys, layer.prefix_values):
+                if tensor is not None:
+                    torch._dynamo.mark_static_address(tensor, guard=False)
+        self.max_new_tokens = max_new_tokens
+
     # ------------------------------------------------------------------ placement of new columns
     def rank_token_counts(self) -> list[int]:
         """Columns (keys) held by every rank, shared prefix included; identical on every rank."""
+        decode = self.layers[0].decode
+        if decode is not None:
+            return [c + decode.held_by(r) for r, c in enumerate(self._counts)]
         return list(self._counts)
 
     def _owner(self, start: int, q_len: int) -> int:
@@ -225,8 +279,14 @@ class ContextParallelCache(Cache):
 
     # ------------------------------------------------------------------ what generate() calls
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        """Store ``[batch, num_kv_heads, q_len, head_dim]`` new KV if this rank owns it; return this rank's row KV."""
+        """Store ``[batch, num_kv_heads, q_len, head_dim]`` new KV if this rank owns it; return this rank's row KV
+        (with fixed decode buffers: write in place and return the layer's decode buffers)."""
         layer = self.layers[layer_idx]
+        if layer.decode is not None and self._ring is None:  # fixed decode buffers
+            self._match_rows(layer, key_states.shape[0])
+            layer.decode.write(key_states, value_states)
+            bind_layer(self, layer_idx, layer.decode.keys)
+            return layer.decode.keys, layer.decode.values
         if layer.keys is None:
             layer.lazy_initialization(key_states, value_states)
         if self._ring is not None:  # ring prefill: this rank's zigzag shard, all of it
@@ -245,6 +305,8 @@ class ContextParallelCache(Cache):
     @staticmethod
     def _match_rows(layer: _ShardLayer, batch_size: int) -> None:
         """num_return_sequences / num_beams expand generate()'s tensors, never the cache: expand the rows alike."""
+        if layer.keys is None:  # no row KV on this rank (fixed decode buffers are sized at their first write)
+            return
         rows = layer.keys.shape[0]
         if rows == batch_size:
             return
@@ -255,24 +317,40 @@ class ContextParallelCache(Cache):
             )
         layer.batch_repeat_interleave(batch_size // rows)
 
-    def get_seq_length(self, layer_idx: int = 0) -> int:
+    def get_seq_length(self, layer_idx: int = 0):
+        """Logical length: an int, or (fixed decode buffers) a device int64 scalar, as transformers' StaticCache."""
+        decode = self.layers[layer_idx].decode
+        if decode is not None:
+            return self._prompt_length + decode.length
         return self.layers[layer_idx].length
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        if self.max_new_tokens is not None:  # fixed: the same every step (attend builds its own masks)
+            return self._prompt_length + self.max_new_tokens, 0
         return self.layers[layer_idx].length + query_length, 0
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
         return self.get_seq_length(layer_idx)
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:  # transformers 5.17
-        return -1
+        return -1 if self.max_new_tokens is None else self._prompt_length + self.max_new_tokens
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop ``-tokens_to_remove`` columns from the end (transformers >= 5.18) or keep an absolute length
         (positive, 5.17's legacy convention). The shared prefix and the ring-prefilled prompt cannot be cropped."""
-        length = self.get_seq_length()
+        decode = self.layers[0].decode
+        length = self._prompt_length + decode.host_length if decode is not None else self.get_seq_length()
         new_length = tokens_to_remove if tokens_to_remove > 0 else length + tokens_to_remove
         new_length = min(new_length, length)
+        if decode is not None:
+            if new_length < self._prompt_length:
+                raise ValueError(
+                    f"Cannot crop this ContextParallelCache to {new_length} columns: with fixed decode buffers the "
+                    f"{self._prompt_length} prompt columns are kept. Call context_parallel_inputs again."
+                )
+            for layer in self.layers:
+                layer.decode.truncate(new_length - self._prompt_length)
+            return
         if new_length < self._base_length:
             raise ValueError(
                 f"Cannot crop a ContextParallelCache to {new_length} columns: its first {self._base_length} columns "
@@ -306,7 +384,8 @@ class ContextParallelCache(Cache):
     @_is_user_defined.setter
     def _is_user_defined(self, value: bool) -> None:
         self._user_defined = value
-        if value and self.get_seq_length() > self._prompt_length:
+        fixed = self.layers[0].decode is not None  # (its length is a device scalar: compare on the host)
+        if value and (fixed or self.get_seq_length() > self._prompt_length):
             self.crop(self._prompt_length)
 
     @property
@@ -330,16 +409,27 @@ class ContextParallelCache(Cache):
             query: ``[batch, num_heads, q_len, head_dim]`` (this rank's zigzag shard during the ring prefill, the
                 same new tokens on every rank afterwards).
             key, value: this rank's row KV ``[batch, num_kv_heads, S_r, head_dim]`` as returned by ``update``.
-            attention_mask: None (causal) or bool ``[batch, q_len, length + q_len]`` over global columns.
+            attention_mask: None (causal) or bool ``[batch, q_len, length + q_len]`` over global columns. With
+                fixed decode buffers it is not read: the prompt's padding was recorded by ``use_fixed_buffers``
+                and the decode columns are causal (:func:`~hf_cascade.parallel.fixed.attend_fixed`).
         Returns:
             ``[batch, q_len, num_heads, head_dim]`` in ``query.dtype``, identical on every rank after decode.
         """
-        if id(module) not in self._modules:
+        if not torch.compiler.is_compiling() and id(module) not in self._modules:
             raise ValueError(
                 "This ContextParallelCache was built for a different model; call context_parallel_inputs with the "
                 "model you generate with."
             )
         layer = self.layers[module.layer_idx]
+        if layer.decode is not None and self._ring is None:
+            # Checked against the most columns the buffers can reach (a constant: no host length per step).
+            if sliding_window is not None and self._prompt_length + self.max_new_tokens > sliding_window:
+                raise NotImplementedError(
+                    f"{type(module).__name__} (layer {module.layer_idx}) uses a sliding window of {sliding_window} "
+                    f"tokens and prompt + max_new_tokens = {self._prompt_length + self.max_new_tokens} exceeds it: "
+                    "context parallelism supports full attention only. Lower max_new_tokens."
+                )
+            return attend_fixed(layer, query, self.info, self.combine, scaling=scaling, softcap=softcap)
         if sliding_window is not None and layer.length > sliding_window:
             raise NotImplementedError(
                 f"{type(module).__name__} (layer {module.layer_idx}) uses a sliding window of {sliding_window} "

@@ -23,6 +23,10 @@ all-reduce), so all of them are exact and every rank ends with the same full res
 
 ``"all_gather_kv"`` is not a combine but the naive baseline the benchmark compares against: gather every
 rank's KV slice (message size grows with the context) and attend locally (see :func:`all_gather_kv`).
+
+Inside ``torch.compile`` (the fixed-buffer decode step, see ``context_parallel_inputs(..., max_new_tokens=N)``)
+the three state combines use functional collectives (``torch.distributed._functional_collectives``: traceable,
+no graph break); eagerly they use the ``torch.distributed`` calls above. Same messages, same merge.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import warnings
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as fc
 
 from hf_cascade.ops.reference import _empty_guard, merge_states_ref, normalize_states, scale_states
 from hf_cascade.parallel._group import GroupInfo
@@ -38,6 +43,21 @@ from hf_cascade.parallel._group import GroupInfo
 STATE_COMBINES = ("all_gather", "tree", "all_to_all")  # exact combines of per-rank partial states
 COMBINES = (*STATE_COMBINES, "all_gather_kv")  # + the benchmark baseline
 _NEG_INF = float("-inf")
+
+
+def _traced_group(info: GroupInfo):
+    """The group as functional collectives take it (they need a ProcessGroup, not None)."""
+    return dist.group.WORLD if info.group is None else info.group
+
+
+def _fc_all_gather(tensor: torch.Tensor, info: GroupInfo) -> torch.Tensor:
+    """Traceable all-gather of ``tensor`` (any shape): ``[world_size * tensor.numel()]`` flat, rank order."""
+    return fc.wait_tensor(fc.all_gather_tensor(tensor.contiguous().view(-1), 0, _traced_group(info)))
+
+
+def _fc_all_reduce(tensor: torch.Tensor, op: str, info: GroupInfo) -> torch.Tensor:
+    """Traceable all-reduce (``op``: ``"max"`` or ``"sum"``); returns a new tensor."""
+    return fc.wait_tensor(fc.all_reduce(tensor.contiguous(), op, _traced_group(info)))
 
 
 def check_combine(combine: str) -> str:
@@ -81,14 +101,21 @@ def combine_tree(out: torch.Tensor, lse: torch.Tensor, info: GroupInfo) -> tuple
     lse = _empty_guard(lse)
     if info.world_size == 1:
         return out, lse
-    m = lse.clone()
-    dist.all_reduce(m, op=dist.ReduceOp.MAX, group=info.group)
+    compiling = torch.compiler.is_compiling()
+    if compiling:
+        m = _fc_all_reduce(lse, "max", info)
+    else:
+        m = lse.clone()
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=info.group)
     weighted, w = scale_states(out, lse, m)
     D = out.shape[-1]
     packed = torch.empty((*out.shape[:-1], D + 1), dtype=torch.float32, device=out.device)
     packed[..., :D] = weighted
     packed[..., D] = w
-    dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=info.group)
+    if compiling:
+        packed = _fc_all_reduce(packed, "sum", info)
+    else:
+        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=info.group)
     result, lse = normalize_states(packed[..., :D], packed[..., D], m)
     return result.to(out.dtype), lse
 
@@ -130,8 +157,11 @@ def combine_all_gather(out: torch.Tensor, lse: torch.Tensor, info: GroupInfo) ->
     send = torch.empty(numel_out + numel_lse, dtype=torch.float32, device=out.device)
     send[:numel_out].view(out.shape).copy_(out)
     send[numel_out:].view(lse.shape).copy_(lse)
-    recv = torch.empty((n, numel_out + numel_lse), dtype=torch.float32, device=out.device)
-    _all_gather_flat(recv, send, info)
+    if torch.compiler.is_compiling():
+        recv = _fc_all_gather(send, info).view(n, numel_out + numel_lse)
+    else:
+        recv = torch.empty((n, numel_out + numel_lse), dtype=torch.float32, device=out.device)
+        _all_gather_flat(recv, send, info)
     outs = recv[:, :numel_out].view(n, *out.shape)
     lses = recv[:, numel_out:].view(n, *lse.shape)
     result, lse = combine_local(outs, lses, dim=0)
@@ -164,13 +194,20 @@ def combine_all_to_all(out: torch.Tensor, lse: torch.Tensor, info: GroupInfo) ->
     if n * h > H:
         send[H:, ..., :D] = 0.0
         send[H:, ..., D] = _NEG_INF
-    recv = torch.empty_like(send)  # [n (source rank), h, B, Lq, D + 1] once viewed
-    dist.all_to_all_single(recv, send, group=info.group)
+    compiling = torch.compiler.is_compiling()
+    if compiling:
+        recv = fc.wait_tensor(fc.all_to_all_single(send, None, None, _traced_group(info)))
+    else:
+        recv = torch.empty_like(send)  # [n (source rank), h, B, Lq, D + 1] once viewed
+        dist.all_to_all_single(recv, send, group=info.group)
     recv = recv.view(n, h, B, Lq, D + 1)
     mine_out, mine_lse = combine_local(recv[..., :D], recv[..., D], dim=0)  # [h, B, Lq, D], [h, B, Lq]
     local = torch.cat([mine_out, mine_lse.unsqueeze(-1)], dim=-1)
-    gathered = torch.empty((n * h, B, Lq, D + 1), dtype=torch.float32, device=out.device)
-    _all_gather_flat(gathered, local, info)
+    if compiling:
+        gathered = _fc_all_gather(local, info).view(n * h, B, Lq, D + 1)
+    else:
+        gathered = torch.empty((n * h, B, Lq, D + 1), dtype=torch.float32, device=out.device)
+        _all_gather_flat(gathered, local, info)
     gathered = gathered[:H].transpose(0, 1)  # [B, H, Lq, D + 1]
     return gathered[..., :D].to(out.dtype), gathered[..., D].contiguous()
 

@@ -34,9 +34,11 @@ from hf_cascade.attention import check_model_uses_cascade
 from hf_cascade.parallel._group import check_device, resolve_group
 from hf_cascade.parallel.cache import ContextParallelCache
 from hf_cascade.parallel.combine import check_combine
+from hf_cascade.parallel.fixed import check_max_new_tokens
 from hf_cascade.parallel.layout import ZigzagLayout
 
-_OPTIONS = ("placement", "shared_prefix", "min_shared_tokens", "pad_token_id", "sync_rng", "check_inputs")
+_OPTIONS = ("placement", "shared_prefix", "min_shared_tokens", "pad_token_id", "sync_rng", "check_inputs",
+            "max_new_tokens")
 
 
 def _validate(model, input_ids, attention_mask):
@@ -174,6 +176,11 @@ def context_parallel_inputs(
             pad_token_id: id written in padding columns (never attended; default the model's pad id, else 0).
             sync_rng: re-seed every rank's RNG from rank 0 so sampling agrees (default True).
             check_inputs: verify every rank passed the same prompt (default True; one small all-gather).
+            max_new_tokens: None (default: decode KV grows as needed, eager decode) or the most tokens generate()
+                will produce: fixed per-layer decode buffers written in place (:mod:`hf_cascade.parallel.fixed`),
+                so the cache is compileable and generate() compiles the decode step where it compiles (CUDA by
+                default; ``CompileConfig._compile_all_devices`` elsewhere). Not with ``combine="all_gather_kv"``.
+                The cache records the prompt's padding: pass generate() the returned ``attention_mask``.
     Returns:
         ``{"input_ids", "attention_mask", "past_key_values"}`` for ``model.generate(**inputs, ...)``; the cache is a
         :class:`~hf_cascade.parallel.cache.ContextParallelCache` holding this rank's shard (``.nbytes``). The
@@ -186,6 +193,10 @@ def context_parallel_inputs(
     if unknown:
         raise ValueError(f"context_parallel_inputs: unknown option(s) {unknown}; valid options are {_OPTIONS}.")
     check_combine(combine)  # before any collective: a typo fails at once on every rank
+    max_new_tokens = check_max_new_tokens(options.get("max_new_tokens"))
+    if max_new_tokens is not None and combine == "all_gather_kv":
+        raise ValueError("context_parallel_inputs: combine='all_gather_kv' (a benchmark baseline) has no fixed-buffer "
+                         "decode; pick 'all_gather', 'tree' or 'all_to_all', or drop `max_new_tokens`.")
     info = resolve_group(group)
     check_model_uses_cascade(model)
     check_device(info, model.device, "context_parallel_inputs")
@@ -224,6 +235,8 @@ def context_parallel_inputs(
             model.base_model(input_ids=new_ids[:, prefix:end], attention_mask=new_mask[:, :end],
                              position_ids=positions[:, prefix:end], past_key_values=cache, use_cache=True)
     cache.mark_prompt()
+    if max_new_tokens is not None:
+        cache.use_fixed_buffers(max_new_tokens, new_mask)
     inputs = {"input_ids": new_ids, "attention_mask": new_mask, "past_key_values": cache}
     if getattr(getattr(model, "generation_config", None), "cache_implementation", None) is not None:
         inputs["cache_implementation"] = None
