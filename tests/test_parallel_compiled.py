@@ -17,10 +17,9 @@ from transformers import CompileConfig
 import hf_cascade
 from hf_cascade.model_zoo import tiny_model
 from hf_cascade.parallel._testing import run_on_gloo
-from test_parallel_generate import _left_pad, _rows
+from test_parallel_generate import MAX_NEW, _generate_kwargs, _left_pad, _rows
 
 LOGIT_TOL = 1e-4
-MAX_NEW = 6
 WORLD = 2
 
 # name -> (family, row lengths, shared leading tokens, context_parallel_inputs options, generate kwargs)
@@ -43,13 +42,6 @@ def cpu_compile_config():
     config = CompileConfig(backend="aot_eager", mode=None, fullgraph=True)
     config._compile_all_devices = True  # transformers compiles on CUDA only unless told
     return config
-
-
-def _generate_kwargs(extra):
-    kwargs = dict(max_new_tokens=MAX_NEW, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
-                  output_logits=True)
-    kwargs.update(extra)
-    return kwargs
 
 
 def _compiled_worker(rank, world):
