@@ -227,10 +227,21 @@ def _suggest_custom_generate() -> None:
     )
 
 
+def cascade_mask(*args, **kwargs) -> torch.Tensor | None:
+    """The ``"cascade"`` mask builder: sdpa's (bool ``[batch, 1, q_len, kv_len]`` or None), with ``kv_len`` marked
+    dynamic when built outside a compiled step. generate() builds the decode step's mask before calling the
+    compiled forward; fixed buffers of another capacity (another bucket) then give a mask of another width that
+    runs the same graph (the cascade step builds its own mask from the buffers, see ``CascadeCache``)."""
+    mask = sdpa_mask(*args, **kwargs)
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4 and not torch.compiler.is_compiling():
+        torch._dynamo.maybe_mark_dynamic(mask, 3)
+    return mask
+
+
 def register() -> None:
     """Register ``"cascade"`` with ``AttentionInterface`` and ``AttentionMaskInterface`` (idempotent)."""
     AttentionInterface.register(ATTENTION_NAME, cascade_attention_forward)
-    AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
+    AttentionMaskInterface.register(ATTENTION_NAME, cascade_mask)
 
 
 def check_model_uses_cascade(model: torch.nn.Module, argument: str = "model") -> None:

@@ -33,7 +33,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from hf_cascade.attention import ATTENTION_NAME, bind_layer, check_model_uses_cascade, plain_attention
 from hf_cascade.prefill import PrefixLevel, prefill_levels, validate_token_ids
-from hf_cascade.ops.plan import CascadePlan, cascade_attention_planned, plan_cascade
+from hf_cascade.ops.plan import CascadePlan, cascade_attention_planned, padded_level_count, plan_cascade
 
 
 class _SuffixLayer(CacheLayerMixin):
@@ -142,6 +142,10 @@ class _StaticSuffixLayer(_SuffixLayer):
             # Fixed addresses for CUDA graphs; guard=False: a new cache re-records graphs instead of recompiling.
             for tensor in (self.keys, self.values, self.cumulative_length):
                 torch._dynamo.mark_static_address(tensor, guard=False)
+            # Buffers of another capacity (bucket) are the same graph: the step reads the capacity from the
+            # buffers' shape (capacity), never from the int.
+            for tensor in (self.keys, self.values):
+                torch._dynamo.maybe_mark_dynamic(tensor, 2)
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -175,8 +179,13 @@ class _StaticSuffixLayer(_SuffixLayer):
             self._host_length, self._host_length_stale = int(self.cumulative_length), False
         return self._host_length
 
+    @property
+    def capacity(self):
+        """Suffix columns per row: the buffers' size (a symbolic size inside a compiled step)."""
+        return self.keys.shape[2] if self.is_initialized else self.max_suffix_length
+
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.max_suffix_length, 0
+        return self.capacity, 0
 
     def get_max_length(self) -> int:
         return self.max_suffix_length
@@ -209,7 +218,7 @@ class _StaticSuffixLayer(_SuffixLayer):
 
     def causal_mask(self, query_length: int) -> torch.Tensor:
         """bool ``[1, q_len, max_suffix_length]``: query i sees the written columns up to its own position."""
-        columns = torch.arange(self.max_suffix_length, device=self.device)
+        columns = torch.arange(self.capacity, device=self.device)
         last = self.cumulative_length - query_length + torch.arange(query_length, device=self.device)
         return (columns[None, :] <= last[:, None])[None]
 
@@ -305,13 +314,10 @@ class CascadeCache(Cache):
         self.rows_verified = row_nodes is not None
         self.prefix_tree = prefix_tree
         self.prefilled_prefix_tokens = sum(level.node_starts[-1] for level in self.levels)
-        if max_suffix_length is not None and not torch.compiler.is_compiling():
-            # CUDA graphs read the prefix in place (no copy per replay); a new cache re-records, never recompiles,
-            # and a level of another length is the same graph (its length is dynamic).
-            for level in self.levels:
-                for tensor in (*level.keys, *level.values):
-                    torch._dynamo.mark_static_address(tensor, guard=False)
-                    torch._dynamo.maybe_mark_dynamic(tensor, 1)
+        # The prefix KV a compiled step reads, per layer (keys, values), padded to padded_level_count levels.
+        self._compiled_prefix: list[tuple[list[torch.Tensor], list[torch.Tensor]]] | None = None
+        if max_suffix_length is not None and self.levels and not torch.compiler.is_compiling():
+            self._compiled_prefix = self._pad_prefix_levels()
         # The attention modules this cache may serve (reusing it with another model is an error).
         self._modules: dict[int, weakref.WeakSet] = {}
         for module in model.modules():
@@ -325,6 +331,26 @@ class CascadeCache(Cache):
         self._lock = threading.Lock()
         self._owner: int | None = None
         self._positions_checked = False
+
+    def _pad_prefix_levels(self) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        """Per layer the prefix keys and values a compiled step takes: empty levels (2 zero keys that no row
+        reads) in front of the real ones, so that trees of 1 to COMPILED_LEVELS levels run one graph. CUDA graphs
+        read them in place (no copy per replay); a new cache re-records, never recompiles, and a level of
+        another length is the same graph (its length is dynamic)."""
+        pad = padded_level_count(len(self.levels)) - len(self.levels)
+        padded = []
+        for layer_idx in range(len(self.levels[0].keys)):
+            keys = [level.keys[layer_idx] for level in self.levels]
+            values = [level.values[layer_idx] for level in self.levels]
+            # One tensor per slot: dynamo guards on which inputs alias, and a slot holds a real level in the next
+            # batch. (Hkv x 2 x D zeros: bytes.)
+            empty = lambda: keys[0].new_zeros((keys[0].shape[0], 2, keys[0].shape[2]))  # noqa: E731
+            padded.append(([empty() for _ in range(pad)] + keys, [empty() for _ in range(pad)] + values))
+        for keys, values in padded:
+            for tensor in (*keys, *values):
+                torch._dynamo.mark_static_address(tensor, guard=False)
+                torch._dynamo.maybe_mark_dynamic(tensor, 1)
+        return padded
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -545,6 +571,7 @@ class CascadeCache(Cache):
             self._suffix_start_dev = self.suffix_start.to(device)
         if self.window is not None and self._window_dev is None:
             self._window_dev = self.window.T.contiguous().to(device)  # [B, max_suffix_length]
+            torch._dynamo.maybe_mark_dynamic(self._window_dev, 1)  # as the buffers' capacity
 
     def _suffix_mask(self, attention_mask: torch.Tensor | None, layer, query_length: int, kv_length: int):
         """The mask over the suffix KV: transformers' mask (or causal), and, when rows start their own tokens
@@ -641,19 +668,21 @@ class CascadeCache(Cache):
                 self._check_positions(attention_mask, kwargs.get("position_ids"))
         # Fixed buffers: None would also admit the columns not written yet; rows' own columns: see _suffix_mask.
         attention_mask = self._suffix_mask(attention_mask, layer, query.shape[2], key.shape[2])
+        if compiling and self._compiled_prefix is not None:
+            # The padded levels: the graph reads no level count (a tree of 1 to 4 levels is the same graph).
+            # One launch per prefix level plus one for the suffix (which also merges the levels' states).
+            prefix_keys, prefix_values = self._compiled_prefix[layer_idx]
+            return torch.ops.hf_cascade.cascade_attention(
+                query, key, value, prefix_keys, prefix_values, self._op_inputs, attention_mask, scaling, softcap,
+            )[0]
         if not self.levels:  # nothing shared (e.g. prefilling a tree's first level): the fastest exact kernel
             mask = None if attention_mask is None else attention_mask[:, None]
             return plain_attention(module, query, key, value, mask, scaling=scaling, softcap=softcap)
         prefix_keys = [level.keys[layer_idx] for level in self.levels]
         prefix_values = [level.values[layer_idx] for level in self.levels]
-        # One launch per prefix level plus one for the suffix (which also merges the levels' states).
-        if compiling:
-            return torch.ops.hf_cascade.cascade_attention(
-                query, key, value, prefix_keys, prefix_values, self._op_inputs, attention_mask, scaling, softcap,
-            )[0]
-        if layer.is_compileable and self._op_inputs is None:
+        if self._compiled_prefix is not None and self._op_inputs is None:
             # Plan the decode step (one query position) now, outside the compiled step's CUDA graphs.
-            self._op_inputs = self._plan.op_inputs(query[:, :, -1:], key, prefix_keys)
+            self._op_inputs = self._plan.op_inputs(query[:, :, -1:], key, self._compiled_prefix[layer_idx][0])
         return cascade_attention_planned(
             query, key, value, prefix_keys, prefix_values, self._plan, scale=scaling, mask=attention_mask,
             softcap=softcap,

@@ -139,12 +139,27 @@ def _compiles_decode(model, input_ids, generation_config, method_name: str) -> b
 def _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs):
     token = IN_CASCADE_GENERATE.set(True)
     try:
-        return decode(
-            model, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
-            generation_config=generation_config, **model_kwargs,
-        )
+        with _layout_independent_shapes(model_kwargs.get("past_key_values")):
+            return decode(
+                model, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+                generation_config=generation_config, **model_kwargs,
+            )
     finally:
         IN_CASCADE_GENERATE.reset(token)
+
+
+def _layout_independent_shapes(cache):
+    """For a cascade cache with fixed buffers: compile the decode step without dynamo's duck sizing, which gives
+    dynamic sizes that happen to be equal at the first compile one symbol (and the graph a guard that they stay
+    equal). A layout's sizes (each level's prefix length, node and tile counts, the buffers' capacity) coincide
+    by chance; without it a later batch whose sizes differ would compile again."""
+    import contextlib
+
+    if not isinstance(cache, CascadeCache) or cache.max_suffix_length is None:
+        return contextlib.nullcontext()
+    from torch.fx.experimental import _config as shape_config
+
+    return shape_config.patch(use_duck_shape=False)
 
 
 def _check_capacity(cache: CascadeCache, width: int, max_new_tokens: int) -> None:

@@ -12,7 +12,7 @@ from transformers import CompileConfig
 import hf_cascade
 from hf_cascade import CascadeCache
 from hf_cascade.attention import _TRACED
-from test_generate import assert_logits_close, make_prompts, model_pair, pad_batch, run_pair
+from test_generate import assert_logits_close, make_prompts, model_pair, pad_batch, run_pair, tree_prompts
 
 MAX_NEW = 6
 
@@ -156,23 +156,36 @@ def test_fixed_buffers_crop_both_conventions():
         cache.crop(-2)
 
 
+# Batches with other sharing trees: 1 to 3 levels, other lengths and node counts, and fixed buffers of two
+# capacity buckets (64 and 128 suffix columns with MAX_NEW_STREAM new tokens).
+LAYOUT_STREAM = [
+    ([(1, 40)], 6),
+    ([(1, 10), (4, 10)], 6),
+    ([(1, 80)], 2),
+    ([(1, 5), (2, 20), (4, 5)], 6),
+    ([(1, 10)], 12),
+]
+MAX_NEW_STREAM = 60
+
+
 def test_one_argument_path_compiles_once_for_new_layouts():
     """custom_generate=hf_cascade.generate with fixed buffers (the CUDA default; here forced on CPU): batches with
-    other sharing trees (other lengths, other nodes) reuse the compiled step; only the number of prefix levels or
+    other sharing trees (1-3 levels, other lengths and nodes, another buffer bucket) reuse the compiled step; only
     the batch size makes another graph (as transformers' static cache does for a new size)."""
     from torch._dynamo.utils import counters
 
     ref, cas = model_pair("llama")
-    gen = dict(max_new_tokens=MAX_NEW, pad_token_id=0, do_sample=False)
-    graphs = []
-    for seed, system, block in ((51, 11, 7), (52, 14, 5), (53, 9, 9), (54, 12, 6)):
-        rows = make_prompts(seed=seed, system=system, block=block, groups=2, per_group=2)
-        ids, mask = pad_batch(rows)
+    gen = dict(max_new_tokens=MAX_NEW_STREAM, pad_token_id=0, do_sample=False)
+    graphs, shapes = [], set()
+    for seed, (levels, own) in enumerate(LAYOUT_STREAM):
+        ids, mask = pad_batch(tree_prompts(levels, own, rows=8, seed=60 + seed))
         caches = []
         got = cas.generate(ids, attention_mask=mask, custom_generate=hf_cascade.generate, cascade_caches=caches,
                            cascade_options=dict(min_shared_tokens=2, fixed_buffers=True),
                            compile_config=cpu_compile_config(), **gen)
-        assert caches[0].is_compileable and caches[0].num_levels == 2
+        assert caches[0].is_compileable
+        shapes.add((caches[0].num_levels, caches[0].max_suffix_length))
         assert torch.equal(got, ref.generate(ids, attention_mask=mask, **gen)), seed
         graphs.append(counters["stats"]["unique_graphs"])
+    assert {levels for levels, _ in shapes} == {1, 2, 3} and len({cap for _, cap in shapes}) == 2, shapes
     assert graphs[-1] == graphs[0], f"a new layout recompiled: unique graphs after each batch {graphs}"

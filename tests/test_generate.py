@@ -28,6 +28,21 @@ def make_prompts(seed=0, system=11, block=7, groups=2, per_group=2, vocab=128):
     return rows
 
 
+def tree_prompts(levels, own, rows, seed=0, vocab=128):
+    """Token lists of ``rows`` rows sharing a tree: per level ``(groups, tokens each)`` (group g of a level holds
+    rows [g * rows / groups, (g + 1) * rows / groups)), then ``own`` tokens of each row's own."""
+    g = torch.Generator().manual_seed(seed)
+    rand = lambda n: torch.randint(3, vocab, (n,), generator=g).tolist()  # noqa: E731
+    segments = [[rand(tokens) for _ in range(groups)] for groups, tokens in levels]
+    out = []
+    for r in range(rows):
+        row = [1]
+        for (groups, _), segs in zip(levels, segments):
+            row += segs[r * groups // rows]
+        out.append(row + rand(own))
+    return out
+
+
 def pad_batch(rows, side="left", pad=0):
     width = max(len(r) for r in rows)
     ids = torch.full((len(rows), width), pad, dtype=torch.long)

@@ -9,7 +9,7 @@ import torch
 import hf_cascade
 from hf_cascade.model_zoo import reference_attention, tiny_model
 
-from test_generate import make_prompts, pad_batch
+from test_generate import make_prompts, pad_batch, tree_prompts
 
 pytestmark = [
     pytest.mark.gpu,
@@ -74,25 +74,29 @@ def test_gpu_compiled_generate_matches_reference(family, mode):
 
 
 def test_gpu_compiled_once_for_a_stream_of_layouts():
-    """The default one-argument path on CUDA compiles the decode step (CUDA graphs) once per (batch size, number of
-    prefix levels): batches with other sharing trees re-plan on the host and reuse it. Tokens stay exact (fp32)."""
+    """The default one-argument path on CUDA compiles the decode step (CUDA graphs) once per batch size: batches
+    with other sharing trees (1-3 levels, other lengths, another buffer bucket) re-plan on the host and reuse it.
+    Tokens stay exact (fp32)."""
     from torch._dynamo.utils import counters
+
+    from test_compiled_generate import LAYOUT_STREAM, MAX_NEW_STREAM
 
     ref = tiny_model("llama", "sdpa", device="cuda")
     cas = tiny_model("llama", "cascade", device="cuda")
-    gen = dict(max_new_tokens=8, pad_token_id=0, do_sample=False)
-    graphs = []
-    for seed, system, block in ((41, 37, 19), (42, 29, 23), (43, 45, 11), (44, 33, 17)):
-        rows = make_prompts(seed=seed, system=system, block=block, groups=3, per_group=3)
-        ids, mask = (t.cuda() for t in pad_batch(rows))
+    gen = dict(max_new_tokens=MAX_NEW_STREAM, pad_token_id=0, do_sample=False)
+    graphs, shapes = [], set()
+    for seed, (levels, own) in enumerate(LAYOUT_STREAM):
+        ids, mask = (t.cuda() for t in pad_batch(tree_prompts(levels, own, rows=8, seed=60 + seed)))
         want = ref.generate(ids, attention_mask=mask, **gen)
         caches = []
         got = cas.generate(ids, attention_mask=mask, custom_generate=hf_cascade.generate, cascade_caches=caches,
                            cascade_options=dict(cost_model=None, min_shared_tokens=2), **gen)
-        assert caches[0].is_compileable and caches[0].num_levels == 2
+        assert caches[0].is_compileable
+        shapes.add((caches[0].num_levels, caches[0].max_suffix_length))
         assert hasattr(cas, "_compiled_call"), "generate() did not compile the decode step"
         assert torch.equal(got, want), seed
         graphs.append(counters["stats"]["unique_graphs"])
+    assert {levels for levels, _ in shapes} == {1, 2, 3} and len({cap for _, cap in shapes}) == 2, shapes
     assert graphs[-1] == graphs[0], f"recompiled for a new layout: unique graphs {graphs}"
 
 

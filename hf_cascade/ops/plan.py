@@ -26,9 +26,14 @@ from .prefix_attention import PrefixPlan, _Schedule, plan_shared_prefix
 from .reference import _scores, _softmax_attend, merge_attention_states_ref
 from .suffix_attention import suffix_attention
 
-__all__ = ["CascadePlan", "plan_cascade"]
+__all__ = ["COMPILED_LEVELS", "CascadePlan", "padded_level_count", "plan_cascade"]
 
 _TENSORS_PER_LEVEL = 6
+# A compiled step takes at least this many prefix levels: a tree with fewer is padded with empty levels in front
+# (every row without keys there: one cheap launch writing the empty state), so trees of 1 to 4 levels share one
+# graph. Deeper trees compile one graph per level count.
+COMPILED_LEVELS = 4
+_NO_OP_TILE_M0 = 1 << 30  # a tile past every node's rows: reads nothing, writes nothing
 
 
 @dataclass(eq=False)
@@ -54,21 +59,54 @@ class CascadePlan:
 
     def op_inputs(self, query: Tensor, key: Tensor, prefix_keys: Sequence[Tensor]) -> list[Tensor]:
         """The index tensors of the compiled op for a step with ``query`` ``[B, Hq, Lq, D]`` (built once per
-        ``(G, Lq)`` and cached; call it eagerly before a CUDA graph captures the step)."""
+        ``(G, Lq)`` and cached; call it eagerly before a CUDA graph captures the step).
+
+        ``prefix_keys``: per level ``[Hkv, T_l, D]``, as the compiled step passes them: the real levels last,
+        after ``len(prefix_keys) - len(self.levels)`` padding levels (see :func:`padded_level_count`).
+
+        What may change between two layouts is a size of dimension 0 of these tensors (nodes + 2, tiles), marked
+        dynamic; each is >= 2 (a no-op tile is appended to a 1-tile list), so that no layout gets a size dynamo
+        specialises (0 or 1)."""
         B, Hq, Lq, D = query.shape
         Hkv = key.shape[1]
+        pad = len(prefix_keys) - len(self.levels)
+        if pad < 0:
+            raise ValueError(f"op_inputs: {len(prefix_keys)} prefix keys for a plan of {len(self.levels)} levels.")
         cache_key = (Hq // Hkv, Lq, D, query.dtype, tuple(k.shape[1] for k in prefix_keys), key.shape[2])
         tensors = self._inputs.get(cache_key)
         if tensors is None:
-            fuse, configs = launch_configs(query, key, [(k, None, p) for k, p in zip(prefix_keys, self.levels)],
+            # Every tensor its own object (dynamo guards on which inputs alias; a padding slot holds a real level
+            # in another batch).
+            levels = self._padding(pad) + self.levels
+            fuse, configs = launch_configs(query, key, [(k, None, p) for k, p in zip(prefix_keys, levels)],
                                            shape_only=True)
+            row_nodes = tuple(torch.full((B,), -1, dtype=torch.int64, device=query.device) for _ in range(pad))
+            row_nodes += self.row_node
             tensors = []
-            for plan, row_node, (sched, *_rest) in zip(self.levels, self.row_node, configs):
-                tensors += [sched.rows, sched.row_start, sched.node_starts, sched.tile_node, sched.tile_m0, row_node]
-            for t in tensors:
-                torch._dynamo.maybe_mark_dynamic(t, 0)
+            for plan, row_node, (sched, *_rest) in zip(levels, row_nodes, configs):
+                tile_node, tile_m0 = sched.tile_node, sched.tile_m0
+                if tile_node.numel() < 2:
+                    tile_node = torch.cat([tile_node, tile_node.new_full((1,), plan.num_nodes)])
+                    tile_m0 = torch.cat([tile_m0, tile_m0.new_full((1,), _NO_OP_TILE_M0)])
+                layout = [sched.row_start, sched.node_starts, tile_node, tile_m0]
+                for t in layout:
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
+                tensors += [sched.rows, *layout, row_node]
             self._inputs[cache_key] = tensors
         return tensors
+
+    def _padding(self, count: int) -> tuple[PrefixPlan, ...]:
+        """``count`` empty levels (no row has keys there) for :meth:`op_inputs`."""
+        if count == 0:
+            return ()
+        device = self.row_node[0].device if self.row_node else torch.device("cpu")
+        return tuple(plan_shared_prefix(torch.full((self.batch_size,), -1, dtype=torch.int64),
+                                        torch.zeros(1, dtype=torch.int64), device=device) for _ in range(count))
+
+
+def padded_level_count(num_levels: int) -> int:
+    """The number of prefix levels a compiled step takes for a tree of ``num_levels`` levels."""
+    return max(num_levels, COMPILED_LEVELS)
 
 
 def plan_cascade(
