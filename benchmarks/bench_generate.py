@@ -365,7 +365,7 @@ def main_stream(args, writer, model) -> None:
     totals = {}
     for peer in ("cascade_generate", "hf_prefix_reuse", "sdpa"):
         graphs_before = counters["stats"]["unique_graphs"]
-        per_batch, status = [], "ok"
+        per_batch, status, caches = [], "ok", []
         for ids, mask in batches:
             try:
                 if peer == "sdpa":
@@ -380,7 +380,7 @@ def main_stream(args, writer, model) -> None:
                     model.set_attn_implementation("cascade")
                     t, _ = wall_time(lambda: model.generate(
                         ids, attention_mask=mask, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                        do_sample=False, pad_token_id=0, custom_generate=hf_cascade.generate,
+                        do_sample=False, pad_token_id=0, custom_generate=hf_cascade.generate, cascade_caches=caches,
                     ))
                 per_batch.append(t)
             except torch.OutOfMemoryError:
@@ -394,6 +394,10 @@ def main_stream(args, writer, model) -> None:
             "per_batch_s": per_batch, "total_s": sum(per_batch), "status": status,
             "compiled_graphs": counters["stats"]["unique_graphs"] - graphs_before,
         }
+        if caches:  # the trees as planned: prefix levels and fixed-buffer capacity of each batch
+            record["planned"] = [{"levels": c.num_levels, "max_suffix_length": c.max_suffix_length,
+                                  "compiled": c.is_compileable} for c in caches]
+            caches.clear()
         totals[peer] = record["total_s"]
         writer.write(record)
         print({k: v for k, v in record.items() if k != "layouts"}, flush=True)
@@ -415,7 +419,8 @@ def main(argv=None):
         default=["cascade_compiled", "cascade", "cascade_generate", "hf_prefix_reuse", "sdpa_compiled", "sdpa",
                  "generate_batch"],
         help="*_compiled: generate()'s auto-compile (torch.compile, CUDA graphs) with a fixed-size cache; each "
-        "compiled peer runs once untimed per batch size first (compilation and graph capture, reported as warmup_s)",
+        "compiled peer, and cascade_generate (the default path, which compiles on CUDA), runs once untimed per "
+        "batch size first (compilation and graph capture, reported as warmup_s)",
     )
     parser.add_argument("--skip-after-oom", action="store_true", default=True)
     parser.add_argument(
@@ -475,7 +480,9 @@ def main(argv=None):
                 record["status"] = "skipped: out of memory at a smaller batch"
             else:
                 try:
-                    if peer.endswith("_compiled"):  # compile + capture for this batch size, untimed
+                    if peer.endswith("_compiled") or peer == "cascade_generate":
+                        # compile + capture for this batch size, untimed (cascade_generate: its default path compiles
+                        # once per model and batch size; after a --workload stream run of this size, nothing)
                         record["warmup_s"], _ = wall_time(lambda: runners[peer](model, ids, mask, args.new_tokens))
                         reset_memory()
                     result = runners[peer](model, ids, mask, args.new_tokens)
