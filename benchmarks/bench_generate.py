@@ -356,6 +356,28 @@ def common_prefix_length(ids) -> int:
     return int(same.long().cumprod(0).sum())
 
 
+def sdpa_in_parts(model, ids, mask, new_tokens: int) -> tuple[float, int]:
+    """generate() with sdpa as a capable user runs a batch that does not fit: the whole batch, else halves, quarters
+    (one after the other). Returns (seconds of the run that fitted, number of parts); a failed try is not timed."""
+    parts = 1
+    while True:
+        try:
+            size = -(-ids.shape[0] // parts)
+            t = 0.0
+            for i in range(0, ids.shape[0], size):
+                seconds, _ = wall_time(lambda: model.generate(
+                    ids[i : i + size], attention_mask=mask[i : i + size], max_new_tokens=new_tokens,
+                    min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                ))
+                t += seconds
+            return t, parts
+        except torch.OutOfMemoryError:
+            if parts >= ids.shape[0]:
+                raise
+            parts *= 2
+            reset_memory()
+
+
 def main_stream(args, writer, model) -> None:
     """8 consecutive batches with 8 sharing trees: total time including every compilation, per peer."""
     from torch._dynamo.utils import counters
@@ -365,14 +387,13 @@ def main_stream(args, writer, model) -> None:
     totals = {}
     for peer in ("cascade_generate", "hf_prefix_reuse", "sdpa"):
         graphs_before = counters["stats"]["unique_graphs"]
-        per_batch, status, caches = [], "ok", []
+        per_batch, status, caches, split = [], "ok", [], []
         for ids, mask in batches:
             try:
                 if peer == "sdpa":
                     model.set_attn_implementation("sdpa")
-                    t, _ = wall_time(lambda: model.generate(ids, attention_mask=mask, max_new_tokens=args.new_tokens,
-                                                            min_new_tokens=args.new_tokens, do_sample=False,
-                                                            pad_token_id=0))
+                    t, parts = sdpa_in_parts(model, ids, mask, args.new_tokens)
+                    split.append(parts)
                 elif peer == "hf_prefix_reuse":
                     prefix = common_prefix_length(ids)
                     t = run_hf_prefix_reuse(model, ids, mask, args.new_tokens, prefix=prefix, once=True)["total_s"]
@@ -394,6 +415,8 @@ def main_stream(args, writer, model) -> None:
             "per_batch_s": per_batch, "total_s": sum(per_batch), "status": status,
             "compiled_graphs": counters["stats"]["unique_graphs"] - graphs_before,
         }
+        if split:
+            record["sdpa_parts_per_batch"] = split
         if caches:  # the trees as planned: prefix levels and fixed-buffer capacity of each batch
             record["planned"] = [{"levels": c.num_levels, "max_suffix_length": c.max_suffix_length,
                                   "compiled": c.is_compileable} for c in caches]

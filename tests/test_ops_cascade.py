@@ -133,10 +133,12 @@ def test_cascade_rejects_bad_inputs():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_planned_op_any_layout_same_shapes(backend):
+@pytest.mark.parametrize("pad", [0, 2])
+def test_planned_op_any_layout_same_shapes(backend, pad):
     """The compiled step's op (ops/plan.py): the layout arrives as index tensors and every launch choice comes from
     shapes, so two layouts with equal shapes (what a CUDA-graph replay sees) are both exact. Odd shapes: GQA 6/2,
-    d=24, a node with no rows, rows with no node at a level, an empty node."""
+    d=24, a node with no rows, rows with no node at a level, an empty node. ``pad``: empty levels in front, as a
+    compiled step of a shallower tree takes them (their keys hold garbage that no row may read)."""
     from hf_cascade.ops.plan import _planned_attention, plan_cascade
 
     torch.manual_seed(0)
@@ -154,9 +156,11 @@ def test_planned_op_any_layout_same_shapes(backend):
     for row_nodes, lens in layouts:
         levels = [make_level(Hkv, D, dtype, l, r) for l, r in zip(lens, row_nodes)]
         plan = plan_cascade(torch.tensor(row_nodes), [s.tolist() for *_, s in levels], B, torch.device(DEVICE))
-        tensors = plan.op_inputs(q, ks, [k for k, *_ in levels])
-        out, lse = _planned_attention(q, ks, vs, [k for k, *_ in levels], [v for _, v, *_ in levels], tensors, mask,
-                                      D ** -0.5, None, backend=backend)
+        garbage = [torch.full((Hkv, 2, D), 1e4, device=DEVICE, dtype=dtype) for _ in range(pad)]
+        keys, values = garbage + [k for k, *_ in levels], garbage + [v for _, v, *_ in levels]
+        tensors = plan.op_inputs(q, ks, keys)
+        assert len(tensors) == 6 * (pad + len(levels))
+        out, lse = _planned_attention(q, ks, vs, keys, values, tensors, mask, D ** -0.5, None, backend=backend)
         exp_out, exp_lse = cascade_f64(q, ks, vs, levels, D ** -0.5, mask.expand(B, 1, S))
         torch.testing.assert_close(out.transpose(1, 2).double().cpu(), exp_out, atol=2e-5, rtol=2e-5)
         fin = torch.isfinite(exp_lse)

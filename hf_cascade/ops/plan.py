@@ -30,8 +30,8 @@ __all__ = ["COMPILED_LEVELS", "CascadePlan", "padded_level_count", "plan_cascade
 
 _TENSORS_PER_LEVEL = 6
 # A compiled step takes at least this many prefix levels: a tree with fewer is padded with empty levels in front
-# (every row without keys there: one cheap launch writing the empty state), so trees of 1 to 4 levels share one
-# graph. Deeper trees compile one graph per level count.
+# (no node, so the op launches nothing for them), so trees of 1 to 4 levels share one graph. Deeper trees compile
+# one graph per level count.
 COMPILED_LEVELS = 4
 _NO_OP_TILE_M0 = 1 << 30  # a tile past every node's rows: reads nothing, writes nothing
 
@@ -127,6 +127,12 @@ def _planned_attention(query, key, value, prefix_keys, prefix_values, plan_tenso
                        backend: str = "auto"):
     """The op's body: launch choices from shapes only, the layout from ``plan_tensors``."""
     levels = [plan_tensors[i : i + _TENSORS_PER_LEVEL] for i in range(0, len(plan_tensors), _TENSORS_PER_LEVEL)]
+    # A level of no node (node_starts [N + 2] with N = 0: the padding of a shallower tree) has no keys for any
+    # row: nothing to launch. A shape, so a CUDA graph recorded for this layout's shapes holds no launch for it.
+    kept = [i for i, t in enumerate(levels) if t[2].shape[0] > 2]
+    if len(kept) < len(levels):
+        levels = [levels[i] for i in kept]
+        prefix_keys, prefix_values = [prefix_keys[i] for i in kept], [prefix_values[i] for i in kept]
     if resolve_backend(backend, query.device, "cascade_attention") == "torch" or not levels:
         out, lse = _planned_torch(query, key, value, prefix_keys, prefix_values, levels, mask, scale, softcap)
     else:
