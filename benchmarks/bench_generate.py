@@ -385,7 +385,7 @@ def main_stream(args, writer, model) -> None:
     vocab = model.config.vocab_size
     batches = [make_tree_batch(levels, own, 32, vocab, seed) for seed, (levels, own) in enumerate(LAYOUT_STREAM)]
     totals = {}
-    for peer in ("cascade_generate", "hf_prefix_reuse", "sdpa"):
+    for peer in args.stream_peers:
         graphs_before = counters["stats"]["unique_graphs"]
         per_batch, status, caches, split = [], "ok", [], []
         for ids, mask in batches:
@@ -425,7 +425,7 @@ def main_stream(args, writer, model) -> None:
         writer.write(record)
         print({k: v for k, v in record.items() if k != "layouts"}, flush=True)
     for peer in ("sdpa", "hf_prefix_reuse"):
-        if totals.get(peer):
+        if totals.get(peer) and totals.get("cascade_generate"):
             print(f"layout stream: cascade {totals['cascade_generate']:.1f} s, {peer} {totals[peer]:.1f} s "
                   f"({totals[peer] / totals['cascade_generate']:.2f}x)")
 
@@ -450,6 +450,8 @@ def main(argv=None):
         "--workload", nargs="+", default=["shared"], choices=["shared", "stream", *SAMPLING_WORKLOADS],
         help="shared: B rows sharing --prefix (the grid above); nsamples / grpo: sampling workloads (docstring)",
     )
+    parser.add_argument("--stream-peers", nargs="+", default=["cascade_generate", "hf_prefix_reuse", "sdpa"],
+                        choices=["cascade_generate", "hf_prefix_reuse", "sdpa"], help="peers of --workload stream")
     parser.add_argument("--output", default=None, help="JSON-lines file (default benchmarks/results/generate.jsonl)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
