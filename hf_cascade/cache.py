@@ -33,6 +33,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from hf_cascade.attention import ATTENTION_NAME, bind_layer, check_model_uses_cascade, plain_attention
 from hf_cascade.prefill import PrefixLevel, prefill_levels, validate_token_ids
+from hf_cascade.step_buffers import StepBuffers
 from hf_cascade.ops.plan import CascadePlan, cascade_attention_planned, padded_level_count, plan_cascade
 
 
@@ -125,6 +126,7 @@ class _StaticSuffixLayer(_SuffixLayer):
     def __init__(self, max_suffix_length: int):
         super().__init__()
         self.max_suffix_length = max_suffix_length
+        self.step_buffers = None  # a StepBuffers to take the buffers from (CascadeCache.use_step_buffers)
         self.cumulative_length = torch.zeros((), dtype=torch.int64)
         # Host mirror of cumulative_length for eager bounds checks (no device sync per layer); compiled steps do
         # not update it (they would recompile on every new value) but mark it stale.
@@ -134,9 +136,14 @@ class _StaticSuffixLayer(_SuffixLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         shape = (*key_states.shape[:2], self.max_suffix_length, key_states.shape[-1])
-        self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
-        self.cumulative_length = torch.zeros((), dtype=torch.int64, device=self.device)
+        if self.step_buffers is None:
+            self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.cumulative_length = torch.zeros((), dtype=torch.int64, device=self.device)
+        else:  # an earlier call's buffers (same addresses: its CUDA graphs replay), cleared
+            self.keys = self.step_buffers.take(shape, self.dtype, self.device).zero_()
+            self.values = self.step_buffers.take(shape, self.dtype, self.device).zero_()
+            self.cumulative_length = self.step_buffers.take((), torch.int64, self.device).zero_()
         self._host_length, self._host_length_stale = 0, False
         if not torch.compiler.is_compiling():
             # Fixed addresses for CUDA graphs; guard=False: a new cache re-records graphs instead of recompiling.
@@ -332,25 +339,54 @@ class CascadeCache(Cache):
         self._owner: int | None = None
         self._positions_checked = False
 
-    def _pad_prefix_levels(self) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
-        """Per layer the prefix keys and values a compiled step takes: empty levels (2 zero keys that no row
-        reads) in front of the real ones, so that trees of 1 to COMPILED_LEVELS levels run one graph. CUDA graphs
-        read them in place (no copy per replay); a new cache re-records, never recompiles, and a level of
-        another length is the same graph (its length is dynamic)."""
+    def _pad_prefix_levels(self, buffers: StepBuffers | None = None) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+        """Per layer the prefix keys and values a compiled step takes: empty levels (2 keys that no row reads) in
+        front of the real ones, so that trees of 1 to COMPILED_LEVELS levels run one graph. CUDA graphs read them
+        in place (no copy per replay); a new cache re-records, never recompiles, and a level of another length is
+        the same graph (its length is dynamic). ``buffers``: move the levels' KV into tensors taken from it."""
         pad = padded_level_count(len(self.levels)) - len(self.levels)
+        if buffers is None:
+            new = lambda shape, like: like.new_zeros(shape)  # noqa: E731
+        else:
+            new = lambda shape, like: buffers.take(shape, like.dtype, like.device)  # noqa: E731
+            for level in self.levels:
+                for tensors in (level.keys, level.values):
+                    for layer_idx, t in enumerate(tensors):
+                        tensors[layer_idx] = new(t.shape, t).copy_(t)
         padded = []
         for layer_idx in range(len(self.levels[0].keys)):
             keys = [level.keys[layer_idx] for level in self.levels]
             values = [level.values[layer_idx] for level in self.levels]
             # One tensor per slot: dynamo guards on which inputs alias, and a slot holds a real level in the next
-            # batch. (Hkv x 2 x D zeros: bytes.)
-            empty = lambda: keys[0].new_zeros((keys[0].shape[0], 2, keys[0].shape[2]))  # noqa: E731
-            padded.append(([empty() for _ in range(pad)] + keys, [empty() for _ in range(pad)] + values))
+            # batch. (Hkv x 2 x D: bytes.)
+            shape = (keys[0].shape[0], 2, keys[0].shape[2])
+            padded.append(([new(shape, keys[0]) for _ in range(pad)] + keys,
+                           [new(shape, keys[0]) for _ in range(pad)] + values))
         for keys, values in padded:
             for tensor in (*keys, *values):
                 torch._dynamo.mark_static_address(tensor, guard=False)
                 torch._dynamo.maybe_mark_dynamic(tensor, 1)
         return padded
+
+    def use_step_buffers(self, buffers: StepBuffers) -> None:
+        """Take this cache's fixed buffers and prefix KV from ``buffers`` (a model's :class:`StepBuffers`), so a
+        compiled step replays the CUDA graphs an earlier call with the same shapes recorded. Call before the first
+        forward, on a cache whose levels nothing else holds; give them back with ``buffers.keep(
+        cache.step_buffer_tensors())`` when the call ends (the cache's contents are then the next call's)."""
+        if self.max_suffix_length is None:
+            return
+        for layer in self.layers:
+            layer.step_buffers = buffers
+        if self.levels:
+            self._compiled_prefix = self._pad_prefix_levels(buffers)
+
+    def step_buffer_tensors(self) -> list[torch.Tensor]:
+        """The device tensors a compiled step reads in place: suffix buffers, their lengths, the padded prefix."""
+        tensors = [t for layer in self.layers if layer.is_initialized
+                   for t in (layer.keys, layer.values, layer.cumulative_length)]
+        for keys, values in self._compiled_prefix or ():
+            tensors += [*keys, *values]
+        return tensors
 
     # ------------------------------------------------------------------ construction
     @classmethod

@@ -27,6 +27,7 @@ import torch
 
 from hf_cascade.attention import IN_CASCADE_GENERATE, check_model_uses_cascade
 from hf_cascade.cache import CascadeCache
+from hf_cascade.step_buffers import step_buffers
 
 _DECODING_METHODS = {"_sample", "_beam_search"}
 _PLAN_OPTIONS = {"min_shared_tokens", "min_rows", "max_levels", "cost_model", "fixed_buffers"}
@@ -118,7 +119,16 @@ def generate(
     model_kwargs["past_key_values"] = cache
     if cascade_caches is not None:
         cascade_caches.append(cache)
-    return _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
+    if user_cache is not None or cache.max_suffix_length is None:
+        return _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
+    # Fixed buffers in a cache of our own: take them from the model's StepBuffers, so that a call with the same
+    # shapes as an earlier one replays its CUDA graphs instead of recording them again; give them back after.
+    buffers = step_buffers(model)
+    cache.use_step_buffers(buffers)
+    try:
+        return _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
+    finally:
+        buffers.keep(cache.step_buffer_tensors())
 
 
 def _compiles_decode(model, input_ids, generation_config, method_name: str) -> bool:

@@ -189,3 +189,41 @@ def test_one_argument_path_compiles_once_for_new_layouts():
         graphs.append(counters["stats"]["unique_graphs"])
     assert {levels for levels, _ in shapes} == {1, 2, 3} and len({cap for _, cap in shapes}) == 2, shapes
     assert graphs[-1] == graphs[0], f"a new layout recompiled: unique graphs after each batch {graphs}"
+
+
+def test_one_argument_path_reuses_its_buffers_across_calls():
+    """hf_cascade.generate takes a call's fixed buffers and prefix KV from the model's StepBuffers and keeps them
+    for the next call: a call with the same shapes reads the same addresses (its CUDA graphs replay, not record
+    again), a call with other shapes gets its own, and every call stays exact."""
+    from hf_cascade.step_buffers import step_buffers
+
+    ref, cas = model_pair("llama")
+    gen = dict(max_new_tokens=MAX_NEW, pad_token_id=0, do_sample=False)
+    # Other tokens, same shapes; then another tree.
+    batches = [pad_batch(tree_prompts(levels, own, rows=6, seed=70 + i))
+               for i, (levels, own) in enumerate([([(1, 20), (2, 6)], 5), ([(1, 20), (2, 6)], 5), ([(1, 33)], 3)])]
+    addresses = []
+    for ids, mask in batches:
+        caches = []
+        got = cas.generate(ids, attention_mask=mask, custom_generate=hf_cascade.generate, cascade_caches=caches,
+                           cascade_options=dict(min_shared_tokens=2, fixed_buffers=True),
+                           compile_config=cpu_compile_config(), **gen)
+        assert torch.equal(got, ref.generate(ids, attention_mask=mask, **gen))
+        addresses.append(sorted(t.data_ptr() for t in caches[0].step_buffer_tensors()))
+        kept = step_buffers(cas).nbytes
+        assert kept == sum(t.numel() * t.element_size() for t in caches[0].step_buffer_tensors())
+    assert addresses[1] == addresses[0], "a call with the first call's shapes did not get its buffers back"
+    assert addresses[2] != addresses[1]
+
+
+def test_step_buffers_are_never_shared_by_two_holders():
+    from hf_cascade.step_buffers import StepBuffers
+
+    pool = StepBuffers()
+    a = pool.take((2, 3), torch.float32, "cpu")
+    pool.keep([a])
+    b = pool.take((2, 3), torch.float32, "cpu")  # the kept one
+    c = pool.take((2, 3), torch.float32, "cpu")  # none left: a new one
+    assert b is a and c is not a and torch.equal(c, torch.zeros(2, 3))
+    pool.keep([c])
+    assert pool.take((3, 2), torch.float32, "cpu") is not c and pool.nbytes == c.numel() * 4
