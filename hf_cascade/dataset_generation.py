@@ -633,7 +633,7 @@ def _run_batch(
 
     The batch goes through the user-facing one-argument path (``custom_generate=hf_cascade.generate``), so on CUDA
     its decode step is the compiled one, shared by every batch of the dataset (a new sharing tree re-plans on the
-    host; only a new batch size or number of prefix levels compiles again)."""
+    host; only a new batch size, or a tree deeper than 4 levels, compiles again)."""
     import hf_cascade
     from hf_cascade.prefix_tree import find_shared_prefixes
 
@@ -645,7 +645,8 @@ def _run_batch(
     extra = {} if prefix_cache is None else {"past_key_values": prefix_cache}
     out = model.generate(
         ids, attention_mask=mask, custom_generate=hf_cascade.generate, cascade_caches=caches,
-        cascade_options=dict(min_shared_tokens=min_shared_tokens, max_levels=max_levels), **extra, **gen_kwargs,
+        cascade_options=dict(min_shared_tokens=min_shared_tokens, max_levels=max_levels, batch_buckets=True),
+        **extra, **gen_kwargs,
     )
 
     # Sharing bookkeeping: tokens of each row served by a shared prefix, and prefix tokens prefilled here.

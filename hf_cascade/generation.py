@@ -30,7 +30,7 @@ from hf_cascade.cache import CascadeCache
 from hf_cascade.step_buffers import step_buffers
 
 _DECODING_METHODS = {"_sample", "_beam_search"}
-_PLAN_OPTIONS = {"min_shared_tokens", "min_rows", "max_levels", "cost_model", "fixed_buffers"}
+_PLAN_OPTIONS = {"min_shared_tokens", "min_rows", "max_levels", "cost_model", "fixed_buffers", "batch_buckets"}
 
 
 def generate(
@@ -54,8 +54,13 @@ def generate(
             ``nbytes`` or ``prefix_tree``). Pass it to ``generate()`` / a pipeline call like any other kwarg.
         cascade_options: optional planning options, any of ``min_shared_tokens`` (default 4), ``min_rows`` (2),
             ``max_levels`` (4), ``cost_model`` ("auto": the measured cost model on CUDA; None: share everything),
-            as in :func:`hf_cascade.shared_prefix_inputs`, and ``fixed_buffers`` (None: on where generate()
-            compiles the decode step — CUDA, greedy or sampling, no ``disable_compile=True``; True / False).
+            as in :func:`hf_cascade.shared_prefix_inputs`, ``fixed_buffers`` (None: on where generate()
+            compiles the decode step — CUDA, greedy or sampling, no ``disable_compile=True``; True / False), and
+            ``batch_buckets``: where the step is compiled, add rows (copies of the last row, cut from the output,
+            finished from the first step) up to a bucket size (:func:`~hf_cascade.inputs.batch_bucket`), so that
+            batches of other sizes run the same compiled step. None (default): for greedy search only, where the
+            added rows change nothing; True: also when sampling (the samples are as random, but a seed then gives
+            other samples than a call without the rows); False: never.
         model_kwargs: generate()'s model kwargs (``attention_mask`` ``[B * n, L]``, ``position_ids``,
             ``past_key_values``, ...).
     Returns:
@@ -79,6 +84,7 @@ def generate(
         )
     decode = getattr(type(model), method_name)
     user_cache = model_kwargs.get("past_key_values")
+    real_rows = None  # set when rows are added up to a batch bucket (cut from the output)
     if not getattr(user_cache, "_is_user_defined", False):
         user_cache = None  # the empty DynamicCache generate() made: replaced by the cascade cache below
     if (user_cache is not None and not isinstance(user_cache, CascadeCache)) or (
@@ -99,18 +105,31 @@ def generate(
     else:
         from hf_cascade.inputs import plan_cascade_batch
 
+        from hf_cascade.inputs import batch_bucket
+
         fixed = options.pop("fixed_buffers", None)
+        buckets = options.pop("batch_buckets", None)
+        compiles = _compiles_decode(model, input_ids, generation_config, method_name)
         if fixed is None:  # compiled decode by default where transformers compiles it (CUDA, greedy/sampling)
-            fixed = _compiles_decode(model, input_ids, generation_config, method_name) or (
-                user_cache is not None and user_cache.max_suffix_length is not None
-            )
+            fixed = compiles or (user_cache is not None and user_cache.max_suffix_length is not None)
+        rows = input_ids.shape[0]
+        if buckets is None:
+            buckets = not generation_config.do_sample
+        if fixed and compiles and buckets and user_cache is None and batch_bucket(rows) > rows:
+            real_rows = rows
+        plan_ids, plan_mask = input_ids, attention_mask
+        if real_rows is not None:
+            plan_ids, plan_mask = (_add_rows(t, batch_bucket(rows), rows) for t in (input_ids, attention_mask))
         cache, planned_ids, attention_mask = plan_cascade_batch(
-            model, input_ids, attention_mask, prefix_cache=user_cache, max_new_tokens=max_new_tokens,
+            model, plan_ids, plan_mask, prefix_cache=user_cache, max_new_tokens=max_new_tokens,
             fixed_buffers=fixed, bucket_buffers=fixed, **options,
         )
         if cache is None:  # nothing worth sharing: generate()'s own cache and rows, untouched
             return _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config,
                         model_kwargs)
+        if real_rows is not None:
+            model_kwargs = {k: _add_rows(v, batch_bucket(rows), rows) for k, v in model_kwargs.items()}
+            stopping_criteria = _with_added_rows_done(stopping_criteria, real_rows)
         input_ids = planned_ids
         model_kwargs["attention_mask"] = attention_mask
         if model_kwargs.get("position_ids") is not None:  # right padding moved: positions count real tokens
@@ -126,9 +145,47 @@ def generate(
     buffers = step_buffers(model)
     cache.use_step_buffers(buffers)
     try:
-        return _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
+        out = _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
     finally:
         buffers.keep(cache.step_buffer_tensors())
+    return out if real_rows is None else _first_rows(out, real_rows, input_ids.shape[0])
+
+
+def _add_rows(value, size: int, rows: int):
+    """``value`` with copies of its last row up to ``size`` rows, if it is a tensor of ``rows`` rows."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.shape[0] != rows:
+        return value
+    return torch.cat([value, value[-1:].expand(size - rows, *value.shape[1:])])
+
+
+def _with_added_rows_done(stopping_criteria, real_rows: int):
+    """generate()'s stopping criteria + one that marks the added rows finished from the first step, so that they
+    never keep the loop going (with an EOS they get pad tokens)."""
+    from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
+
+    class _AddedRowsDone(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+            done[real_rows:] = True
+            return done
+
+    return StoppingCriteriaList([*(stopping_criteria or []), _AddedRowsDone()])
+
+
+def _first_rows(value, rows: int, total: int):
+    """generate()'s output (a tensor, or a ModelOutput of tensors and nested tuples) cut to its first ``rows`` rows;
+    the cache is left as it is."""
+    if isinstance(value, torch.Tensor):
+        return value[:rows] if value.dim() and value.shape[0] == total else value
+    if isinstance(value, tuple):
+        return tuple(_first_rows(v, rows, total) for v in value)
+    if isinstance(value, list):
+        return [_first_rows(v, rows, total) for v in value]
+    if hasattr(value, "keys") and hasattr(value, "__setitem__") and not isinstance(value, CascadeCache):
+        for key in list(value.keys()):
+            if key != "past_key_values":
+                value[key] = _first_rows(value[key], rows, total)
+    return value
 
 
 def _compiles_decode(model, input_ids, generation_config, method_name: str) -> bool:

@@ -78,7 +78,7 @@ def plan_cascade_batch(
         prefix_cache: a :meth:`CascadeCache.from_prefix` cache every row must start with (reused, not prefilled).
         max_new_tokens: the new tokens generate() will add (sizes fixed buffers; informs the cost model).
         fixed_buffers: keep suffixes in fixed buffers of ``sw + max_new_tokens`` columns (compileable).
-        bucket_buffers: round that up to a power of two (:func:`suffix_capacity`): one compiled step per bucket.
+        bucket_buffers: round that up (:func:`suffix_capacity`), so that calls of one bucket reuse buffers.
     Returns:
         ``(cache, input_ids, attention_mask)``: ``cache`` is None when no segment is worth sharing (the caller then
         runs plain attention); the ids and mask are the user's, right padding moved to the front of each row.
@@ -146,10 +146,22 @@ def plan_cascade_batch(
     return cache, input_ids, attention_mask
 
 
+def batch_bucket(rows: int) -> int:
+    """The batch size a compiled decode step runs ``rows`` rows at (``hf_cascade.generate``'s ``batch_buckets``):
+    1, 2, 4, 8, 16, then 24, 32, 48, 64, 96, 128, ... (powers of two and 1.5 x them): fewer than 8 rows added up to
+    16, at most a third of the rows above, and a stream of batch sizes compiles a handful of steps, not one per
+    size."""
+    if rows <= 16:
+        return 1 << max(rows - 1, 0).bit_length()
+    power = 1 << (rows - 1).bit_length()  # the next power of two >= rows
+    return power * 3 // 4 if rows <= power * 3 // 4 else power
+
+
 def suffix_capacity(tokens: int) -> int:
-    """Columns of bucketed fixed suffix buffers: 64 x a power of two up to 1024, then a multiple of 512. Batches
-    whose suffix windows plus new tokens fall in one bucket share one compiled decode step (the buffers' size is
-    part of the graph); 64 and 128 (prompt column + 64 or 128 new tokens) fit exactly."""
+    """Columns of bucketed fixed suffix buffers: 64 x a power of two up to 1024, then a multiple of 512. The
+    compiled step takes any capacity (a dynamic size); batches of one bucket also reuse the model's kept buffers
+    (``StepBuffers``) and their recorded CUDA graphs. 64 and 128 (prompt column + 64 or 128 new tokens) fit
+    exactly."""
     if tokens <= 1024:
         return max(64, 1 << (max(tokens, 1) - 1).bit_length())
     return -(-tokens // 512) * 512

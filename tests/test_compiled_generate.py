@@ -227,3 +227,51 @@ def test_step_buffers_are_never_shared_by_two_holders():
     assert b is a and c is not a and torch.equal(c, torch.zeros(2, 3))
     pool.keep([c])
     assert pool.take((3, 2), torch.float32, "cpu") is not c and pool.nbytes == c.numel() * 4
+
+
+def test_batch_sizes_share_one_compiled_step():
+    """Greedy batches of 5, 6 and 7 rows run at the bucket of 8 (rows added, finished from the first step, cut from
+    the output): one graph for the three sizes; tokens and scores of the real rows equal the reference's."""
+    from torch._dynamo.utils import counters
+
+    ref, cas = model_pair("llama")
+    gen = dict(max_new_tokens=MAX_NEW, pad_token_id=0, do_sample=False, output_scores=True,
+               return_dict_in_generate=True)
+    graphs = []
+    for rows in (5, 6, 7):
+        ids, mask = pad_batch(tree_prompts([(1, 17), (2, 5)], 4, rows=rows, seed=80 + rows))
+        want = ref.generate(ids, attention_mask=mask, **gen)
+        eos = int(want.sequences[0, ids.shape[1] + 1])  # a token row 0 makes: rows finish at different steps
+        want = ref.generate(ids, attention_mask=mask, eos_token_id=eos, **gen)
+        caches = []
+        got = cas.generate(ids, attention_mask=mask, custom_generate=hf_cascade.generate, cascade_caches=caches,
+                           cascade_options=dict(min_shared_tokens=2, fixed_buffers=True), eos_token_id=eos,
+                           compile_config=cpu_compile_config(), **gen)
+        assert caches[0].layers[0].keys.shape[0] == 8  # planned and run at the bucket
+        assert torch.equal(got.sequences, want.sequences), rows
+        assert len(got.scores) == len(want.scores)
+        for a, b in zip(got.scores, want.scores):
+            assert a.shape == b.shape
+            torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[-1] == graphs[0], f"a new batch size compiled again: unique graphs {graphs}"
+
+
+@pytest.mark.parametrize("buckets", [None, True])
+def test_batch_buckets_when_sampling(buckets):
+    """Sampling adds no rows by default (a seed gives the same samples as the reference); batch_buckets=True adds
+    them (the real rows' outputs only are returned)."""
+    ref, cas = model_pair("llama")
+    ids, mask = pad_batch(tree_prompts([(1, 17)], 4, rows=3, seed=90))
+    gen = dict(max_new_tokens=MAX_NEW, pad_token_id=0, do_sample=True, top_k=20)
+    torch.manual_seed(1)
+    want = ref.generate(ids, attention_mask=mask, **gen)
+    caches = []
+    torch.manual_seed(1)
+    got = cas.generate(ids, attention_mask=mask, custom_generate=hf_cascade.generate, cascade_caches=caches,
+                       cascade_options=dict(min_shared_tokens=2, fixed_buffers=True, batch_buckets=buckets),
+                       compile_config=cpu_compile_config(), **gen)
+    assert got.shape == want.shape
+    assert caches[0].layers[0].keys.shape[0] == (4 if buckets else 3)
+    if buckets is None:
+        assert torch.equal(got, want)
