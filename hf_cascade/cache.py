@@ -32,9 +32,9 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from hf_cascade.attention import ATTENTION_NAME, bind_layer, check_model_uses_cascade, plain_attention
+from hf_cascade.ops.plan import CascadePlan, cascade_attention_planned, padded_level_count, plan_cascade
 from hf_cascade.prefill import PrefixLevel, prefill_levels, validate_token_ids
 from hf_cascade.step_buffers import StepBuffers
-from hf_cascade.ops.plan import CascadePlan, cascade_attention_planned, padded_level_count, plan_cascade
 
 
 class _SuffixLayer(CacheLayerMixin):
@@ -339,7 +339,7 @@ class CascadeCache(Cache):
         self._owner: int | None = None
         self._positions_checked = False
 
-    def _pad_prefix_levels(self, buffers: StepBuffers | None = None) -> list[tuple[list[torch.Tensor], list[torch.Tensor]]]:
+    def _pad_prefix_levels(self, buffers: StepBuffers | None = None) -> list[tuple[list[torch.Tensor], ...]]:
         """Per layer the prefix keys and values a compiled step takes: empty levels (2 keys that no row reads) in
         front of the real ones, so that trees of 1 to COMPILED_LEVELS levels run one graph. CUDA graphs read them
         in place (no copy per replay); a new cache re-records, never recompiles, and a level of another length is

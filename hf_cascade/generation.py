@@ -103,9 +103,7 @@ def generate(
         cache = user_cache
         _check_capacity(cache, input_ids.shape[1], max_new_tokens)
     else:
-        from hf_cascade.inputs import plan_cascade_batch
-
-        from hf_cascade.inputs import batch_bucket
+        from hf_cascade.inputs import batch_bucket, plan_cascade_batch
 
         fixed = options.pop("fixed_buffers", None)
         buckets = options.pop("batch_buckets", None)
