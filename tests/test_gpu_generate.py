@@ -100,6 +100,26 @@ def test_gpu_compiled_once_for_a_stream_of_layouts():
     assert graphs[-1] == graphs[0], f"recompiled for a new layout: unique graphs {graphs}"
 
 
+def test_gpu_batch_sizes_share_one_compiled_step():
+    """Greedy batches of 5, 6 and 7 rows run at the bucket of 8 by default on CUDA (rows added and cut from the
+    output): one compiled step for the three sizes, the real rows' tokens exact (fp32)."""
+    from torch._dynamo.utils import counters
+
+    ref = tiny_model("llama", "sdpa", device="cuda")
+    cas = tiny_model("llama", "cascade", device="cuda")
+    gen = dict(max_new_tokens=8, pad_token_id=0, do_sample=False)
+    graphs = []
+    for rows in (5, 6, 7):
+        ids, mask = (t.cuda() for t in pad_batch(tree_prompts([(1, 37), (2, 11)], 5, rows=rows, seed=90 + rows)))
+        caches = []
+        got = cas.generate(ids, attention_mask=mask, custom_generate=hf_cascade.generate, cascade_caches=caches,
+                           cascade_options=dict(cost_model=None, min_shared_tokens=2), **gen)
+        assert caches[0].is_compileable and caches[0].layers[0].keys.shape[0] == 8
+        assert torch.equal(got, ref.generate(ids, attention_mask=mask, **gen)), rows
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[-1] == graphs[0], f"a new batch size compiled again: unique graphs {graphs}"
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 @pytest.mark.parametrize("mode", ["greedy", "samples", "beam"])
 def test_gpu_custom_generate_matches_reference(family, mode):
