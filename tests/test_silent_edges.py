@@ -121,6 +121,36 @@ def test_one_cache_in_two_threads(pair):
             assert "at the same time" in str(errors["a"])
 
 
+def test_two_threads_never_share_kept_step_buffers(pair):
+    """Fixed buffers come from the model's StepBuffers (kept between calls): two overlapping calls with the same
+    shapes, after a call that left its buffers there, must not get the same ones. Both are exact."""
+    ref, cas = pair
+    prefix = random_tokens(P, 17)
+    batches = {name: pad_batch([prefix + random_tokens(n, seed) for n, seed in rows])
+               for name, rows in {"a": [(3, 18), (5, 19)], "b": [(4, 20), (2, 21)]}.items()}
+    gen = dict(GEN, max_new_tokens=6)
+    options = dict(custom_generate=hf_cascade.generate, cascade_options=dict(min_shared_tokens=2, fixed_buffers=True))
+    want = {name: ref.generate(ids, attention_mask=mask, **gen) for name, (ids, mask) in batches.items()}
+    cas.generate(*batches["a"][:1], attention_mask=batches["a"][1], **gen, **options)  # leaves its buffers
+    a_mid, b_mid = threading.Event(), threading.Event()
+    results, caches = {}, {"a": [], "b": []}
+
+    def run(name, processor):
+        ids, mask = batches[name]
+        results[name] = cas.generate(ids, attention_mask=mask, logits_processor=LogitsProcessorList([processor]),
+                                     cascade_caches=caches[name], **gen, **options)
+
+    thread_a = threading.Thread(target=run, args=("a", _Rendezvous(a_mid, b_mid)))
+    thread_a.start()
+    assert a_mid.wait(timeout=60)
+    run("b", _Rendezvous(b_mid, None))
+    thread_a.join(timeout=60)
+    for name in ("a", "b"):
+        assert torch.equal(results[name], want[name]), name
+    held = [{t.data_ptr() for t in caches[name][0].step_buffer_tensors()} for name in ("a", "b")]
+    assert not held[0] & held[1]
+
+
 def test_tokenizer_left_padded_batch_on_a_from_prefix_cache(pair):
     """Case 5: rows as a tokenizer pads them, [pads | prefix | suffix]: refused by plain generate(), exact through
     custom_generate=hf_cascade.generate."""
