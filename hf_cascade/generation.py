@@ -136,10 +136,11 @@ def generate(
     model_kwargs["past_key_values"] = cache
     if cascade_caches is not None:
         cascade_caches.append(cache)
-    if user_cache is not None or cache.max_suffix_length is None:
+    if user_cache is not None or cache.max_suffix_length is None or max_new_tokens <= 1:
         return _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
-    # Fixed buffers in a cache of our own: take them from the model's StepBuffers, so that a call with the same
-    # shapes as an earlier one replays its CUDA graphs instead of recording them again; give them back after.
+    # Fixed buffers in a cache of our own, and decode steps to run: take them from the model's StepBuffers, so that
+    # a call with the same shapes as an earlier one replays its CUDA graphs instead of recording them again; give
+    # them back after. (A call of one new token runs no decode step: it neither takes nor replaces the kept set.)
     buffers = step_buffers(model)
     cache.use_step_buffers(buffers)
     try:

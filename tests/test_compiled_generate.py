@@ -214,6 +214,13 @@ def test_one_argument_path_reuses_its_buffers_across_calls():
         assert kept == sum(t.numel() * t.element_size() for t in caches[0].step_buffer_tensors())
     assert addresses[1] == addresses[0], "a call with the first call's shapes did not get its buffers back"
     assert addresses[2] != addresses[1]
+    # A one-token call (a prefill, no decode step) leaves the kept set alone.
+    kept = step_buffers(cas).nbytes
+    ids, mask = batches[0]
+    cas.generate(ids, attention_mask=mask, custom_generate=hf_cascade.generate,
+                 cascade_options=dict(min_shared_tokens=2, fixed_buffers=True), compile_config=cpu_compile_config(),
+                 **dict(gen, max_new_tokens=1))
+    assert step_buffers(cas).nbytes == kept
 
 
 def test_step_buffers_are_never_shared_by_two_holders():
