@@ -110,14 +110,14 @@ def generate(
         compiles = _compiles_decode(model, input_ids, generation_config, method_name)
         if fixed is None:  # compiled decode by default where transformers compiles it (CUDA, greedy/sampling)
             fixed = compiles or (user_cache is not None and user_cache.max_suffix_length is not None)
-        rows = input_ids.shape[0]
+        rows, bucket = input_ids.shape[0], batch_bucket(input_ids.shape[0])
         if buckets is None:
             buckets = not generation_config.do_sample
-        if fixed and compiles and buckets and user_cache is None and batch_bucket(rows) > rows:
+        if fixed and compiles and buckets and user_cache is None and bucket > rows:
             real_rows = rows
         plan_ids, plan_mask = input_ids, attention_mask
         if real_rows is not None:
-            plan_ids, plan_mask = (_add_rows(t, batch_bucket(rows), rows) for t in (input_ids, attention_mask))
+            plan_ids, plan_mask = (_add_rows(t, bucket, rows) for t in (input_ids, attention_mask))
         cache, planned_ids, attention_mask = plan_cascade_batch(
             model, plan_ids, plan_mask, prefix_cache=user_cache, max_new_tokens=max_new_tokens,
             fixed_buffers=fixed, bucket_buffers=fixed, **options,
@@ -126,7 +126,7 @@ def generate(
             return _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config,
                         model_kwargs)
         if real_rows is not None:
-            model_kwargs = {k: _add_rows(v, batch_bucket(rows), rows) for k, v in model_kwargs.items()}
+            model_kwargs = {k: _add_rows(v, bucket, rows) for k, v in model_kwargs.items()}
             stopping_criteria = _with_added_rows_done(stopping_criteria, real_rows)
         input_ids = planned_ids
         model_kwargs["attention_mask"] = attention_mask
@@ -163,10 +163,12 @@ def _with_added_rows_done(stopping_criteria, real_rows: int):
     from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
     class _AddedRowsDone(StoppingCriteria):
+        done = None  # built at the first step, reused at every step after
+
         def __call__(self, input_ids, scores, **kwargs):
-            done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
-            done[real_rows:] = True
-            return done
+            if self.done is None:
+                self.done = torch.arange(input_ids.shape[0], device=input_ids.device) >= real_rows
+            return self.done
 
     return StoppingCriteriaList([*(stopping_criteria or []), _AddedRowsDone()])
 
