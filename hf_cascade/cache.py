@@ -321,10 +321,10 @@ class CascadeCache(Cache):
         self.rows_verified = row_nodes is not None
         self.prefix_tree = prefix_tree
         self.prefilled_prefix_tokens = sum(level.node_starts[-1] for level in self.levels)
-        # The prefix KV a compiled step reads, per layer (keys, values), padded to padded_level_count levels.
+        # The prefix KV a compiled step reads, per layer (keys, values), padded to padded_level_count levels: built
+        # at the first forward (_match_rows), from the StepBuffers given by use_step_buffers if any.
         self._compiled_prefix: list[tuple[list[torch.Tensor], list[torch.Tensor]]] | None = None
-        if max_suffix_length is not None and self.levels and not torch.compiler.is_compiling():
-            self._compiled_prefix = self._pad_prefix_levels()
+        self._step_buffers: StepBuffers | None = None
         # The attention modules this cache may serve (reusing it with another model is an error).
         self._modules: dict[int, weakref.WeakSet] = {}
         for module in model.modules():
@@ -377,8 +377,7 @@ class CascadeCache(Cache):
             return
         for layer in self.layers:
             layer.step_buffers = buffers
-        if self.levels:
-            self._compiled_prefix = self._pad_prefix_levels(buffers)
+        self._step_buffers = buffers
 
     def step_buffer_tensors(self) -> list[torch.Tensor]:
         """The device tensors a compiled step reads in place: suffix buffers, their lengths, the padded prefix."""
@@ -603,6 +602,8 @@ class CascadeCache(Cache):
             )
         # Planned here, outside any compiled or captured region.
         self._plan = self._plan_for(batch_size, device) if self.levels else None
+        if self._compiled_prefix is None and self.max_suffix_length is not None and self.levels:
+            self._compiled_prefix = self._pad_prefix_levels(self._step_buffers)
         if self.suffix_start is not None and self._suffix_start_dev is None:
             self._suffix_start_dev = self.suffix_start.to(device)
         if self.window is not None and self._window_dev is None:
