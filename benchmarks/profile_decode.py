@@ -4,12 +4,20 @@ Prints, per peer: wall ms per decode step, GPU-busy ms per step (sum of kernel t
 and the top kernels. A step whose wall time is far above its GPU time is launch/host-bound.
 
     python benchmarks/profile_decode.py --batch 32 --prefix 4096
+    python benchmarks/profile_decode.py --peers cascade_generate --host-profile   # + where the host time goes
+
+Peers: ``cascade_generate`` (the default path: ``generate(..., custom_generate=hf_cascade.generate)``, compiled on
+CUDA), ``cascade_compiled`` / ``cascade`` (``shared_prefix_inputs`` with / without fixed buffers), ``sdpa``.
+``--host-profile`` runs cProfile over an unprofiled decode and prints the functions with the most own time and the
+most time below them: the time a step spends waiting for the GPU shows up where generate() synchronises.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
+import pstats
 import sys
 
 import torch
@@ -31,7 +39,9 @@ def main(argv=None):
     parser.add_argument("--prefix", type=int, default=4096)
     parser.add_argument("--suffix", type=int, default=64)
     parser.add_argument("--steps", type=int, default=8)
-    parser.add_argument("--peers", nargs="+", default=["cascade_compiled", "cascade", "sdpa"])
+    parser.add_argument("--peers", nargs="+", default=["cascade_generate", "cascade_compiled", "cascade", "sdpa"],
+                        choices=["cascade_generate", "cascade_compiled", "cascade", "sdpa"])
+    parser.add_argument("--host-profile", action="store_true", help="cProfile an unprofiled decode per peer")
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
     writer = ResultWriter("profile_decode.jsonl", args.output)
@@ -47,31 +57,66 @@ def main(argv=None):
     for peer in args.peers:
         steps = 1 + args.steps
         model.set_attn_implementation("sdpa" if peer == "sdpa" else "cascade")
-        if peer.startswith("cascade"):
+        call = dict(gen)
+        if peer == "cascade_generate":
+            inputs = dict(input_ids=ids, attention_mask=mask)
+            call["custom_generate"] = hf_cascade.generate
+        elif peer.startswith("cascade"):
             max_new = steps if peer == "cascade_compiled" else None
             inputs = hf_cascade.shared_prefix_inputs(model, ids, mask, max_new_tokens=max_new)
         else:
             inputs = dict(input_ids=ids, attention_mask=mask)
+        run_steps = lambda n: model.generate(**inputs, max_new_tokens=n, min_new_tokens=n, **call)  # noqa: E731
         for _ in range(2):  # warm-up (compiled: compile, then CUDA-graph capture)
-            model.generate(**inputs, max_new_tokens=steps, min_new_tokens=steps, **gen)
-        t1, _, gpu1, launches1 = profiled(lambda: model.generate(**inputs, max_new_tokens=1, **gen))
-        tn, events, gpun, launchesn = profiled(
-            lambda: model.generate(**inputs, max_new_tokens=steps, min_new_tokens=steps, **gen)
-        )
+            run_steps(steps)
+        # Unprofiled: wall ms per decode step (a long call minus a one-token call, medians of 3).
+        long_steps = 4 * steps
+        t_one = sorted(wall_time(lambda: run_steps(1))[0] for _ in range(3))[1]
+        t_long = sorted(wall_time(lambda: run_steps(long_steps))[0] for _ in range(3))[1]
+        wall_step = (t_long - t_one) / (long_steps - 1) * 1e3
+        host_top = None
+        if args.host_profile:
+            profiler = cProfile.Profile()
+            profiler.enable()
+            wall_time(lambda: run_steps(long_steps))
+            profiler.disable()
+            stats = pstats.Stats(profiler)
+            rows = [
+                (f"{os.path.basename(func[0])}:{func[1]}({func[2]})", calls, tottime, cumtime)
+                for func, (_, calls, tottime, cumtime, _) in stats.stats.items()
+            ]
+            host_top = {
+                "by_own_ms_per_step": [
+                    (name, calls, round(own / long_steps * 1e3, 3))
+                    for name, calls, own, _ in sorted(rows, key=lambda r: -r[2])[:25]
+                ],
+                "by_cumulative_ms_per_step": [
+                    (name, calls, round(cum / long_steps * 1e3, 3))
+                    for name, calls, _, cum in sorted(rows, key=lambda r: -r[3])[:40]
+                ],
+            }
+        t1, _, gpu1, launches1 = profiled(lambda: run_steps(1))
+        tn, events, gpun, launchesn = profiled(lambda: run_steps(steps))
         per_step = (tn - t1) / args.steps * 1e3  # both runs profiled; the difference is the decode steps
         gpu_step = (gpun - gpu1) / args.steps
         top = sorted(events, key=lambda e: -e.self_device_time_total)[:8]
         record = dict(
             bench="profile_decode", peer=peer, batch=args.batch, prefix=args.prefix, layers=args.layers,
-            wall_ms_per_step_profiled=per_step, gpu_ms_per_step=gpu_step,
+            wall_ms_per_step=wall_step, wall_ms_per_step_profiled=per_step, gpu_ms_per_step=gpu_step,
             kernel_launches_per_step=(launchesn - launches1) / args.steps, steps=args.steps,
             top_kernels=[(e.key[:80], round(e.self_device_time_total / 1e3, 3), e.count) for e in top],
+            host_profile=host_top,
         )
         writer.write(record)
-        print(f"\n== {peer}: wall {per_step:.1f} ms/step (profiled), GPU busy {gpu_step:.1f} ms/step, "
+        print(f"\n== {peer}: wall {wall_step:.2f} ms/step ({per_step:.1f} profiled), GPU busy {gpu_step:.1f} ms/step, "
               f"{record['kernel_launches_per_step']:.0f} kernels/step")
         for name, ms, count in record["top_kernels"]:
             print(f"   {ms:9.3f} ms  x{count:<6} {name}")
+        if host_top:
+            for title, key in (("own", "by_own_ms_per_step"), ("cumulative", "by_cumulative_ms_per_step")):
+                print(f"   host, by {title} time (ms per step, cProfile):")
+                for name, calls, ms in host_top[key]:
+                    print(f"     {ms:8.3f}  x{calls:<7} {name}")
 
 if __name__ == "__main__":
     main()
