@@ -39,8 +39,10 @@ def main(argv=None):
     parser.add_argument("--prefix", type=int, default=4096)
     parser.add_argument("--suffix", type=int, default=64)
     parser.add_argument("--steps", type=int, default=8)
+    peers = ["cascade_generate", "cascade_generate_synced", "cascade_compiled", "cascade", "sdpa"]
     parser.add_argument("--peers", nargs="+", default=["cascade_generate", "cascade_compiled", "cascade", "sdpa"],
-                        choices=["cascade_generate", "cascade_compiled", "cascade", "sdpa"])
+                        choices=peers, help="cascade_generate_synced: the default path with the stop flag read "
+                        "at every step (cascade_options=dict(defer_stop_check=False)), as transformers' _sample does")
     parser.add_argument("--host-profile", action="store_true", help="cProfile an unprofiled decode per peer")
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
@@ -58,9 +60,10 @@ def main(argv=None):
         steps = 1 + args.steps
         model.set_attn_implementation("sdpa" if peer == "sdpa" else "cascade")
         call = dict(gen)
-        if peer == "cascade_generate":
+        if peer.startswith("cascade_generate"):
             inputs = dict(input_ids=ids, attention_mask=mask)
             call["custom_generate"] = hf_cascade.generate
+            call["cascade_options"] = dict(defer_stop_check=peer == "cascade_generate")
         elif peer.startswith("cascade"):
             max_new = steps if peer == "cascade_compiled" else None
             inputs = hf_cascade.shared_prefix_inputs(model, ids, mask, max_new_tokens=max_new)
@@ -71,9 +74,9 @@ def main(argv=None):
             run_steps(steps)
         # Unprofiled: wall ms per decode step (a long call minus a one-token call, medians of 3).
         long_steps = 4 * steps
-        t_one = sorted(wall_time(lambda: run_steps(1))[0] for _ in range(3))[1]
-        t_long = sorted(wall_time(lambda: run_steps(long_steps))[0] for _ in range(3))[1]
-        wall_step = (t_long - t_one) / (long_steps - 1) * 1e3
+        t_ones = [wall_time(lambda: run_steps(1))[0] for _ in range(3)]
+        t_longs = [wall_time(lambda: run_steps(long_steps))[0] for _ in range(3)]
+        wall_step = (sorted(t_longs)[1] - sorted(t_ones)[1]) / (long_steps - 1) * 1e3
         host_top = None
         if args.host_profile:
             profiler = cProfile.Profile()
@@ -102,7 +105,8 @@ def main(argv=None):
         top = sorted(events, key=lambda e: -e.self_device_time_total)[:8]
         record = dict(
             bench="profile_decode", peer=peer, batch=args.batch, prefix=args.prefix, layers=args.layers,
-            wall_ms_per_step=wall_step, wall_ms_per_step_profiled=per_step, gpu_ms_per_step=gpu_step,
+            wall_ms_per_step=wall_step, one_token_calls_s=t_ones, long_calls_s=t_longs, long_steps=long_steps,
+            wall_ms_per_step_profiled=per_step, gpu_ms_per_step=gpu_step,
             kernel_launches_per_step=(launchesn - launches1) / args.steps, steps=args.steps,
             top_kernels=[(e.key[:80], round(e.self_device_time_total / 1e3, 3), e.count) for e in top],
             host_profile=host_top,

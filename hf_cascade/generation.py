@@ -23,14 +23,19 @@ model or ``synced_gpus``.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from hf_cascade.attention import IN_CASCADE_GENERATE, check_model_uses_cascade
 from hf_cascade.cache import CascadeCache
+from hf_cascade.decoding import sample
 from hf_cascade.step_buffers import step_buffers
 
 _DECODING_METHODS = {"_sample", "_beam_search"}
-_PLAN_OPTIONS = {"min_shared_tokens", "min_rows", "max_levels", "cost_model", "fixed_buffers", "batch_buckets"}
+_PLAN_OPTIONS = {
+    "min_shared_tokens", "min_rows", "max_levels", "cost_model", "fixed_buffers", "batch_buckets", "defer_stop_check",
+}
 
 
 def generate(
@@ -60,7 +65,9 @@ def generate(
             finished from the first step) up to a bucket size (:func:`~hf_cascade.inputs.batch_bucket`), so that
             batches of other sizes run the same compiled step. None (default): for greedy search only, where the
             added rows change nothing; True: also when sampling (the samples are as random, but a seed then gives
-            other samples than a call without the rows); False: never.
+            other samples than a call without the rows); False: never. ``defer_stop_check`` (None: on CUDA; True; False): greedy
+            search and sampling read the "every row finished" flag one step late instead of waiting for the GPU at
+            every step (:mod:`hf_cascade.decoding`; the same tokens).
         model_kwargs: generate()'s model kwargs (``attention_mask`` ``[B * n, L]``, ``position_ids``,
             ``past_key_values``, ...).
     Returns:
@@ -94,6 +101,10 @@ def generate(
         # generate()'s own.
         return _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
 
+    if method_name == "_sample":  # transformers' loop, without a wait for the GPU at every step
+        defer = options.pop("defer_stop_check", None)
+        decode = functools.partial(sample, defer_stop_check=defer)
+    options.pop("defer_stop_check", None)
     attention_mask = model_kwargs.get("attention_mask")
     if attention_mask is None:  # transformers >= 5.18 drops an all-ones mask
         attention_mask = torch.ones_like(input_ids)
@@ -123,7 +134,7 @@ def generate(
             fixed_buffers=fixed, bucket_buffers=fixed, **options,
         )
         if cache is None:  # nothing worth sharing: generate()'s own cache and rows, untouched
-            return _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config,
+            return _run(getattr(type(model), method_name), model, input_ids, logits_processor, stopping_criteria, generation_config,
                         model_kwargs)
         if real_rows is not None:
             model_kwargs = {k: _add_rows(v, bucket, rows) for k, v in model_kwargs.items()}

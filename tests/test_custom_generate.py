@@ -9,7 +9,7 @@ import functools
 
 import pytest
 import torch
-from transformers import DynamicCache, pipeline
+from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList, pipeline
 
 import hf_cascade
 from hf_cascade.tiny import tiny_model, tiny_tokenizer
@@ -95,6 +95,54 @@ def test_grpo_shaped_batch_nests_system_prompt_prompts_and_samples():
     assert cache.nbytes == want_bytes
     # Each row's suffix window is 1 prompt column (all rows' prompts end after their node) + NEW - 1 new tokens.
     assert cache.suffix_length == NEW
+
+
+class _AllDoneAt(StoppingCriteria):
+    """Every row finished once the rows are ``length`` tokens long (a device tensor, as EOS criteria return)."""
+
+    def __init__(self, length):
+        self.length = length
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, device=input_ids.device)
+
+
+@pytest.mark.parametrize("defer", [True, False])
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_stop_check_read_a_step_late_changes_nothing(defer, do_sample):
+    """hf_cascade's decoding loop (transformers' _sample with the "all rows finished" flag read one step late, the
+    default on CUDA): an EOS that ends one row early, and a criterion that ends every row before max_new_tokens.
+    The step after the stop is undone: the same sequences, scores, logits and cache length as transformers'."""
+    ref, cas = model_pair("llama")
+    rows = make_prompts(seed=1)
+    ids, mask = pad_batch(rows)
+    plain = ref.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    eos = int(plain[0, ids.shape[1] + 2])  # row 0's third new token ends row 0
+    stop = StoppingCriteriaList([_AllDoneAt(ids.shape[1] + 6)])  # every row ends after 6 of max_new_tokens=9
+    gen = dict(max_new_tokens=9, pad_token_id=0, eos_token_id=eos, do_sample=do_sample, top_k=20,
+               return_dict_in_generate=True, output_scores=True, output_logits=True)
+    torch.manual_seed(7)
+    want = ref.generate(input_ids=ids, attention_mask=mask, stopping_criteria=stop, **gen)
+    caches, forwards = [], []
+    hook = cas.register_forward_pre_hook(lambda module, args: forwards.append(1))
+    torch.manual_seed(7)
+    try:
+        got = cas.generate(input_ids=ids, attention_mask=mask, stopping_criteria=stop,
+                           custom_generate=hf_cascade.generate, cascade_caches=caches,
+                           cascade_options=dict(defer_stop_check=defer), **gen)
+    finally:
+        hook.remove()
+    assert len(forwards) == 6 + defer  # read a step late: one step more, undone
+    assert want.sequences.shape[1] == ids.shape[1] + 6
+    if not do_sample:
+        assert (want.sequences[0, ids.shape[1] + 3:] == 0).all()  # row 0 padded after its EOS
+    assert torch.equal(got.sequences, want.sequences)
+    assert len(got.scores) == len(want.scores) == 6
+    assert_logits_close(want, got)
+    for w, g in zip(want.scores, got.scores):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=0)
+    assert got.past_key_values is caches[0]
+    assert got.past_key_values.get_seq_length() == want.past_key_values.get_seq_length()
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
