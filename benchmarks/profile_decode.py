@@ -98,11 +98,20 @@ def main(argv=None):
                     for name, calls, _, cum in sorted(rows, key=lambda r: -r[3])[:40]
                 ],
             }
-        t1, _, gpu1, launches1 = profiled(lambda: run_steps(1))
+        t1, events1, gpu1, launches1 = profiled(lambda: run_steps(1))
         tn, events, gpun, launchesn = profiled(lambda: run_steps(steps))
         per_step = (tn - t1) / args.steps * 1e3  # both runs profiled; the difference is the decode steps
         gpu_step = (gpun - gpu1) / args.steps
         top = sorted(events, key=lambda e: -e.self_device_time_total)[:8]
+        # Per decode step, by kernel: the long call's kernels minus the one-token call's (prefill, planning).
+        before = {e.key: (e.self_device_time_total, e.count) for e in events1}
+        per_step = []
+        for e in events:
+            us, count = before.get(e.key, (0.0, 0))
+            if e.count - count > 0:
+                per_step.append((e.key[:90], round((e.self_device_time_total - us) / args.steps, 2),
+                                 round((e.count - count) / args.steps, 2)))
+        per_step.sort(key=lambda row: -row[1])
         record = dict(
             bench="profile_decode", peer=peer, batch=args.batch, prefix=args.prefix, layers=args.layers,
             wall_ms_per_step=wall_step, one_token_calls_s=t_ones, long_calls_s=t_longs, long_steps=long_steps,
@@ -110,12 +119,16 @@ def main(argv=None):
             kernel_launches_per_step=(launchesn - launches1) / args.steps, steps=args.steps,
             top_kernels=[(e.key[:80], round(e.self_device_time_total / 1e3, 3), e.count) for e in top],
             host_profile=host_top,
+            kernels_per_step_us_count=per_step,
         )
         writer.write(record)
         print(f"\n== {peer}: wall {wall_step:.2f} ms/step ({per_step:.1f} profiled), GPU busy {gpu_step:.1f} ms/step, "
               f"{record['kernel_launches_per_step']:.0f} kernels/step")
         for name, ms, count in record["top_kernels"]:
             print(f"   {ms:9.3f} ms  x{count:<6} {name}")
+        print("   per decode step (us, launches):")
+        for name, us, count in per_step[:30]:
+            print(f"     {us:9.1f} us  x{count:<6} {name}")
         if host_top:
             for title, key in (("own", "by_own_ms_per_step"), ("cumulative", "by_cumulative_ms_per_step")):
                 print(f"   host, by {title} time (ms per step, cProfile):")

@@ -84,6 +84,7 @@ def plan_cascade_batch(
         runs plain attention); the ids and mask are the user's, right padding moved to the front of each row.
     """
     input_ids, attention_mask, rows, row_columns = _left_aligned(input_ids, attention_mask)
+    attention_mask_host = attention_mask.cpu()  # now, before the prefill is queued (later it would wait for it)
     base_levels, base_parents, base_tokens = [], [], ()
     if prefix_cache is not None:
         base_levels, base_parents, base_tokens = _base_chain(prefix_cache, model)
@@ -141,7 +142,7 @@ def plan_cascade_batch(
             # The last new token is sampled and never fed back: sw + max_new_tokens - 1 columns are written.
             suffix_capacity(suffix_width + max_new_tokens - 1) if bucket_buffers else suffix_width + max_new_tokens
         ),
-        suffix_start=suffix_start, prefix_tree=tree, window_mask=attention_mask[:, prefix_length:].cpu(),
+        suffix_start=suffix_start, prefix_tree=tree, window_mask=attention_mask_host[:, prefix_length:],
     )
     return cache, input_ids, attention_mask
 
