@@ -105,13 +105,13 @@ def main(argv=None):
         top = sorted(events, key=lambda e: -e.self_device_time_total)[:8]
         # Per decode step, by kernel: the long call's kernels minus the one-token call's (prefill, planning).
         before = {e.key: (e.self_device_time_total, e.count) for e in events1}
-        per_step = []
+        kernel_rows = []
         for e in events:
             us, count = before.get(e.key, (0.0, 0))
             if e.count - count > 0:
-                per_step.append((e.key[:90], round((e.self_device_time_total - us) / args.steps, 2),
+                kernel_rows.append((e.key[:90], round((e.self_device_time_total - us) / args.steps, 2),
                                  round((e.count - count) / args.steps, 2)))
-        per_step.sort(key=lambda row: -row[1])
+        kernel_rows.sort(key=lambda row: -row[1])
         record = dict(
             bench="profile_decode", peer=peer, batch=args.batch, prefix=args.prefix, layers=args.layers,
             wall_ms_per_step=wall_step, one_token_calls_s=t_ones, long_calls_s=t_longs, long_steps=long_steps,
@@ -119,7 +119,7 @@ def main(argv=None):
             kernel_launches_per_step=(launchesn - launches1) / args.steps, steps=args.steps,
             top_kernels=[(e.key[:80], round(e.self_device_time_total / 1e3, 3), e.count) for e in top],
             host_profile=host_top,
-            kernels_per_step_us_count=per_step,
+            kernels_per_step_us_count=kernel_rows,
         )
         writer.write(record)
         print(f"\n== {peer}: wall {wall_step:.2f} ms/step ({per_step:.1f} profiled), GPU busy {gpu_step:.1f} ms/step, "
@@ -127,7 +127,7 @@ def main(argv=None):
         for name, ms, count in record["top_kernels"]:
             print(f"   {ms:9.3f} ms  x{count:<6} {name}")
         print("   per decode step (us, launches):")
-        for name, us, count in per_step[:30]:
+        for name, us, count in kernel_rows[:30]:
             print(f"     {us:9.1f} us  x{count:<6} {name}")
         if host_top:
             for title, key in (("own", "by_own_ms_per_step"), ("cumulative", "by_cumulative_ms_per_step")):
