@@ -32,6 +32,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from hf_cascade.attention import ATTENTION_NAME, bind_layer, check_model_uses_cascade, plain_attention
+from hf_cascade.ops._backend import host_to_device
 from hf_cascade.ops.plan import CascadePlan, cascade_attention_planned, padded_level_count, plan_cascade
 from hf_cascade.prefill import PrefixLevel, prefill_levels, validate_token_ids
 from hf_cascade.step_buffers import StepBuffers
@@ -605,9 +606,9 @@ class CascadeCache(Cache):
         if self._compiled_prefix is None and self.max_suffix_length is not None and self.levels:
             self._compiled_prefix = self._pad_prefix_levels(self._step_buffers)
         if self.suffix_start is not None and self._suffix_start_dev is None:
-            self._suffix_start_dev = self.suffix_start.to(device)
+            self._suffix_start_dev = host_to_device(self.suffix_start, device)
         if self.window is not None and self._window_dev is None:
-            self._window_dev = self.window.T.contiguous().to(device)  # [B, max_suffix_length]
+            self._window_dev = host_to_device(self.window.T.contiguous(), device)  # [B, max_suffix_length]
             torch._dynamo.maybe_mark_dynamic(self._window_dev, 1)  # as the buffers' capacity
 
     def _suffix_mask(self, attention_mask: torch.Tensor | None, layer, query_length: int, kv_length: int):

@@ -12,8 +12,8 @@ from hf_cascade.prefix_tree import find_shared_prefixes
 
 
 def _left_aligned(input_ids: torch.Tensor, attention_mask: torch.Tensor):
-    """The batch with each row's trailing padding moved to its front (same width), its real tokens, and the column
-    of each real token. Padding anywhere else (left padding, masked tokens inside a row) stays where it is and is
+    """The batch with each row's trailing padding moved to its front (same width), its real tokens (lists of ints),
+    and the column of each real token (a list, or a range for a row without padding). Padding anywhere else (left padding, masked tokens inside a row) stays where it is and is
     honoured exactly: a masked column is never attended, and positions count only real tokens, as in sdpa."""
     mask_bool = attention_mask.bool()
     if not bool(mask_bool.any(dim=1).all()):
@@ -29,12 +29,16 @@ def _left_aligned(input_ids: torch.Tensor, attention_mask: torch.Tensor):
         input_ids = torch.stack([row.roll(k) for row, k in zip(input_ids, shift)])
         attention_mask = torch.stack([row.roll(k) for row, k in zip(attention_mask, shift)])
         mask_bool = attention_mask.bool()
-    ids, mask = input_ids.tolist(), mask_bool.tolist()
+    ids, full = input_ids.tolist(), mask_bool.all(dim=1).tolist()
     rows, row_columns = [], []
-    for row_ids, row_mask in zip(ids, mask):
-        kept = [c for c, m in enumerate(row_mask) if m]
-        row_columns.append(kept)
-        rows.append([row_ids[c] for c in kept])
+    for r, row_ids in enumerate(ids):
+        if full[r]:  # no padding (the common case): the row as it is
+            row_columns.append(range(width))
+            rows.append(row_ids)
+        else:
+            kept = mask_bool[r].nonzero().flatten().tolist()
+            row_columns.append(kept)
+            rows.append([row_ids[c] for c in kept])
     return input_ids, attention_mask, rows, row_columns
 
 

@@ -13,6 +13,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hf_cascade.ops._backend import host_to_device
+
+
 @dataclass
 class PrefixLevel:
     """One level of the shared-prefix tree.
@@ -108,7 +111,7 @@ def prefill_levels(
         lengths = [len(tokens) for tokens, _, _ in nodes]
         width = max(lengths)
         prefix_length = max(start for _, _, start in nodes)
-        row_nodes = _chains(len(levels), parents, node_parent).to(device) if levels else None
+        row_nodes = host_to_device(_chains(len(levels), parents, node_parent), device) if levels else None
         cache = cache_class(model, levels, row_nodes=row_nodes, prefix_length=prefix_length)
         input_ids = torch.zeros(len(nodes), width, dtype=torch.int64)
         attention_mask = torch.zeros(len(nodes), prefix_length + width, dtype=torch.int64)
@@ -120,9 +123,9 @@ def prefill_levels(
             attention_mask[i, prefix_length + pad :] = 1
             position_ids[i, pad:] = torch.arange(start, start + len(tokens))
         base_model(
-            input_ids=input_ids.to(device),
-            attention_mask=attention_mask.to(device),
-            position_ids=position_ids.to(device),
+            input_ids=host_to_device(input_ids, device),
+            attention_mask=host_to_device(attention_mask, device),
+            position_ids=host_to_device(position_ids, device),
             past_key_values=cache,
             use_cache=True,
         )

@@ -110,7 +110,7 @@ def find_shared_prefixes(
     if max_levels < 0:
         raise ValueError(f"`max_levels` must be >= 0; got {max_levels}.")
     # Never share a row's last token: it must go through the model in generate() to produce the first logits.
-    seqs = [tuple(int(t) for t in row)[:-1] for row in rows]
+    seqs = [tuple(map(int, row))[:-1] for row in rows]
     tree = PrefixTree(row_prefix_len=[0] * len(seqs))
 
     def add_node(level: int, group: list[int], start: int, end: int, parent: int | None) -> int:
@@ -162,7 +162,13 @@ def _common_prefix_end(seqs: list[tuple[int, ...]], group: list[int], start: int
     for r in group[1:]:
         seq = seqs[r]
         i = start
+        # Whole blocks compared as tuple slices (in C), then token by token inside the first block that differs.
+        while i + _BLOCK <= end and seq[i : i + _BLOCK] == first[i : i + _BLOCK]:
+            i += _BLOCK
         while i < end and seq[i] == first[i]:
             i += 1
         end = i
     return end
+
+
+_BLOCK = 256

@@ -34,6 +34,19 @@ def interpret_mode() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
+def host_to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``tensor`` (built on the host) copied to ``device`` without waiting for the work already queued there.
+
+    A copy to CUDA from pageable memory synchronises the stream: the host would wait for, e.g., a prefill in flight
+    before it can queue the next launches. From pinned memory the copy is queued like a kernel (the caching host
+    allocator keeps the pinned block until the copy is done). ``tensor`` must not be changed afterwards.
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or tensor.device.type != "cpu":
+        return tensor.to(device)
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 def resolve_backend(backend: str, device: torch.device, op: str) -> str:
     """Map the user's ``backend`` argument to ``"triton"`` or ``"torch"`` for tensors on ``device``.
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from ._backend import resolve_backend
+from ._backend import host_to_device, resolve_backend
 from .cascade_attention import cascade_attention, launch_cascade, launch_configs
 from .prefix_attention import PrefixPlan, _Schedule, plan_shared_prefix
 from .reference import _scores, _softmax_attend, merge_attention_states_ref
@@ -119,7 +119,7 @@ def plan_cascade(
         nodes = torch.zeros(batch_size, dtype=torch.int64) if row_nodes is None else row_nodes[level]
         plan = plan_shared_prefix(nodes, torch.tensor(list(starts), dtype=torch.int64), device=device)
         levels.append(plan)
-        row_node_dev.append(nodes.to(plan.device))
+        row_node_dev.append(host_to_device(nodes, plan.device))
     return CascadePlan(tuple(levels), tuple(row_node_dev))
 
 

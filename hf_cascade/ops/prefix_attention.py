@@ -11,6 +11,7 @@ from torch import Tensor
 from ._backend import (
     check_float_dtype,
     dot_precision,
+    host_to_device,
     num_programs_target,
     padded_head_dim,
     resolve_backend,
@@ -158,7 +159,7 @@ def plan_shared_prefix(
     rows_by_node: list[Tensor | None] = []
     for n in range(num_nodes):
         sel = rows_host[row_start[n]:row_start[n + 1]]
-        rows_by_node.append(torch.tensor(sel, dtype=torch.int64, device=device) if sel else None)
+        rows_by_node.append(host_to_device(torch.tensor(sel, dtype=torch.int64), device) if sel else None)
     return PrefixPlan(
         batch_size=len(nodes),
         num_nodes=num_nodes,
@@ -166,8 +167,8 @@ def plan_shared_prefix(
         node_starts=starts,
         row_node=nodes,
         device=device,
-        rows=torch.tensor(rows_host, dtype=torch.int32, device=device),
-        node_starts_dev=torch.tensor(starts, dtype=torch.int64, device=device),
+        rows=host_to_device(torch.tensor(rows_host, dtype=torch.int32), device),
+        node_starts_dev=host_to_device(torch.tensor(starts, dtype=torch.int64), device),
         rows_by_node=rows_by_node,
         rows_per_node=tuple(counts),
     )
