@@ -142,3 +142,30 @@ def test_gpu_custom_generate_matches_reference(family, mode):
                        cascade_options=dict(cost_model=None), **gen)
     assert torch.equal(got.sequences, want.sequences)
     assert caches and caches[0].num_levels >= 2
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_gpu_stop_flag_read_a_step_late(do_sample):
+    """The default path on CUDA reads "every row finished" one step late (pinned flag, event; no wait per step):
+    an EOS ending row 0 early and a criterion ending every row before max_new_tokens give transformers' sequences,
+    scores and cache length (the extra step undone), in the compiled step."""
+    from test_custom_generate import _AllDoneAt
+    from transformers import StoppingCriteriaList
+
+    ref = tiny_model("llama", "sdpa", device="cuda")
+    cas = tiny_model("llama", "cascade", device="cuda")
+    ids, mask = (t.cuda() for t in pad_batch(make_prompts(seed=1)))
+    plain = ref.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    stop = StoppingCriteriaList([_AllDoneAt(ids.shape[1] + 6)])
+    gen = dict(max_new_tokens=9, pad_token_id=0, eos_token_id=int(plain[0, ids.shape[1] + 2]), do_sample=do_sample,
+               top_k=20, return_dict_in_generate=True, output_scores=True)
+    torch.manual_seed(7)
+    want = ref.generate(ids, attention_mask=mask, stopping_criteria=stop, **gen)
+    caches = []
+    torch.manual_seed(7)
+    got = cas.generate(ids, attention_mask=mask, stopping_criteria=stop, custom_generate=hf_cascade.generate,
+                       cascade_caches=caches, cascade_options=dict(cost_model=None, min_shared_tokens=2), **gen)
+    assert caches[0].is_compileable
+    assert torch.equal(got.sequences, want.sequences)
+    assert len(got.scores) == len(want.scores) == 6
+    assert got.past_key_values.get_seq_length() == want.past_key_values.get_seq_length()
