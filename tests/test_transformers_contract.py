@@ -8,7 +8,7 @@ are exercised by every generate test; here: the private ones.
 import inspect
 
 import torch
-from transformers import AttentionInterface, GenerationConfig
+from transformers import AttentionInterface, GenerationConfig, PreTrainedModel
 from transformers.generation.utils import GENERATION_MODES_MAPPING, GenerationMixin, GenerationMode
 
 import hf_cascade
@@ -71,3 +71,31 @@ def test_attention_registry_is_readable():
     """`python -m hf_cascade info` reads AttentionInterface._global_mapping to say whether "cascade" is registered."""
     assert "cascade" in AttentionInterface._global_mapping
     assert AttentionInterface._global_mapping["cascade"] is hf_cascade.attention.cascade_attention_forward
+
+
+def test_sample_loop_hf_cascade_mirrors():
+    """hf_cascade.decoding.sample is _sample's loop with the stop flag read a step late: the private methods it
+    calls keep their signatures, and _sample still selects, pads and appends tokens as it mirrors (a change here
+    means decoding.py must follow; the behaviour itself is compared in test_custom_generate)."""
+    for name, params in {
+        "_prefill": {"input_ids", "generation_config", "model_kwargs", "is_first_iteration"},
+        "_update_model_kwargs_for_generation": {"outputs", "model_kwargs", "is_encoder_decoder"},
+        "prepare_inputs_for_generation": {"input_ids", "next_sequence_length"},
+        "get_compiled_call": {"compile_config"},
+        "_valid_auto_compile_criteria": {"model_kwargs", "generation_config"},
+        "_optimize_model_for_decode": set(),
+    }.items():
+        method = getattr(GenerationMixin, name, None) or getattr(PreTrainedModel, name)
+        assert params <= set(inspect.signature(method).parameters), name
+    source = inspect.getsource(GenerationMixin._sample)
+    for line in (
+        "next_token_logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)",
+        "next_token_scores = logits_processor(input_ids, next_token_logits)",
+        "next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)",
+        "next_tokens = torch.argmax(next_token_scores, dim=-1)",
+        "next_tokens = next_tokens * unfinished_sequences + pad_token_id * (1 - unfinished_sequences)",
+        "input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)",
+        "unfinished_sequences = unfinished_sequences & ~stopping_criteria(input_ids, scores)",
+    ):
+        assert line in source, line
+    assert hasattr(GenerationConfig(), "_pad_token_tensor") or "_pad_token_tensor" in source
