@@ -37,8 +37,8 @@ class _StopFlag:
             return bool(unfinished.max() == 0)
         slot = self.step % 2
         self.flags[slot].copy_(unfinished.max() == 0, non_blocking=True)
-        if self.copied is not None:
-            self.copied[slot].record()
+        if self.copied is not None:  # the copy runs on the current stream of the flag's device
+            self.copied[slot].record(torch.cuda.current_stream(unfinished.device))
         self.step += 1
         if self.step == 1:
             return False
