@@ -3,11 +3,11 @@
 transformers' ``_sample`` ends every step with ``bool(unfinished_sequences.max() == 0)``: the host waits until the
 GPU has finished the step before it prepares the next one, so the step's host work (inputs, mask, CUDA-graph input
 copies, logits processors, stopping criteria) adds to its GPU time. With the decode step compiled into CUDA graphs
-the GPU part of an 8B model's step is ~7.6 ms on an H100 and the host part ~4 ms, so this wait is a third of the
-step. transformers already has the cure, ``DeferredStopCheck`` (copy the stop flag to the host asynchronously, read
-it one step later, undo the one extra step), but turns it on only for ``mps``. :func:`sample` is ``_sample``'s loop,
-step for step, with that deferred check on CUDA; elsewhere (a CPU computes each op as it is called, nothing to
-overlap) it checks at once, as ``_sample`` does.
+the GPU part of an 8B model's step is ~7.6 ms on an H100 and the host part ~5.5 ms: 14.4 ms per step with the wait,
+8.75 ms without it (``benchmarks/profile_decode.py``). transformers already has the cure, ``DeferredStopCheck``
+(copy the stop flag to the host asynchronously, read it one step later, undo the one extra step), but turns it on
+only for ``mps``. :func:`sample` is ``_sample``'s loop, step for step, with that deferred check on CUDA; elsewhere
+(a CPU computes each op as it is called, nothing to overlap) it checks at once, as ``_sample`` does.
 
 Same tokens, scores and logits as ``_sample``: the extra step only runs where ``_sample`` would already have
 stopped, and is undone (its token, scores and logits dropped; its KV column cropped where the cache is returned).
@@ -134,7 +134,8 @@ def sample(
                 next_tokens = next_tokens * unfinished_sequences + pad_token_id * (1 - unfinished_sequences)
             input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
             unfinished_sequences = unfinished_sequences & ~stopping_criteria(input_ids, scores)
-            finished = stop.update(unfinished_sequences) or (max_length is not None and input_ids.shape[1] >= max_length)
+            at_max_length = max_length is not None and input_ids.shape[1] >= max_length
+            finished = stop.update(unfinished_sequences) or at_max_length
             del outputs
     cache = model_kwargs.get("past_key_values")
     if stop.extra_steps:  # the step after every row had finished: undone

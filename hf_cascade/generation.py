@@ -33,7 +33,7 @@ from hf_cascade.decoding import sample
 from hf_cascade.step_buffers import step_buffers
 
 _DECODING_METHODS = {"_sample", "_beam_search"}
-_PLAN_OPTIONS = {
+_OPTIONS = {
     "min_shared_tokens", "min_rows", "max_levels", "cost_model", "fixed_buffers", "batch_buckets", "defer_stop_check",
 }
 
@@ -65,9 +65,9 @@ def generate(
             finished from the first step) up to a bucket size (:func:`~hf_cascade.inputs.batch_bucket`), so that
             batches of other sizes run the same compiled step. None (default): for greedy search only, where the
             added rows change nothing; True: also when sampling (the samples are as random, but a seed then gives
-            other samples than a call without the rows); False: never. ``defer_stop_check`` (None: on CUDA; True; False): greedy
-            search and sampling read the "every row finished" flag one step late instead of waiting for the GPU at
-            every step (:mod:`hf_cascade.decoding`; the same tokens).
+            other samples than a call without the rows); False: never. ``defer_stop_check`` (None: on CUDA; True;
+            False): greedy search and sampling read the "every row finished" flag one step late instead of waiting
+            for the GPU at every step (:mod:`hf_cascade.decoding`; the same tokens).
         model_kwargs: generate()'s model kwargs (``attention_mask`` ``[B * n, L]``, ``position_ids``,
             ``past_key_values``, ...).
     Returns:
@@ -77,10 +77,10 @@ def generate(
 
     check_model_uses_cascade(model, "model")
     options = dict(cascade_options or {})
-    unknown = set(options) - _PLAN_OPTIONS
+    unknown = set(options) - _OPTIONS
     if unknown:
         raise ValueError(
-            f"`cascade_options` takes {sorted(_PLAN_OPTIONS)}; got unknown {sorted(unknown)}."
+            f"`cascade_options` takes {sorted(_OPTIONS)}; got unknown {sorted(unknown)}."
         )
     method_name = GENERATION_MODES_MAPPING.get(generation_config.get_generation_mode())
     if method_name not in _DECODING_METHODS:
@@ -134,8 +134,8 @@ def generate(
             fixed_buffers=fixed, bucket_buffers=fixed, **options,
         )
         if cache is None:  # nothing worth sharing: generate()'s own cache and rows, untouched
-            return _run(getattr(type(model), method_name), model, input_ids, logits_processor, stopping_criteria, generation_config,
-                        model_kwargs)
+            return _run(getattr(type(model), method_name), model, input_ids, logits_processor, stopping_criteria,
+                        generation_config, model_kwargs)
         if real_rows is not None:
             model_kwargs = {k: _add_rows(v, bucket, rows) for k, v in model_kwargs.items()}
             stopping_criteria = _with_added_rows_done(stopping_criteria, real_rows)

@@ -13,8 +13,9 @@ from hf_cascade.prefix_tree import find_shared_prefixes
 
 def _left_aligned(input_ids: torch.Tensor, attention_mask: torch.Tensor):
     """The batch with each row's trailing padding moved to its front (same width), its real tokens (lists of ints),
-    and the column of each real token (a list, or a range for a row without padding). Padding anywhere else (left padding, masked tokens inside a row) stays where it is and is
-    honoured exactly: a masked column is never attended, and positions count only real tokens, as in sdpa."""
+    and the column of each real token (a list, or a range for a row without padding). Padding anywhere else (left
+    padding, masked tokens inside a row) stays where it is and is honoured exactly: a masked column is never
+    attended, and positions count only real tokens, as in sdpa."""
     mask_bool = attention_mask.bool()
     if not bool(mask_bool.any(dim=1).all()):
         row = int((~mask_bool.any(dim=1)).nonzero()[0])

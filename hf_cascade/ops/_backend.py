@@ -39,7 +39,8 @@ def host_to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Te
 
     A copy to CUDA from pageable memory synchronises the stream: the host would wait for, e.g., a prefill in flight
     before it can queue the next launches. From pinned memory the copy is queued like a kernel (the caching host
-    allocator keeps the pinned block until the copy is done). ``tensor`` must not be changed afterwards.
+    allocator keeps the pinned block until the copy is done). A ``tensor`` already pinned is copied from as it is, so
+    it must not be changed afterwards.
     """
     device = torch.device(device)
     if device.type != "cuda" or tensor.device.type != "cpu":
