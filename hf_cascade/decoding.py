@@ -10,7 +10,9 @@ only for ``mps``. :func:`sample` is ``_sample``'s loop, step for step, with that
 (a CPU computes each op as it is called, nothing to overlap) it checks at once, as ``_sample`` does.
 
 Same tokens, scores and logits as ``_sample``: the extra step only runs where ``_sample`` would already have
-stopped, and is undone (its token, scores and logits dropped; its KV column cropped where the cache is returned).
+stopped (every row finished before ``max_new_tokens``), and is undone (its token, scores and logits dropped, its KV
+column cropped from the cache). Logits processors and stopping criteria are called once more for it, as with
+transformers' ``DeferredStopCheck``.
 """
 
 from __future__ import annotations
