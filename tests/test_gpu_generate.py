@@ -169,3 +169,30 @@ def test_gpu_stop_flag_read_a_step_late(do_sample):
     assert torch.equal(got.sequences, want.sequences)
     assert len(got.scores) == len(want.scores) == 6
     assert got.past_key_values.get_seq_length() == want.past_key_values.get_seq_length()
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_gpu_decode_steps_never_wait_for_the_gpu(compiled):
+    """No host-device synchronisation per decode step, eager (``disable_compile=True``) or compiled: a call of 12
+    new tokens synchronises as often as a call of 3 (planning and prefill synchronise; the steps do not).
+    Counted with torch's CUDA sync debug mode, which warns at every synchronising call."""
+    import warnings
+
+    cas = tiny_model("llama", "cascade", device="cuda")
+    ids, mask = (t.cuda() for t in pad_batch(make_prompts(seed=41, system=37, block=19, groups=2, per_group=3)))
+    gen = dict(pad_token_id=0, do_sample=False, custom_generate=hf_cascade.generate,
+               cascade_options=dict(cost_model=None), disable_compile=not compiled)
+
+    def syncs(new_tokens):
+        cas.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **gen)  # warm
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                cas.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **gen)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return sum("synchroniz" in str(w.message) for w in caught)
+
+    assert syncs(12) == syncs(3)
