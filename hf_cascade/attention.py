@@ -227,11 +227,23 @@ def _suggest_custom_generate() -> None:
     )
 
 
+# Set by hf_cascade's decoding loop (hf_cascade.decoding.sample): decode-step masks are always built.
+ALWAYS_BUILD_DECODE_MASK: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "hf_cascade_always_build_decode_mask", default=False
+)
+
+
 def cascade_mask(*args, **kwargs) -> torch.Tensor | None:
     """The ``"cascade"`` mask builder: sdpa's (bool ``[batch, 1, q_len, kv_len]`` or None), with ``kv_len`` marked
     dynamic when built outside a compiled step. generate() builds the decode step's mask before calling the
     compiled forward; fixed buffers of another capacity (another bucket) then give a mask of another width that
-    runs the same graph (the cascade step builds its own mask from the buffers, see ``CascadeCache``)."""
+    runs the same graph (the cascade step builds its own mask from the buffers, see ``CascadeCache``).
+
+    In hf_cascade's decoding loop a decode step's mask (``q_length == 1``) is always built: to return None for
+    "causal, no padding", sdpa's builder reads whether every padding-mask entry is 1 on the host, a host-device
+    synchronisation at every step of the eager path (the compiled path builds it anyway)."""
+    if kwargs.get("q_length") == 1 and ALWAYS_BUILD_DECODE_MASK.get():
+        kwargs["allow_is_causal_skip"] = False
     mask = sdpa_mask(*args, **kwargs)
     if isinstance(mask, torch.Tensor) and mask.dim() == 4 and not torch.compiler.is_compiling():
         torch._dynamo.maybe_mark_dynamic(mask, 3)

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from hf_cascade.attention import ALWAYS_BUILD_DECODE_MASK
+
 
 class _StopFlag:
     """Whether every row has finished, read by the host one step late (``defer``) or at once.
@@ -109,36 +111,40 @@ def sample(
     stop = _StopFlag(input_ids.device, defer_stop_check)
     max_length = getattr(stopping_criteria, "max_length", None)
     prefill_consumed = finished = False
-    with model._optimize_model_for_decode():
-        while not finished:
-            if prefill_consumed:
-                next_sequence_length = 1 if model_kwargs["use_cache"] else None
-                model_inputs = model.prepare_inputs_for_generation(
-                    input_ids, next_sequence_length=next_sequence_length, **model_kwargs
+    mask_token = ALWAYS_BUILD_DECODE_MASK.set(True)  # see attention.cascade_mask: no host read of the mask
+    try:
+        with model._optimize_model_for_decode():
+            while not finished:
+                if prefill_consumed:
+                    next_sequence_length = 1 if model_kwargs["use_cache"] else None
+                    model_inputs = model.prepare_inputs_for_generation(
+                        input_ids, next_sequence_length=next_sequence_length, **model_kwargs
+                    )
+                    outputs = model_forward(**model_inputs, return_dict=True)
+                prefill_consumed = True
+                model_kwargs = model._update_model_kwargs_for_generation(
+                    outputs, model_kwargs, is_encoder_decoder=False
                 )
-                outputs = model_forward(**model_inputs, return_dict=True)
-            prefill_consumed = True
-            model_kwargs = model._update_model_kwargs_for_generation(
-                outputs, model_kwargs, is_encoder_decoder=False
-            )
-            next_token_logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
-            next_token_scores = logits_processor(input_ids, next_token_logits)
-            if scores is not None:
-                scores += (next_token_scores,)
-            if raw_logits is not None:
-                raw_logits += (next_token_logits,)
-            if generation_config.do_sample:
-                probs = torch.nn.functional.softmax(next_token_scores, dim=-1)
-                next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
-            else:
-                next_tokens = torch.argmax(next_token_scores, dim=-1)
-            if has_eos_stopping_criteria:  # finished rows get the pad token
-                next_tokens = next_tokens * unfinished_sequences + pad_token_id * (1 - unfinished_sequences)
-            input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
-            unfinished_sequences = unfinished_sequences & ~stopping_criteria(input_ids, scores)
-            at_max_length = max_length is not None and input_ids.shape[1] >= max_length
-            finished = stop.update(unfinished_sequences) or at_max_length
-            del outputs
+                next_token_logits = outputs.logits[:, -1].to(copy=True, dtype=torch.float32, device=input_ids.device)
+                next_token_scores = logits_processor(input_ids, next_token_logits)
+                if scores is not None:
+                    scores += (next_token_scores,)
+                if raw_logits is not None:
+                    raw_logits += (next_token_logits,)
+                if generation_config.do_sample:
+                    probs = torch.nn.functional.softmax(next_token_scores, dim=-1)
+                    next_tokens = torch.multinomial(probs, num_samples=1).squeeze(1)
+                else:
+                    next_tokens = torch.argmax(next_token_scores, dim=-1)
+                if has_eos_stopping_criteria:  # finished rows get the pad token
+                    next_tokens = next_tokens * unfinished_sequences + pad_token_id * (1 - unfinished_sequences)
+                input_ids = torch.cat([input_ids, next_tokens[:, None]], dim=-1)
+                unfinished_sequences = unfinished_sequences & ~stopping_criteria(input_ids, scores)
+                at_max_length = max_length is not None and input_ids.shape[1] >= max_length
+                finished = stop.update(unfinished_sequences) or at_max_length
+                del outputs
+    finally:
+        ALWAYS_BUILD_DECODE_MASK.reset(mask_token)
     cache = model_kwargs.get("past_key_values")
     if stop.extra_steps:  # the step after every row had finished: undone
         input_ids = input_ids[:, : -stop.extra_steps]

@@ -99,3 +99,22 @@ def test_sample_loop_hf_cascade_mirrors():
     ):
         assert line in source, line
     assert hasattr(GenerationConfig(), "_pad_token_tensor") or "_pad_token_tensor" in source
+
+
+def test_decode_step_masks_are_built_in_the_decoding_loop():
+    """sdpa's mask builder returns None at a decode step without padding, which it decides by reading the padding
+    mask on the host (a GPU synchronisation per step); in hf_cascade's decoding loop the "cascade" builder always
+    builds the mask instead (all True here), and outside the loop it is sdpa's."""
+    from transformers.masking_utils import sdpa_mask
+
+    from hf_cascade.attention import ALWAYS_BUILD_DECODE_MASK, cascade_mask
+
+    args = dict(batch_size=2, q_length=1, kv_length=5, q_offset=4, kv_offset=0, attention_mask=torch.ones(2, 5,
+                dtype=torch.bool), allow_is_causal_skip=True, device="cpu")
+    assert sdpa_mask(**args) is None and cascade_mask(**args) is None
+    token = ALWAYS_BUILD_DECODE_MASK.set(True)
+    try:
+        mask = cascade_mask(**args)
+    finally:
+        ALWAYS_BUILD_DECODE_MASK.reset(token)
+    assert mask.shape == (2, 1, 1, 5) and bool(mask.all())
