@@ -101,10 +101,9 @@ def generate(
         # generate()'s own.
         return _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
 
+    defer = options.pop("defer_stop_check", None)
     if method_name == "_sample":  # transformers' loop, without a wait for the GPU at every step
-        defer = options.pop("defer_stop_check", None)
         decode = functools.partial(sample, defer_stop_check=defer)
-    options.pop("defer_stop_check", None)
     attention_mask = model_kwargs.get("attention_mask")
     if attention_mask is None:  # transformers >= 5.18 drops an all-ones mask
         attention_mask = torch.ones_like(input_ids)
