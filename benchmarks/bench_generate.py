@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import ResultWriter, wall_time  # noqa: E402
+from common import ResultWriter, timed_with_compile_breakdown, wall_time  # noqa: E402
 
 import hf_cascade  # noqa: E402
 
@@ -92,8 +92,9 @@ def median_run(run, repeats: int) -> dict:
     records = [run() for _ in range(max(repeats, 1))]
     chosen = dict(sorted(records, key=lambda r: r["total_s"])[len(records) // 2])
     chosen["total_s_runs"] = [round(r["total_s"], 4) for r in records]
-    if "first_call_s" in records[0]:
-        chosen["first_call_s"] = records[0]["first_call_s"]
+    for key in ("first_call_s", "first_call_compile_s"):
+        if key in records[0]:
+            chosen[key] = records[0][key]
     return chosen
 
 
@@ -251,9 +252,11 @@ def run_sampling(model, peer: str, ids, mask, samples: int, new_tokens: int) -> 
     record = {}
     if peer == "cascade":  # the default path compiles the decode step on first use: once, untimed, same shapes
         reset_memory()
-        record["first_call_s"], _ = wall_time(lambda: model.generate(
-            ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **gen, **extra
-        ))
+        record["first_call_s"], record["first_call_compile_s"], _ = timed_with_compile_breakdown(
+            lambda: model.generate(
+                ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **gen, **extra
+            )
+        )
         caches.clear()
     reset_memory()
     torch.manual_seed(0)
@@ -401,7 +404,7 @@ def main_stream(args, writer, model) -> None:
     totals = {}
     for peer in args.stream_peers:
         graphs_before = counters["stats"]["unique_graphs"]
-        per_batch, status, caches, split = [], "ok", [], []
+        per_batch, status, caches, split, compile_per_batch = [], "ok", [], [], []
         for ids, mask in batches:
             try:
                 if peer == "sdpa":
@@ -413,10 +416,11 @@ def main_stream(args, writer, model) -> None:
                     t = run_hf_prefix_reuse(model, ids, mask, args.new_tokens, prefix=prefix, once=True)["total_s"]
                 else:
                     model.set_attn_implementation("cascade")
-                    t, _ = wall_time(lambda: model.generate(
+                    t, compile_s, _ = timed_with_compile_breakdown(lambda: model.generate(
                         ids, attention_mask=mask, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
                         do_sample=False, pad_token_id=0, custom_generate=hf_cascade.generate, cascade_caches=caches,
                     ))
+                    compile_per_batch.append(compile_s)
                 per_batch.append(t)
             except torch.OutOfMemoryError:
                 status = "out of memory"
@@ -431,6 +435,8 @@ def main_stream(args, writer, model) -> None:
         }
         if split:
             record["sdpa_parts_per_batch"] = split
+        if compile_per_batch:  # torch.compile phases per batch (the rest of a compiling batch: Triton, cudagraphs)
+            record["compile_s_per_batch"] = compile_per_batch
         if caches:  # the trees as planned: prefix levels and fixed-buffer capacity of each batch
             record["planned"] = [{"levels": c.num_levels, "max_suffix_length": c.max_suffix_length,
                                   "compiled": c.is_compileable} for c in caches]
@@ -524,7 +530,9 @@ def main(argv=None):
                     if peer.endswith("_compiled") or peer == "cascade_generate":
                         # compile + capture for this batch size, untimed (cascade_generate: its default path compiles
                         # once per model and batch size; after a --workload stream run of this size, nothing)
-                        record["warmup_s"], _ = wall_time(lambda: runners[peer](model, ids, mask, args.new_tokens))
+                        record["warmup_s"], record["warmup_compile_s"], _ = timed_with_compile_breakdown(
+                            lambda: runners[peer](model, ids, mask, args.new_tokens)
+                        )
                         reset_memory()
                     result = median_run(lambda: runners[peer](model, ids, mask, args.new_tokens), args.repeats)
                     new = result.pop("new_tokens", None)

@@ -106,6 +106,35 @@ def wall_time(fn) -> tuple[float, object]:
     return time.perf_counter() - t0, result
 
 
+# torch.compile phases worth reporting (torch._dynamo.utils.compile_times keys), in the order they run.
+_COMPILE_PHASES = {
+    "_compile.compile_inner": "dynamo_total_s",  # everything torch.compile does for a frame (tracing to code)
+    "bytecode_tracing": "dynamo_trace_s",
+    "create_aot_dispatcher_function": "aot_s",
+    "GraphLowering.run": "inductor_lowering_s",
+    "Scheduler.__init__": "inductor_scheduling_s",
+    "GraphLowering.codegen": "inductor_codegen_s",
+    "async_compile.wait": "triton_build_wait_s",
+    "build_guards": "guards_s",
+}
+
+
+def compile_seconds() -> dict:
+    """Seconds spent so far in each torch.compile phase of :data:`_COMPILE_PHASES` (process totals)."""
+    from torch._dynamo.utils import compilation_time_metrics
+
+    return {name: round(sum(compilation_time_metrics.get(key, ())), 3) for key, name in _COMPILE_PHASES.items()}
+
+
+def timed_with_compile_breakdown(fn) -> tuple[float, dict, object]:
+    """``wall_time(fn)`` plus the seconds each torch.compile phase took during it (cudagraph recording and
+    Triton builds of custom ops are the rest of a compiling call's time)."""
+    before = compile_seconds()
+    seconds, result = wall_time(fn)
+    after = compile_seconds()
+    return seconds, {k: round(after[k] - before[k], 3) for k in after}, result
+
+
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth (bytes read + written per second, GB/s), measured now."""
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
