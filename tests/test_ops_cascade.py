@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hf_cascade.ops import cascade_attention, plan_shared_prefix
-from hf_cascade.ops.cascade_attention import _cascade_triton
+from hf_cascade.ops.cascade_attention import _cascade_triton, launch_cascade, launch_configs
 
 from _ops_common import CUDA, DEVICE, needs_triton, BACKENDS, NEG_INF
 
@@ -117,6 +117,74 @@ def test_cascade_plan_reuse_is_deterministic():
     first = cascade_attention(q, ks, ks, [(k, v, plan)], scale=0.1, backend="triton")
     again = cascade_attention(q, ks, ks, [(k, v, plan)], scale=0.1, backend="triton")
     assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
+
+
+def fused_with_splits(q, ks, vs, prefixes, splits, mask=None):
+    """The fused launch form with ``splits`` KV splits per level and BLOCK_N 16 (more splits and blocks than the
+    heuristics pick at these sizes): ``launch_cascade(..., fuse_suffix=True)``."""
+    fuse, configs = launch_configs(q, ks, prefixes, fuse_suffix=True)
+    assert fuse
+    configs = [(sched, n, block_m, 16, warps, stages)
+               for n, (sched, _, block_m, _, warps, stages) in zip(splits, configs)]
+    return launch_cascade(q, ks, vs, [(k, v) for k, v, _ in prefixes], configs, True, scale=0.2, mask=mask,
+                          causal=True, softcap=None)
+
+
+def split_levels(hkv, d, dtype):
+    """Two levels; rows 3 and 4 have no keys at the last level (no node / an empty node), row 3 none at all."""
+    return [make_level(hkv, d, dtype, (37, 20), (0, 1, 0, -1, 1, 0)),
+            make_level(hkv, d, dtype, (150, 0, 45), (2, 0, 2, -1, 1, 0))]
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("hq,hkv", [(6, 2), (3, 3)], ids=["gqa", "mha"])
+@pytest.mark.parametrize("lq,S", [(1, 5), (3, 7), (3, 0)], ids=["decode", "causal", "no-suffix"])
+def test_fused_many_splits_matches_torch(dtype, hq, hkv, lq, S):
+    """The fused launch form with more states per entry than the heuristics give at these sizes: 5 KV splits at
+    the last level (the fused launch) and 3 at the first (an earlier launch), merged with the suffix state by the
+    combine; head_dim 24 (masked), rows without keys at a level and without any key, an empty suffix. Against the
+    fp32 torch path."""
+    B, d = 6, 24
+    torch.manual_seed(1)
+    levels = split_levels(hkv, d, dtype)
+    q = torch.randn(B, hq, lq, d, device=DEVICE).to(dtype)
+    ks = torch.randn(B, hkv, S, d, device=DEVICE).to(dtype)
+    vs = torch.randn(B, hkv, S, d, device=DEVICE).to(dtype)
+    prefixes = [(k, v, plan_shared_prefix(rows, starts, device=DEVICE)) for k, v, rows, starts in levels]
+    out, lse = fused_with_splits(q, ks, vs, prefixes, (3, 5))
+    ref_out, ref_lse = cascade_attention(q, ks, vs, prefixes, scale=0.2, causal=True, backend="torch")
+    assert out.dtype == dtype and out.transpose(1, 2).is_contiguous()
+    tol = 2e-5 if dtype == torch.float32 else 2e-3
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=tol, rtol=tol)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "-inf pattern differs"
+    fin = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse[fin], ref_lse[fin], atol=1e-4, rtol=1e-5)
+    if S == 0:  # row 3 has no key anywhere
+        assert torch.equal(out[3], torch.zeros_like(out[3])) and torch.isneginf(lse[3]).all()
+
+
+@needs_triton
+def test_fused_twice_same_bits():
+    """A second call on the same tensors gives the same bits (no state kept between calls). The first call's
+    outputs are poisoned with NaN before the second, so an entry the second call leaves unwritten would show."""
+    B, hq, hkv, lq, d, S = 6, 6, 2, 2, 24, 5
+    torch.manual_seed(2)
+    levels = split_levels(hkv, d, torch.float32)
+    q = torch.randn(B, hq, lq, d, device=DEVICE)
+    ks = torch.randn(B, hkv, S, d, device=DEVICE)
+    vs = torch.randn(B, hkv, S, d, device=DEVICE)
+    mask = torch.rand(B, lq, S, device=DEVICE) > 0.3
+    prefixes = [(k, v, plan_shared_prefix(rows, starts, device=DEVICE)) for k, v, rows, starts in levels]
+    out, lse = fused_with_splits(q, ks, vs, prefixes, (2, 4), mask)
+    first_out, first_lse = out.clone(), lse.clone()
+    out.fill_(float("nan"))
+    lse.fill_(float("nan"))
+    del out, lse
+    again_out, again_lse = fused_with_splits(q, ks, vs, prefixes, (2, 4), mask)
+    assert torch.equal(again_out, first_out) and torch.equal(again_lse, first_lse)
+    ref_out, _ = cascade_attention(q, ks, vs, prefixes, scale=0.2, mask=mask, backend="torch")
+    torch.testing.assert_close(again_out, ref_out, atol=2e-5, rtol=2e-5)
 
 
 def test_cascade_rejects_bad_inputs():
