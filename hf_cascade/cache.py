@@ -231,6 +231,19 @@ class _StaticSuffixLayer(_SuffixLayer):
         return (columns[None, :] <= last[:, None])[None]
 
 
+def _stacked_base(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """The ``[layers, ...]`` tensor whose ``unbind(0)`` views ``tensors`` are (as prefill packs a level), or None."""
+    base = tensors[0]._base
+    if base is None or base.dim() != tensors[0].dim() + 1 or base.shape[0] != len(tensors) or not base.is_contiguous():
+        return None
+    step = base.stride(0) * base.element_size()
+    start = base.data_ptr()
+    if all(t._base is base and t.data_ptr() == start + i * step and t.shape == base.shape[1:]
+           for i, t in enumerate(tensors)):
+        return base
+    return None
+
+
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 
@@ -324,7 +337,7 @@ class CascadeCache(Cache):
         self.prefilled_prefix_tokens = sum(level.node_starts[-1] for level in self.levels)
         # The prefix KV a compiled step reads, per layer (keys, values), padded to padded_level_count levels: built
         # at the first forward (_match_rows), from the StepBuffers given by use_step_buffers if any.
-        self._compiled_prefix: list[tuple[list[torch.Tensor], list[torch.Tensor]]] | None = None
+        self._compiled_prefix: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         self._step_buffers: StepBuffers | None = None
         # The attention modules this cache may serve (reusing it with another model is an error).
         self._modules: dict[int, weakref.WeakSet] = {}
@@ -340,34 +353,35 @@ class CascadeCache(Cache):
         self._owner: int | None = None
         self._positions_checked = False
 
-    def _pad_prefix_levels(self, buffers: StepBuffers | None = None) -> list[tuple[list[torch.Tensor], ...]]:
-        """Per layer the prefix keys and values a compiled step takes: empty levels (2 keys that no row reads) in
-        front of the real ones, so that trees of 1 to COMPILED_LEVELS levels run one graph. CUDA graphs read them
-        in place (no copy per replay); a new cache re-records, never recompiles, and a level of another length is
-        the same graph (its length is dynamic). ``buffers``: move the levels' KV into tensors taken from it."""
-        pad = padded_level_count(len(self.levels)) - len(self.levels)
+    def _pad_prefix_levels(self, buffers: StepBuffers | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The prefix KV a compiled step takes: per level slot, the keys (values) of every layer as one tensor
+        ``[layers, Hkv, T, D]``, with empty slots (2 keys that no row reads) in front of the real levels, so that
+        trees of 1 to COMPILED_LEVELS levels run one graph. One tensor per slot, not per layer: the step's inputs,
+        and the sizes dynamo reads from them before every replay, do not grow with the layers. CUDA graphs read
+        them in place (no copy per replay); a new cache re-records, never recompiles, and a level of another
+        length is the same graph (its length is dynamic). ``buffers``: the slots are tensors taken from it. The
+        levels' per-layer tensors become views of their slot (the KV is stored once)."""
+        first = self.levels[0].keys[0]
+        layers, (heads, _, head_dim) = len(self.levels[0].keys), first.shape
         if buffers is None:
-            new = lambda shape, like: like.new_zeros(shape)  # noqa: E731
+            new = lambda shape: first.new_zeros(shape)  # noqa: E731
         else:
-            new = lambda shape, like: buffers.take(shape, like.dtype, like.device)  # noqa: E731
-            for level in self.levels:
-                for tensors in (level.keys, level.values):
+            new = lambda shape: buffers.take(shape, first.dtype, first.device)  # noqa: E731
+        pad = padded_level_count(len(self.levels)) - len(self.levels)
+        slots = [[new((layers, heads, 2, head_dim)) for _ in range(pad)] for _ in range(2)]
+        for level in self.levels:
+            for tensors, kind_slots in ((level.keys, slots[0]), (level.values, slots[1])):
+                stacked = _stacked_base(tensors) if buffers is None else None
+                if stacked is None:  # one copy, then the level reads the stacked tensor
+                    stacked = new((layers, *tensors[0].shape))
                     for layer_idx, t in enumerate(tensors):
-                        tensors[layer_idx] = new(t.shape, t).copy_(t)
-        padded = []
-        for layer_idx in range(len(self.levels[0].keys)):
-            keys = [level.keys[layer_idx] for level in self.levels]
-            values = [level.values[layer_idx] for level in self.levels]
-            # One tensor per slot: dynamo guards on which inputs alias, and a slot holds a real level in the next
-            # batch. (Hkv x 2 x D: bytes.)
-            shape = (keys[0].shape[0], 2, keys[0].shape[2])
-            padded.append(([new(shape, keys[0]) for _ in range(pad)] + keys,
-                           [new(shape, keys[0]) for _ in range(pad)] + values))
-        for keys, values in padded:
-            for tensor in (*keys, *values):
-                torch._dynamo.mark_static_address(tensor, guard=False)
-                torch._dynamo.maybe_mark_dynamic(tensor, 1)
-        return padded
+                        stacked[layer_idx].copy_(t)
+                    tensors[:] = list(stacked.unbind(0))
+                kind_slots.append(stacked)
+        for tensor in (*slots[0], *slots[1]):
+            torch._dynamo.mark_static_address(tensor, guard=False)
+            torch._dynamo.maybe_mark_dynamic(tensor, 2)
+        return slots[0], slots[1]
 
     def use_step_buffers(self, buffers: StepBuffers) -> None:
         """Take this cache's fixed buffers and prefix KV from ``buffers`` (a model's :class:`StepBuffers`), so a
@@ -384,8 +398,8 @@ class CascadeCache(Cache):
         """The device tensors a compiled step reads in place: suffix buffers, their lengths, the padded prefix."""
         tensors = [t for layer in self.layers if layer.is_initialized
                    for t in (layer.keys, layer.values, layer.cumulative_length)]
-        for keys, values in self._compiled_prefix or ():
-            tensors += [*keys, *values]
+        for slots in self._compiled_prefix or ():
+            tensors += slots
         return tensors
 
     # ------------------------------------------------------------------ construction
@@ -709,7 +723,7 @@ class CascadeCache(Cache):
         if compiling and self._compiled_prefix is not None:
             # The padded levels: the graph reads no level count (a tree of 1 to 4 levels is the same graph).
             # One launch per prefix level plus one for the suffix (which also merges the levels' states).
-            prefix_keys, prefix_values = self._compiled_prefix[layer_idx]
+            prefix_keys, prefix_values = ([slot[layer_idx] for slot in slots] for slots in self._compiled_prefix)
             return torch.ops.hf_cascade.cascade_attention(
                 query, key, value, prefix_keys, prefix_values, self._op_inputs, attention_mask, scaling, softcap,
             )[0]
@@ -720,7 +734,8 @@ class CascadeCache(Cache):
         prefix_values = [level.values[layer_idx] for level in self.levels]
         if self._compiled_prefix is not None and self._op_inputs is None:
             # Plan the decode step (one query position) now, outside the compiled step's CUDA graphs.
-            self._op_inputs = self._plan.op_inputs(query[:, :, -1:], key, self._compiled_prefix[layer_idx][0])
+            self._op_inputs = self._plan.op_inputs(query[:, :, -1:], key,
+                                                   [slot[layer_idx] for slot in self._compiled_prefix[0]])
         return cascade_attention_planned(
             query, key, value, prefix_keys, prefix_values, self._plan, scale=scaling, mask=attention_mask,
             softcap=softcap,

@@ -129,10 +129,8 @@ def prefill_levels(
             past_key_values=cache,
             use_cache=True,
         )
-        keys, values = [], []
-        for layer in cache.layers:
-            keys.append(_pack(layer.keys, lengths))
-            values.append(_pack(layer.values, lengths))
+        keys, values = _pack_layers([layer.keys for layer in cache.layers], lengths), \
+            _pack_layers([layer.values for layer in cache.layers], lengths)
         starts = [0]
         for length in lengths:
             starts.append(starts[-1] + length)
@@ -142,8 +140,14 @@ def prefill_levels(
     return levels
 
 
-def _pack(suffix: torch.Tensor, lengths: list[int]) -> torch.Tensor:
-    """``[N, Hkv, width, D]`` left-padded rows -> ``[Hkv, sum(lengths), D]`` with the padding dropped."""
-    width = suffix.shape[2]
-    parts = [suffix[i, :, width - length :] for i, length in enumerate(lengths)]
-    return torch.cat(parts, dim=1).contiguous()
+def _pack_layers(suffixes: list[torch.Tensor], lengths: list[int]) -> list[torch.Tensor]:
+    """Per layer ``[N, Hkv, width, D]`` left-padded rows -> per layer ``[Hkv, sum(lengths), D]`` with the padding
+    dropped: views of one ``[layers, Hkv, sum(lengths), D]`` tensor (a compiled step takes a level's KV of every
+    layer as that one tensor; see ``CascadeCache._pad_prefix_levels``)."""
+    first = suffixes[0]
+    width = first.shape[2]
+    stacked = first.new_empty((len(suffixes), first.shape[1], sum(lengths), first.shape[3]))
+    for layer, suffix in enumerate(suffixes):
+        parts = [suffix[i, :, width - length :] for i, length in enumerate(lengths)]
+        torch.cat(parts, dim=1, out=stacked[layer])
+    return list(stacked.unbind(0))
