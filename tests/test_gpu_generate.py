@@ -174,7 +174,8 @@ def test_gpu_stop_flag_read_a_step_late(do_sample):
 @pytest.mark.parametrize("compiled", [False, True])
 def test_gpu_decode_steps_never_wait_for_the_gpu(compiled):
     """No host-device synchronisation per decode step, eager (``disable_compile=True``) or compiled: a call of 12
-    new tokens synchronises as often as a call of 3 (planning and prefill synchronise; the steps do not).
+    new tokens synchronises as often as a call of 3 (planning and prefill synchronise; the steps do not). Seen on
+    an H100 before the discarded first count: 49 vs 48, the extra one at the first count whichever call it was.
     Counted with torch's CUDA sync debug mode, which warns at every synchronising call."""
     import warnings
 
@@ -195,4 +196,5 @@ def test_gpu_decode_steps_never_wait_for_the_gpu(compiled):
                 torch.cuda.set_sync_debug_mode("default")
         return sum("synchroniz" in str(w.message) for w in caught)
 
+    syncs(3)  # the first counted call also counts a one-off synchronisation in torch.cuda (not a decode step)
     assert syncs(12) == syncs(3)

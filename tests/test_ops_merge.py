@@ -36,7 +36,7 @@ def attend64(q, k, v):
     """Independent float64 softmax attention of q [M, D] against k, v [N, D] (N may be 0)."""
     q, k, v = q.double(), k.double(), v.double()
     if k.shape[0] == 0:
-        return torch.zeros_like(q), torch.full(q.shape[:1], NEG_INF, dtype=torch.float64)
+        return torch.zeros_like(q), torch.full(q.shape[:1], NEG_INF, dtype=torch.float64, device=q.device)
     s = q @ k.T
     return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
 
