@@ -722,10 +722,11 @@ class CascadeCache(Cache):
         attention_mask = self._suffix_mask(attention_mask, layer, query.shape[2], key.shape[2])
         if compiling and self._compiled_prefix is not None:
             # The padded levels: the graph reads no level count (a tree of 1 to 4 levels is the same graph).
-            # One launch per prefix level plus one for the suffix (which also merges the levels' states).
-            prefix_keys, prefix_values = ([slot[layer_idx] for slot in slots] for slots in self._compiled_prefix)
+            # L + 1 Triton launches (see ops/cascade_attention.launch_cascade).
+            prefix_keys, prefix_values = self._compiled_prefix  # every layer's; the op reads this layer's
             return torch.ops.hf_cascade.cascade_attention(
                 query, key, value, prefix_keys, prefix_values, self._op_inputs, attention_mask, scaling, softcap,
+                layer_idx,
             )[0]
         if not self.levels:  # nothing shared (e.g. prefilling a tree's first level): the fastest exact kernel
             mask = None if attention_mask is None else attention_mask[:, None]

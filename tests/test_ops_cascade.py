@@ -233,3 +233,27 @@ def test_planned_op_any_layout_same_shapes(backend, pad):
         torch.testing.assert_close(out.transpose(1, 2).double().cpu(), exp_out, atol=2e-5, rtol=2e-5)
         fin = torch.isfinite(exp_lse)
         torch.testing.assert_close(lse.double().cpu()[fin], exp_lse[fin], atol=1e-4, rtol=1e-5)
+
+
+def test_planned_op_reads_one_layer_of_stacked_levels():
+    """The compiled step passes each level's KV of every layer as one ``[layers, Hkv, T, D]`` tensor and the layer
+    index: the op reads that layer's keys, the same answer as given that layer's tensors (and not another's)."""
+    from hf_cascade.ops.plan import plan_cascade
+
+    torch.manual_seed(1)
+    B, Hq, Hkv, D, S, layers = 3, 4, 2, 16, 5, 3
+    q = torch.randn(B, Hq, 1, D, device=DEVICE)
+    ks, vs = torch.randn(B, Hkv, S, D, device=DEVICE), torch.randn(B, Hkv, S, D, device=DEVICE)
+    mask = torch.ones(B, 1, S, dtype=torch.bool, device=DEVICE)
+    row_nodes, lens = [[0, 0, 1]], [[6, 3]]
+    plan = plan_cascade(torch.tensor(row_nodes), [[0, 6, 9]], B, torch.device(DEVICE))
+    stacked_k = torch.randn(layers, Hkv, sum(lens[0]), D, device=DEVICE)
+    stacked_v = torch.randn(layers, Hkv, sum(lens[0]), D, device=DEVICE)
+    tensors = plan.op_inputs(q, ks, [stacked_k[0]])
+    op = torch.ops.hf_cascade.cascade_attention
+    for layer in range(layers):
+        got, got_lse = op(q, ks, vs, [stacked_k], [stacked_v], tensors, mask, D ** -0.5, None, layer)
+        want, want_lse = op(q, ks, vs, [stacked_k[layer]], [stacked_v[layer]], tensors, mask, D ** -0.5, None)
+        assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
+    other, _ = op(q, ks, vs, [stacked_k[0]], [stacked_v[0]], tensors, mask, D ** -0.5, None)
+    assert not torch.allclose(got, other)

@@ -180,15 +180,21 @@ def _planned_torch(query, key, value, prefix_keys, prefix_values, levels, mask, 
     mutates_args=(),
     schema=(
         "(Tensor query, Tensor key, Tensor value, Tensor[] prefix_keys, Tensor[] prefix_values, Tensor[] plan, "
-        "Tensor? mask, float scale, float? softcap) -> (Tensor, Tensor)"
+        "Tensor? mask, float scale, float? softcap, int? layer=None) -> (Tensor, Tensor)"
     ),
 )
-def _cascade_attention_op(query, key, value, prefix_keys, prefix_values, plan, mask, scale, softcap):
+def _cascade_attention_op(query, key, value, prefix_keys, prefix_values, plan, mask, scale, softcap, layer=None):
+    """``layer``: None when ``prefix_keys``/``prefix_values`` are one layer's ``[Hkv, T, D]`` per level; else they
+    are every layer's ``[layers, Hkv, T, D]`` per level and this layer's are read from them here (a compiled step
+    then traces no per-layer views of them)."""
+    if layer is not None:
+        prefix_keys = [k[layer] for k in prefix_keys]
+        prefix_values = [v[layer] for v in prefix_values]
     return _planned_attention(query, key, value, prefix_keys, prefix_values, plan, mask, scale, softcap)
 
 
 @_cascade_attention_op.register_fake
-def _(query, key, value, prefix_keys, prefix_values, plan, mask, scale, softcap):
+def _(query, key, value, prefix_keys, prefix_values, plan, mask, scale, softcap, layer=None):
     B, Hq, Lq, D = query.shape
     out = query.new_empty((B, Lq, Hq, D))
     lse = query.new_empty((B, Hq, Lq), dtype=torch.float32)
