@@ -25,10 +25,17 @@ from common import ResultWriter  # noqa: E402
 PEERS = ("cascade_generate", "sdpa_static")
 
 
-def measure(peer: str, layers: int, device: str, backend: str) -> dict:
-    """One peer's first compiled call (run in this process): seconds, phase seconds, graph inputs."""
+def measure(peer: str, layers: int, device: str, backend: str, mark_layers: bool = False) -> dict:
+    """One peer's first compiled call (run in this process): seconds, phase seconds, graph inputs. ``mark_layers``:
+    the decoder layer's forward marked ``torch.compiler.nested_compile_region`` (an experiment: this patches the
+    model class in this process only)."""
     import torch
     from transformers import CompileConfig
+    from transformers.models.llama import modeling_llama
+
+    if mark_layers:
+        layer = modeling_llama.LlamaDecoderLayer
+        layer.forward = torch.compiler.nested_compile_region(layer.forward)
 
     import hf_cascade
     from common import timed_with_compile_breakdown
@@ -72,22 +79,24 @@ def main(argv=None):
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--backend", default="aot_eager", help="torch.compile backend (inductor, aot_eager, ...)")
     parser.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEERS)
+    parser.add_argument("--mark-layers", action="store_true",
+                        help="experiment: hierarchical compilation (nested_compile_region on the decoder layer)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
     if args.child:
-        print(json.dumps(measure(args.child, args.layers, args.device, args.backend)))
+        print(json.dumps(measure(args.child, args.layers, args.device, args.backend, args.mark_layers)))
         return
     writer = ResultWriter("compile_time.jsonl", args.output)
     for peer in args.peers:
         out = subprocess.run(
             [sys.executable, os.path.abspath(__file__), "--child", peer, "--layers", str(args.layers),
-             "--device", args.device, "--backend", args.backend],
+             "--device", args.device, "--backend", args.backend, *(["--mark-layers"] if args.mark_layers else [])],
             capture_output=True, text=True, check=True,
         )
         result = json.loads(out.stdout.strip().splitlines()[-1])
         record = {"bench": "compile_time", "peer": peer, "layers": args.layers, "device": args.device,
-                  "backend": args.backend, "model": "tiny llama", **result}
+                  "backend": args.backend, "model": "tiny llama", "nested_compile_region": args.mark_layers, **result}
         writer.write(record)
         print(record, flush=True)
 
