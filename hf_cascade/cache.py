@@ -363,6 +363,14 @@ class CascadeCache(Cache):
         levels' per-layer tensors become views of their slot (the KV is stored once)."""
         first = self.levels[0].keys[0]
         layers, (heads, _, head_dim) = len(self.levels[0].keys), first.shape
+        if any(t.shape[::2] != first.shape[::2] or t.dtype != first.dtype for t in self.levels[0].keys):
+            raise NotImplementedError(
+                f"This model's layers store KV of different shapes ([heads, tokens, head_dim] per layer: "
+                f"{sorted({tuple(t.shape[::2]) for t in self.levels[0].keys})} heads x head_dim); hf_cascade's fixed "
+                "buffers (compiled decode) need one shape for every layer. Pass `cascade_options=dict("
+                "fixed_buffers=False)` (or `disable_compile=True`) to generate(), or build the cache without "
+                "`max_new_tokens` / `max_suffix_length`."
+            )
         if buffers is None:
             new = lambda shape: first.new_zeros(shape)  # noqa: E731
         else:

@@ -143,9 +143,12 @@ def prefill_levels(
 def _pack_layers(suffixes: list[torch.Tensor], lengths: list[int]) -> list[torch.Tensor]:
     """Per layer ``[N, Hkv, width, D]`` left-padded rows -> per layer ``[Hkv, sum(lengths), D]`` with the padding
     dropped: views of one ``[layers, Hkv, sum(lengths), D]`` tensor (a compiled step takes a level's KV of every
-    layer as that one tensor; see ``CascadeCache._pad_prefix_levels``)."""
+    layer as that one tensor; see ``CascadeCache._pad_prefix_levels``), or separate tensors when layers' KV shapes
+    differ."""
     first = suffixes[0]
     width = first.shape[2]
+    if any(s.shape != first.shape or s.dtype != first.dtype for s in suffixes):  # layers of other KV shapes: apart
+        return [torch.cat([s[i, :, width - n :] for i, n in enumerate(lengths)], dim=1) for s in suffixes]
     stacked = first.new_empty((len(suffixes), first.shape[1], sum(lengths), first.shape[3]))
     for layer, suffix in enumerate(suffixes):
         parts = [suffix[i, :, width - length :] for i, length in enumerate(lengths)]

@@ -282,3 +282,29 @@ def test_batch_buckets_when_sampling(buckets):
     assert caches[0].layers[0].keys.shape[0] == (4 if buckets else 3)
     if buckets is None:
         assert torch.equal(got, want)
+
+
+def test_prefix_level_stored_once_for_all_layers():
+    """A prefilled level's KV of every layer is one [layers, Hkv, T, D] tensor (what a compiled step takes as one
+    input per level); the compiled step's slots are those tensors, not copies. Layers with KV of other shapes are
+    packed apart, and fixed buffers then refuse with the fix named."""
+    from hf_cascade.prefill import _pack_layers
+
+    _, cas = model_pair("llama")
+    prefix = torch.randint(3, 128, (9,), generator=torch.Generator().manual_seed(37))
+    cache = CascadeCache.from_prefix(cas, prefix, max_suffix_length=4 + MAX_NEW)
+    level = cache.levels[0]
+    base = level.keys[0]._base
+    assert base is not None and base.shape == (len(level.keys), *level.keys[0].shape)
+    assert all(k._base is base for k in level.keys)
+    keys, values = cache._pad_prefix_levels()
+    assert keys[-1] is base and values[-1] is level.values[0]._base  # the real level: the stored tensor itself
+    assert all(t.shape[1:] == (base.shape[1], 2, base.shape[3]) for t in keys[:-1])  # empty padding slots
+
+    rows = [torch.randn(2, 3, 5, 4), torch.randn(2, 1, 5, 4)]  # KV heads 3 and 1
+    packed = _pack_layers(rows, [5, 2])
+    assert [p.shape for p in packed] == [(3, 7, 4), (1, 7, 4)] and packed[0]._base is None
+    torch.testing.assert_close(packed[1][:, 5:], rows[1][1, :, 3:])
+    level.keys[1] = level.keys[1][:1].clone()  # as a model whose layers hold KV of other shapes
+    with pytest.raises(NotImplementedError, match="fixed_buffers=False"):
+        cache._pad_prefix_levels()
