@@ -35,7 +35,7 @@ from hf_cascade.attention import ATTENTION_NAME, bind_layer, check_model_uses_ca
 from hf_cascade.ops._backend import host_to_device
 from hf_cascade.ops.plan import CascadePlan, cascade_attention_planned, padded_level_count, plan_cascade
 from hf_cascade.prefill import PrefixLevel, prefill_levels, validate_token_ids
-from hf_cascade.step_buffers import StepBuffers
+from hf_cascade.step_buffers import StepBuffers, take_or_new
 
 
 class _SuffixLayer(CacheLayerMixin):
@@ -137,14 +137,10 @@ class _StaticSuffixLayer(_SuffixLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         shape = (*key_states.shape[:2], self.max_suffix_length, key_states.shape[-1])
-        if self.step_buffers is None:
-            self.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            self.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            self.cumulative_length = torch.zeros((), dtype=torch.int64, device=self.device)
-        else:  # an earlier call's buffers (same addresses: its CUDA graphs replay), cleared
-            self.keys = self.step_buffers.take(shape, self.dtype, self.device).zero_()
-            self.values = self.step_buffers.take(shape, self.dtype, self.device).zero_()
-            self.cumulative_length = self.step_buffers.take((), torch.int64, self.device).zero_()
+        # With step buffers: an earlier call's (same addresses: its CUDA graphs replay), cleared.
+        self.keys = take_or_new(self.step_buffers, shape, self.dtype, self.device, zeroed=True)
+        self.values = take_or_new(self.step_buffers, shape, self.dtype, self.device, zeroed=True)
+        self.cumulative_length = take_or_new(self.step_buffers, (), torch.int64, self.device, zeroed=True)
         self._host_length, self._host_length_stale = 0, False
         if not torch.compiler.is_compiling():
             # Fixed addresses for CUDA graphs; guard=False: a new cache re-records graphs instead of recompiling.
@@ -335,8 +331,9 @@ class CascadeCache(Cache):
         self.rows_verified = row_nodes is not None
         self.prefix_tree = prefix_tree
         self.prefilled_prefix_tokens = sum(level.node_starts[-1] for level in self.levels)
-        # The prefix KV a compiled step reads, per layer (keys, values), padded to padded_level_count levels: built
-        # at the first forward (_match_rows), from the StepBuffers given by use_step_buffers if any.
+        # The prefix KV a compiled step reads: (key slots, value slots), one [layers, Hkv, T, D] tensor per level,
+        # padded to padded_level_count levels (_pad_prefix_levels). Built at the first forward (_match_rows), from
+        # the StepBuffers given by use_step_buffers if any.
         self._compiled_prefix: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         self._step_buffers: StepBuffers | None = None
         # The attention modules this cache may serve (reusing it with another model is an error).
@@ -371,10 +368,7 @@ class CascadeCache(Cache):
                 "fixed_buffers=False)` (or `disable_compile=True`) to generate(), or build the cache without "
                 "`max_new_tokens` / `max_suffix_length`."
             )
-        if buffers is None:
-            new = lambda shape: first.new_zeros(shape)  # noqa: E731
-        else:
-            new = lambda shape: buffers.take(shape, first.dtype, first.device)  # noqa: E731
+        new = lambda shape: take_or_new(buffers, shape, first.dtype, first.device)  # noqa: E731
         pad = padded_level_count(len(self.levels)) - len(self.levels)
         slots = [[new((layers, heads, 2, head_dim)) for _ in range(pad)] for _ in range(2)]
         for level in self.levels:

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 
 import torch
 
-__all__ = ["StepBuffers", "step_buffers"]
+__all__ = ["StepBuffers", "step_buffers", "take_or_new"]
 
 _Key = tuple[tuple[int, ...], torch.dtype, torch.device]
 
@@ -30,14 +30,17 @@ class StepBuffers:
         self._free: dict[_Key, list[torch.Tensor]] = {}
         self._lock = threading.Lock()
 
-    def take(self, shape: Iterable[int], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-        """A tensor of this spec: one kept from an earlier call (its old contents left in place) or new zeros."""
+    def take(self, shape: Iterable[int], dtype: torch.dtype, device: torch.device | str,
+             zeroed: bool = False) -> torch.Tensor:
+        """A tensor of this spec: one kept from an earlier call (its old contents left in place, or cleared when
+        ``zeroed``) or new zeros."""
         key = (tuple(int(s) for s in shape), dtype, torch.device(device))
         with self._lock:
             free = self._free.get(key)
-            if free:
-                return free.pop()
-        return torch.zeros(key[0], dtype=dtype, device=key[2])
+            kept = free.pop() if free else None
+        if kept is None:
+            return torch.zeros(key[0], dtype=dtype, device=key[2])
+        return kept.zero_() if zeroed else kept
 
     def keep(self, tensors: Iterable[torch.Tensor]) -> None:
         """Keep these tensors (a finished call's) for the next call, in place of what was kept before."""
@@ -68,3 +71,12 @@ def step_buffers(model: torch.nn.Module) -> StepBuffers:
         if pool is None:
             pool = _BY_MODEL[model] = StepBuffers()
         return pool
+
+
+def take_or_new(buffers: StepBuffers | None, shape: Iterable[int], dtype: torch.dtype,
+                device: torch.device | str, zeroed: bool = False) -> torch.Tensor:
+    """A tensor of this spec from ``buffers`` (see :meth:`StepBuffers.take`) or, when ``buffers`` is None, new
+    zeros."""
+    if buffers is None:
+        return torch.zeros(tuple(shape), dtype=dtype, device=device)
+    return buffers.take(shape, dtype, device, zeroed)

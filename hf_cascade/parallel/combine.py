@@ -50,14 +50,24 @@ def _traced_group(info: GroupInfo):
     return dist.group.WORLD if info.group is None else info.group
 
 
-def _fc_all_gather(tensor: torch.Tensor, info: GroupInfo) -> torch.Tensor:
-    """Traceable all-gather of ``tensor`` (any shape): ``[world_size * tensor.numel()]`` flat, rank order."""
-    return fc.wait_tensor(fc.all_gather_tensor(tensor.contiguous().view(-1), 0, _traced_group(info)))
+def _all_gathered(tensor: torch.Tensor, info: GroupInfo) -> torch.Tensor:
+    """All-gather of ``tensor`` (any shape): ``[world_size * tensor.numel()]`` flat, rank order. Inside
+    ``torch.compile`` a functional collective (traceable); eagerly ``torch.distributed``."""
+    flat = tensor.contiguous().view(-1)
+    if torch.compiler.is_compiling():
+        return fc.wait_tensor(fc.all_gather_tensor(flat, 0, _traced_group(info)))
+    output = flat.new_empty(info.world_size * flat.numel())
+    _all_gather_flat(output, flat, info)
+    return output
 
 
-def _fc_all_reduce(tensor: torch.Tensor, op: str, info: GroupInfo) -> torch.Tensor:
-    """Traceable all-reduce (``op``: ``"max"`` or ``"sum"``); returns a new tensor."""
-    return fc.wait_tensor(fc.all_reduce(tensor.contiguous(), op, _traced_group(info)))
+def _all_reduced(tensor: torch.Tensor, op: str, info: GroupInfo) -> torch.Tensor:
+    """All-reduce (``op``: ``"max"`` or ``"sum"``): eagerly in place on ``tensor`` (returned); inside
+    ``torch.compile`` a functional collective returning a new tensor."""
+    if torch.compiler.is_compiling():
+        return fc.wait_tensor(fc.all_reduce(tensor.contiguous(), op, _traced_group(info)))
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=info.group)
+    return tensor
 
 
 def check_combine(combine: str) -> str:
@@ -101,21 +111,13 @@ def combine_tree(out: torch.Tensor, lse: torch.Tensor, info: GroupInfo) -> tuple
     lse = _empty_guard(lse)
     if info.world_size == 1:
         return out, lse
-    compiling = torch.compiler.is_compiling()
-    if compiling:
-        m = _fc_all_reduce(lse, "max", info)
-    else:
-        m = lse.clone()
-        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=info.group)
+    m = _all_reduced(lse.clone(), "max", info)
     weighted, w = scale_states(out, lse, m)
     D = out.shape[-1]
     packed = torch.empty((*out.shape[:-1], D + 1), dtype=torch.float32, device=out.device)
     packed[..., :D] = weighted
     packed[..., D] = w
-    if compiling:
-        packed = _fc_all_reduce(packed, "sum", info)
-    else:
-        dist.all_reduce(packed, op=dist.ReduceOp.SUM, group=info.group)
+    packed = _all_reduced(packed, "sum", info)
     result, lse = normalize_states(packed[..., :D], packed[..., D], m)
     return result.to(out.dtype), lse
 
@@ -157,11 +159,7 @@ def combine_all_gather(out: torch.Tensor, lse: torch.Tensor, info: GroupInfo) ->
     send = torch.empty(numel_out + numel_lse, dtype=torch.float32, device=out.device)
     send[:numel_out].view(out.shape).copy_(out)
     send[numel_out:].view(lse.shape).copy_(lse)
-    if torch.compiler.is_compiling():
-        recv = _fc_all_gather(send, info).view(n, numel_out + numel_lse)
-    else:
-        recv = torch.empty((n, numel_out + numel_lse), dtype=torch.float32, device=out.device)
-        _all_gather_flat(recv, send, info)
+    recv = _all_gathered(send, info).view(n, numel_out + numel_lse)
     outs = recv[:, :numel_out].view(n, *out.shape)
     lses = recv[:, numel_out:].view(n, *lse.shape)
     result, lse = combine_local(outs, lses, dim=0)
@@ -194,8 +192,7 @@ def combine_all_to_all(out: torch.Tensor, lse: torch.Tensor, info: GroupInfo) ->
     if n * h > H:
         send[H:, ..., :D] = 0.0
         send[H:, ..., D] = _NEG_INF
-    compiling = torch.compiler.is_compiling()
-    if compiling:
+    if torch.compiler.is_compiling():
         recv = fc.wait_tensor(fc.all_to_all_single(send, None, None, _traced_group(info)))
     else:
         recv = torch.empty_like(send)  # [n (source rank), h, B, Lq, D + 1] once viewed
@@ -203,11 +200,7 @@ def combine_all_to_all(out: torch.Tensor, lse: torch.Tensor, info: GroupInfo) ->
     recv = recv.view(n, h, B, Lq, D + 1)
     mine_out, mine_lse = combine_local(recv[..., :D], recv[..., D], dim=0)  # [h, B, Lq, D], [h, B, Lq]
     local = torch.cat([mine_out, mine_lse.unsqueeze(-1)], dim=-1)
-    if compiling:
-        gathered = _fc_all_gather(local, info).view(n * h, B, Lq, D + 1)
-    else:
-        gathered = torch.empty((n * h, B, Lq, D + 1), dtype=torch.float32, device=out.device)
-        _all_gather_flat(gathered, local, info)
+    gathered = _all_gathered(local, info).view(n * h, B, Lq, D + 1)
     gathered = gathered[:H].transpose(0, 1)  # [B, H, Lq, D + 1]
     return gathered[..., :D].to(out.dtype), gathered[..., D].contiguous()
 
@@ -251,12 +244,10 @@ def all_gather_kv(
     packed = key.new_zeros((2, B, Hkv, s_max, D))
     packed[0, :, :, :S] = key
     packed[1, :, :, :S] = value
-    gathered = key.new_empty((n, 2, B, Hkv, s_max, D))
-    _all_gather_flat(gathered, packed, info)
+    gathered = _all_gathered(packed, info).view(n, 2, B, Hkv, s_max, D)
     cols = columns.new_full((s_max,), -1)
     cols[:S] = columns
-    all_cols = columns.new_empty((n, s_max))
-    _all_gather_flat(all_cols, cols, info)
+    all_cols = _all_gathered(cols, info).view(n, s_max)
     keep = torch.cat([torch.arange(r * s_max, r * s_max + lengths[r], device=key.device) for r in range(n)])
     kv = gathered.permute(1, 2, 3, 0, 4, 5).reshape(2, B, Hkv, n * s_max, D).index_select(3, keep)
     return kv[0], kv[1], all_cols.view(-1).index_select(0, keep)
