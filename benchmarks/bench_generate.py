@@ -119,11 +119,22 @@ def run_cascade(model, ids, mask, new_tokens, compiled=False):
     }
 
 
-def run_cascade_generate(model, ids, mask, new_tokens):
-    """The user's own generate() call + ``custom_generate=hf_cascade.generate`` (planning and prefill included)."""
+# hf_cascade.generate peers: the default, and each decode step (cascade_options["decode_step"]) named
+CASCADE_GENERATE_PEERS = {"cascade_generate": None, "cascade_generate_compile": "compile",
+                          "cascade_generate_graphs": "graphs"}
+
+
+def _decode_step_options(decode_step):
+    return None if decode_step is None else {"decode_step": decode_step}
+
+
+def run_cascade_generate(model, ids, mask, new_tokens, decode_step=None):
+    """The user's own generate() call + ``custom_generate=hf_cascade.generate`` (planning and prefill included);
+    ``decode_step``: ``cascade_options["decode_step"]`` (None: the default)."""
     model.set_attn_implementation("cascade")
     caches = []
-    gen = dict(do_sample=False, pad_token_id=0, custom_generate=hf_cascade.generate, cascade_caches=caches)
+    gen = dict(do_sample=False, pad_token_id=0, custom_generate=hf_cascade.generate, cascade_caches=caches,
+               cascade_options=_decode_step_options(decode_step))
     reset_memory()
     t_first, _ = wall_time(lambda: model.generate(ids, attention_mask=mask, max_new_tokens=1, **gen))
     t_all, out = wall_time(lambda: model.generate(
@@ -419,6 +430,7 @@ def main_stream(args, writer, model) -> None:
                     t, compile_s, _ = timed_with_compile_breakdown(lambda: model.generate(
                         ids, attention_mask=mask, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
                         do_sample=False, pad_token_id=0, custom_generate=hf_cascade.generate, cascade_caches=caches,
+                        cascade_options=_decode_step_options(CASCADE_GENERATE_PEERS[peer]),
                     ))
                     compile_per_batch.append(compile_s)
                 per_batch.append(t)
@@ -444,10 +456,11 @@ def main_stream(args, writer, model) -> None:
         totals[peer] = record["total_s"]
         writer.write(record)
         print({k: v for k, v in record.items() if k != "layouts"}, flush=True)
-    for peer in ("sdpa", "hf_prefix_reuse"):
-        if totals.get(peer) and totals.get("cascade_generate"):
-            print(f"layout stream: cascade {totals['cascade_generate']:.1f} s, {peer} {totals[peer]:.1f} s "
-                  f"({totals[peer] / totals['cascade_generate']:.2f}x)")
+    for ours in CASCADE_GENERATE_PEERS:
+        for peer in ("sdpa", "hf_prefix_reuse"):
+            if totals.get(peer) and totals.get(ours):
+                print(f"layout stream: {ours} {totals[ours]:.1f} s, {peer} {totals[peer]:.1f} s "
+                      f"({totals[peer] / totals[ours]:.2f}x)")
 
 
 def main(argv=None):
@@ -473,7 +486,8 @@ def main(argv=None):
         help="shared: B rows sharing --prefix (the grid above); nsamples / grpo: sampling workloads (docstring)",
     )
     parser.add_argument("--stream-peers", nargs="+", default=["cascade_generate", "hf_prefix_reuse", "sdpa"],
-                        choices=["cascade_generate", "hf_prefix_reuse", "sdpa"], help="peers of --workload stream")
+                        choices=[*CASCADE_GENERATE_PEERS, "hf_prefix_reuse", "sdpa"],
+                        help="peers of --workload stream")
     parser.add_argument("--output", default=None, help="JSON-lines file (default benchmarks/results/generate.jsonl)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -482,6 +496,8 @@ def main(argv=None):
     runners = {
         "cascade": run_cascade,
         "cascade_generate": run_cascade_generate,
+        "cascade_generate_compile": lambda *a: run_cascade_generate(*a, decode_step="compile"),
+        "cascade_generate_graphs": lambda *a: run_cascade_generate(*a, decode_step="graphs"),
         "cascade_compiled": lambda *a: run_cascade(*a, compiled=True),
         "sdpa": run_sdpa,
         "sdpa_compiled": lambda *a: run_sdpa(*a, compiled=True),
@@ -527,7 +543,7 @@ def main(argv=None):
                 record["status"] = "skipped: out of memory at a smaller batch"
             else:
                 try:
-                    if peer.endswith("_compiled") or peer == "cascade_generate":
+                    if peer.endswith("_compiled") or peer in CASCADE_GENERATE_PEERS:
                         # compile + capture for this batch size, untimed (cascade_generate: its default path compiles
                         # once per model and batch size; after a --workload stream run of this size, nothing)
                         record["warmup_s"], record["warmup_compile_s"], _ = timed_with_compile_breakdown(
@@ -547,7 +563,7 @@ def main(argv=None):
                     record["status"] = f"error: {type(err).__name__}: {str(err)[:300]}"
             reset_memory()
             if peer == "sdpa" and "sdpa" in tokens:
-                for other in ("cascade", "cascade_compiled", "cascade_generate", "sdpa_compiled", "hf_prefix_reuse"):
+                for other in ("cascade", "cascade_compiled", *CASCADE_GENERATE_PEERS, "sdpa_compiled", "hf_prefix_reuse"):
                     if other in tokens and other != peer:
                         record[f"greedy_tokens_equal_{other}_frac"] = (tokens[other] == tokens[peer]).float().mean().item()
             writer.write(record)

@@ -39,12 +39,13 @@ def main(argv=None):
     parser.add_argument("--prefix", type=int, default=4096)
     parser.add_argument("--suffix", type=int, default=64)
     parser.add_argument("--steps", type=int, default=8)
-    peers = ["cascade_generate", "cascade_generate_synced", "cascade_generate_eager", "cascade_compiled", "cascade",
-             "sdpa"]
+    peers = ["cascade_generate", "cascade_generate_synced", "cascade_generate_eager", "cascade_generate_graphs",
+             "cascade_compiled", "cascade", "sdpa"]
     parser.add_argument("--peers", nargs="+", default=["cascade_generate", "cascade_compiled", "cascade", "sdpa"],
                         choices=peers, help="cascade_generate_synced: the default path with the stop flag read "
                         "at every step (cascade_options=dict(defer_stop_check=False)), as transformers' _sample does; "
-                        "cascade_generate_eager: the default path's opt-out of compilation (disable_compile=True)")
+                        "cascade_generate_eager: the default path's opt-out of compilation (disable_compile=True); "
+                        "cascade_generate_graphs: the eager step recorded into CUDA graphs (decode_step='graphs')")
     parser.add_argument("--host-profile", action="store_true", help="cProfile an unprofiled decode per peer")
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
@@ -68,6 +69,8 @@ def main(argv=None):
             call["cascade_options"] = dict(defer_stop_check=peer != "cascade_generate_synced")
             if peer == "cascade_generate_eager":
                 call["disable_compile"] = True
+            if peer == "cascade_generate_graphs":  # the eager step recorded into CUDA graphs, no compilation
+                call["cascade_options"]["decode_step"] = "graphs"
         elif peer.startswith("cascade"):
             max_new = steps if peer == "cascade_compiled" else None
             inputs = hf_cascade.shared_prefix_inputs(model, ids, mask, max_new_tokens=max_new)

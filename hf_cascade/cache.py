@@ -32,6 +32,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from hf_cascade.attention import ATTENTION_NAME, bind_layer, check_model_uses_cascade, plain_attention
+from hf_cascade.captured_step import static_step
 from hf_cascade.ops._backend import host_to_device
 from hf_cascade.ops.plan import CascadePlan, cascade_attention_planned, padded_level_count, plan_cascade
 from hf_cascade.prefill import PrefixLevel, prefill_levels, validate_token_ids
@@ -155,7 +156,7 @@ class _StaticSuffixLayer(_SuffixLayer):
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized or self.keys.shape[0] != key_states.shape[0]:
             self.lazy_initialization(key_states, value_states)
-        if torch.compiler.is_compiling():
+        if static_step():
             self._host_length_stale = True
         else:
             length = self.host_length + key_states.shape[-2]
@@ -370,9 +371,11 @@ class CascadeCache(Cache):
             )
         new = lambda shape: take_or_new(buffers, shape, first.dtype, first.device)  # noqa: E731
         pad = padded_level_count(len(self.levels)) - len(self.levels)
-        slots = [[new((layers, heads, 2, head_dim)) for _ in range(pad)] for _ in range(2)]
-        for level in self.levels:
-            for tensors, kind_slots in ((level.keys, slots[0]), (level.values, slots[1])):
+        slots = ([], [])
+        for kind, kind_slots in enumerate(slots):  # taken in the order step_buffer_tensors lists them
+            kind_slots += [new((layers, heads, 2, head_dim)) for _ in range(pad)]
+            for level in self.levels:
+                tensors = level.keys if kind == 0 else level.values
                 stacked = _stacked_base(tensors) if buffers is None else None
                 if stacked is None:  # one copy, then the level reads the stacked tensor
                     stacked = new((layers, *tensors[0].shape))
@@ -397,12 +400,15 @@ class CascadeCache(Cache):
         self._step_buffers = buffers
 
     def step_buffer_tensors(self) -> list[torch.Tensor]:
-        """The device tensors a compiled step reads in place: suffix buffers, their lengths, the padded prefix."""
-        tensors = [t for layer in self.layers if layer.is_initialized
-                   for t in (layer.keys, layer.values, layer.cumulative_length)]
-        for slots in self._compiled_prefix or ():
-            tensors += slots
-        return tensors
+        """The device tensors a compiled or recorded decode step reads in place, in the order a call takes them
+        from its :class:`StepBuffers`: the padded prefix slots, the window mask, the suffix buffers and their
+        lengths, the op's index tensors."""
+        tensors = [t for slots in self._compiled_prefix or () for t in slots]
+        if self._window_dev is not None:
+            tensors.append(self._window_dev)
+        tensors += [t for layer in self.layers if layer.is_initialized
+                    for t in (layer.keys, layer.values, layer.cumulative_length)]
+        return tensors + list(self._op_inputs or ())
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -442,7 +448,7 @@ class CascadeCache(Cache):
     # ------------------------------------------------------------------ what generate() calls
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Append the new suffix KV ``[batch, num_kv_heads, q_len, head_dim]``; return this layer's suffix KV."""
-        if torch.compiler.is_compiling():
+        if static_step():  # a compiled or recorded step: device work only (see captured_step)
             keys, values = self.layers[layer_idx].update(key_states, value_states)
             bind_layer(self, layer_idx, keys)
             return keys, values
@@ -624,15 +630,18 @@ class CascadeCache(Cache):
         if self.suffix_start is not None and self._suffix_start_dev is None:
             self._suffix_start_dev = host_to_device(self.suffix_start, device)
         if self.window is not None and self._window_dev is None:
-            self._window_dev = host_to_device(self.window.T.contiguous(), device)  # [B, max_suffix_length]
+            window = host_to_device(self.window.T.contiguous(), device)  # [B, max_suffix_length]
+            if self._step_buffers is not None:  # at the address an earlier call's had (its CUDA graphs read it)
+                window = self._step_buffers.take(window.shape, window.dtype, device).copy_(window)
+            self._window_dev = window
             torch._dynamo.maybe_mark_dynamic(self._window_dev, 1)  # as the buffers' capacity
 
     def _suffix_mask(self, attention_mask: torch.Tensor | None, layer, query_length: int, kv_length: int):
         """The mask over the suffix KV: transformers' mask (or causal), and, when rows start their own tokens
         at different columns of the suffix window, without each row's columns before ``suffix_start`` (those
         tokens are in the row's prefix chain, or padding). bool ``[B or 1, q_len, S]`` or None (causal)."""
-        if self._window_dev is not None and torch.compiler.is_compiling():
-            # Compiled step: the mask from device data only (transformers' was built at kv_offset 0, see
+        if self._window_dev is not None and static_step():
+            # Compiled (or recorded) step: the mask from device data only (transformers' was built at kv_offset 0, see
             # get_mask_sizes), so the graph does not depend on this batch's prefix_length.
             return self._window_dev[:, None, :] & layer.causal_mask(query_length)
         if attention_mask is None:
@@ -648,7 +657,7 @@ class CascadeCache(Cache):
             last = kv_length - query_length + torch.arange(query_length, device=device)
             attention_mask = (columns[None, :] <= last[:, None])[None]
         combined = attention_mask & (columns[None, :] >= self._suffix_start_dev[:, None])[:, None, :]
-        if not torch.compiler.is_compiling():
+        if not static_step():
             self._mask_memo = (attention_mask, (query_length, kv_length), combined)
         return combined
 
@@ -701,10 +710,10 @@ class CascadeCache(Cache):
         Returns:
             ``[batch, q_len, num_heads, head_dim]`` in ``query.dtype``.
         """
-        if not torch.compiler.is_compiling():  # checked eagerly at prefill; a compiled step is bound to this model
+        compiling = static_step()  # a compiled or recorded step (device work only)
+        if not compiling:  # checked eagerly at prefill; a compiled step is bound to this model
             self._check_module(module)
         layer_idx = module.layer_idx
-        compiling = torch.compiler.is_compiling()
         if sliding_window is not None and self.levels and not compiling:  # fixed buffers: checked at prefill
             last_column = self.prefix_length + (key.shape[2] if self.max_suffix_length is None else
                                                 self.max_suffix_length) - 1
@@ -717,7 +726,7 @@ class CascadeCache(Cache):
                     "tokens within the window, or use attn_implementation='sdpa' for this model."
                 )
         layer = self.layers[layer_idx]
-        if not self.rows_verified and not self._positions_checked and not torch.compiler.is_compiling():
+        if not self.rows_verified and not self._positions_checked and not compiling:
             if layer.host_length == query.shape[2]:  # the first forward over an empty suffix (the prefill)
                 self._check_positions(attention_mask, kwargs.get("position_ids"))
         # Fixed buffers: None would also admit the columns not written yet; rows' own columns: see _suffix_mask.
@@ -738,7 +747,8 @@ class CascadeCache(Cache):
         if self._compiled_prefix is not None and self._op_inputs is None:
             # Plan the decode step (one query position) now, outside the compiled step's CUDA graphs.
             self._op_inputs = self._plan.op_inputs(query[:, :, -1:], key,
-                                                   [slot[layer_idx] for slot in self._compiled_prefix[0]])
+                                                   [slot[layer_idx] for slot in self._compiled_prefix[0]],
+                                                   buffers=self._step_buffers)
         return cascade_attention_planned(
             query, key, value, prefix_keys, prefix_values, self._plan, scale=scaling, mask=attention_mask,
             softcap=softcap,

@@ -64,6 +64,7 @@ def sample(
     synced_gpus: bool = False,
     streamer=None,
     defer_stop_check: bool | None = None,
+    decode_step: str = "compile",
     **model_kwargs,
 ):
     """transformers' ``_sample`` (greedy search or multinomial sampling) with the stop check deferred on CUDA.
@@ -75,6 +76,10 @@ def sample(
         defer_stop_check: read the "every row finished" flag one step late (no wait for the GPU per step). None
             (default): on CUDA only; True: on any device (on a CPU it only adds the extra step; for tests); False:
             never.
+        decode_step: how the decode steps run on a CUDA fixed-buffer :class:`~hf_cascade.cache.CascadeCache`:
+            ``"compile"`` (transformers' compiled step where generate() would compile it), ``"graphs"`` (the
+            eager step recorded into a CUDA graph, no compilation: :mod:`hf_cascade.captured_step`) or
+            ``"eager"``. Other caches and devices: transformers' choice (``"graphs"`` is ``"compile"`` there).
         model_kwargs: generate()'s model kwargs (``past_key_values``, ``attention_mask``, ``use_cache``, ...).
     Returns:
         ``[B, L + new]`` int64, or a ``GenerateDecoderOnlyOutput`` when ``return_dict_in_generate``; as ``_sample``.
@@ -100,11 +105,7 @@ def sample(
     unfinished_sequences = torch.ones(input_ids.shape[0], dtype=torch.long, device=input_ids.device)
     if pad_token_id is not None:
         pad_token_id = pad_token_id.to(input_ids.device)
-    model_forward = (
-        model.get_compiled_call(generation_config.compile_config)
-        if model._valid_auto_compile_criteria(model_kwargs, generation_config)
-        else model.__call__
-    )
+    model_forward = _decode_forward(model, model_kwargs, generation_config, decode_step)
     outputs = model._prefill(input_ids, generation_config, model_kwargs, is_first_iteration=True)
     if defer_stop_check is None:
         defer_stop_check = input_ids.device.type == "cuda"
@@ -158,3 +159,24 @@ def sample(
             past_key_values=cache,
         )
     return input_ids
+
+
+def _decode_forward(model, model_kwargs: dict, generation_config, decode_step: str):
+    """The callable that runs the decode steps (see :func:`sample`'s ``decode_step``)."""
+    from hf_cascade.cache import CascadeCache
+
+    if decode_step not in ("compile", "graphs", "eager"):
+        raise ValueError(f"`decode_step` must be 'compile', 'graphs' or 'eager'; got {decode_step!r}.")
+    cache = model_kwargs.get("past_key_values")
+    fixed_cascade = (
+        isinstance(cache, CascadeCache) and cache.max_suffix_length is not None and model.device.type == "cuda"
+    )
+    if fixed_cascade and decode_step == "eager":
+        return model.__call__
+    if fixed_cascade and decode_step == "graphs" and not generation_config.disable_compile:
+        from hf_cascade.captured_step import CapturedDecodeStep
+
+        return CapturedDecodeStep(model, cache)
+    if model._valid_auto_compile_criteria(model_kwargs, generation_config):
+        return model.get_compiled_call(generation_config.compile_config)
+    return model.__call__

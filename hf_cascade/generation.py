@@ -33,9 +33,13 @@ from hf_cascade.decoding import sample
 from hf_cascade.step_buffers import step_buffers
 
 _DECODING_METHODS = {"_sample", "_beam_search"}
+# How greedy search and sampling run their decode steps on a GPU (cascade_options["decode_step"]): see the docstring.
+DEFAULT_DECODE_STEP = "compile"
 _OPTIONS = {
     "min_shared_tokens", "min_rows", "max_levels", "cost_model", "fixed_buffers", "batch_buckets", "defer_stop_check",
+    "decode_step",
 }
+_DECODE_STEPS = ("compile", "graphs", "eager")
 
 
 def generate(
@@ -67,7 +71,10 @@ def generate(
             added rows change nothing; True: also when sampling (the samples are as random, but a seed then gives
             other samples than a call without the rows); False: never. ``defer_stop_check`` (None: on CUDA; True;
             False): greedy search and sampling read the "every row finished" flag one step late instead of waiting
-            for the GPU at every step (:mod:`hf_cascade.decoding`; the same tokens).
+            for the GPU at every step (:mod:`hf_cascade.decoding`; the same tokens). ``decode_step`` (greedy search
+            and sampling on CUDA with fixed buffers): ``"compile"`` (transformers' compiled step),
+            ``"graphs"`` (the eager step recorded into a CUDA graph, no compilation;
+            :mod:`hf_cascade.captured_step`) or ``"eager"``; default :data:`DEFAULT_DECODE_STEP`.
         model_kwargs: generate()'s model kwargs (``attention_mask`` ``[B * n, L]``, ``position_ids``,
             ``past_key_values``, ...).
     Returns:
@@ -102,8 +109,13 @@ def generate(
         return _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
 
     defer = options.pop("defer_stop_check", None)
+    decode_step = options.pop("decode_step", DEFAULT_DECODE_STEP)
+    if decode_step not in _DECODE_STEPS:
+        raise ValueError(
+            f"`cascade_options['decode_step']` must be one of {list(_DECODE_STEPS)}; got {decode_step!r}."
+        )
     if method_name == "_sample":  # transformers' loop, without a wait for the GPU at every step
-        decode = functools.partial(sample, defer_stop_check=defer)
+        decode = functools.partial(sample, defer_stop_check=defer, decode_step=decode_step)
     attention_mask = model_kwargs.get("attention_mask")
     if attention_mask is None:  # transformers >= 5.18 drops an all-ones mask
         attention_mask = torch.ones_like(input_ids)

@@ -37,13 +37,15 @@ class StepBuffers:
         key = (tuple(int(s) for s in shape), dtype, torch.device(device))
         with self._lock:
             free = self._free.get(key)
-            kept = free.pop() if free else None
+            kept = free.pop(0) if free else None  # in the order kept: the same role gets the same tensor
         if kept is None:
             return torch.zeros(key[0], dtype=dtype, device=key[2])
         return kept.zero_() if zeroed else kept
 
     def keep(self, tensors: Iterable[torch.Tensor]) -> None:
-        """Keep these tensors (a finished call's) for the next call, in place of what was kept before."""
+        """Keep these tensors (a finished call's) for the next call, in place of what was kept before. List them
+        in the order the call took them: a call that takes tensors of one spec in the same order gets each at the
+        address it had (and replays the graphs that read it)."""
         free: dict[_Key, list[torch.Tensor]] = {}
         seen = set()
         for t in tensors:

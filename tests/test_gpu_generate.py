@@ -198,3 +198,116 @@ def test_gpu_decode_steps_never_wait_for_the_gpu(compiled):
 
     syncs(3)  # the first counted call also counts a one-off synchronisation in torch.cuda (not a decode step)
     assert syncs(12) == syncs(3)
+
+
+def _graphs_options(**extra):
+    return dict(cost_model=None, min_shared_tokens=2, decode_step="graphs", **extra)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
+@pytest.mark.parametrize("mode", ["greedy", "samples"])
+def test_gpu_recorded_decode_step_matches_reference(family, mode):
+    """decode_step="graphs": the eager step recorded into a CUDA graph (no torch.compile), fp32 tokens equal to the
+    reference. A second call with the same shapes replays the first call's graph (its buffers come back at the
+    same addresses); nothing is compiled."""
+    from torch._dynamo.utils import counters
+
+    from hf_cascade.captured_step import recorded_steps
+
+    ref = tiny_model(family, reference_attention(family), device="cuda")
+    cas = tiny_model(family, "cascade", device="cuda")
+    gen = dict(max_new_tokens=9, pad_token_id=0, return_dict_in_generate=True)
+    gen.update({"greedy": dict(do_sample=False),
+                "samples": dict(do_sample=True, top_k=20, num_return_sequences=3)}[mode])
+    compiled_before = counters["stats"]["unique_graphs"]
+    for call, seed in enumerate((51, 52)):  # two batches of one layout (other tokens)
+        ids, mask = (t.cuda() for t in pad_batch(make_prompts(seed=seed, system=37, block=19, groups=2,
+                                                              per_group=3)))
+        torch.manual_seed(seed)
+        want = ref.generate(ids, attention_mask=mask, **gen)
+        caches, before = [], recorded_steps(cas)
+        torch.manual_seed(seed)
+        got = cas.generate(ids, attention_mask=mask, custom_generate=hf_cascade.generate, cascade_caches=caches,
+                           cascade_options=_graphs_options(), **gen)
+        after = recorded_steps(cas)
+        assert caches[0].is_compileable and caches[0].num_levels >= 1
+        assert torch.equal(got.sequences, want.sequences), (family, mode, call)
+        replayed = after["replayed"] - before["replayed"]
+        if call == 0:  # step 1 runs once eagerly (warm-up), then recorded and replayed
+            assert after["recorded"] - before["recorded"] == 1 and replayed == gen["max_new_tokens"] - 2
+        else:  # replayed from the first decode step
+            assert after["recorded"] == before["recorded"] and replayed == gen["max_new_tokens"] - 1
+    assert counters["stats"]["unique_graphs"] == compiled_before, "decode_step='graphs' compiled something"
+    assert not hasattr(cas, "_compiled_call")
+
+
+def test_gpu_recorded_decode_step_for_a_stream_of_layouts():
+    """decode_step="graphs" over batches with other sharing trees (1-3 levels, another buffer bucket): exact tokens,
+    one graph recorded per new layout, no compilation."""
+    from torch._dynamo.utils import counters
+
+    from hf_cascade.captured_step import recorded_steps
+    from test_compiled_generate import LAYOUT_STREAM, MAX_NEW_STREAM
+
+    ref = tiny_model("llama", "sdpa", device="cuda")
+    cas = tiny_model("llama", "cascade", device="cuda")
+    gen = dict(max_new_tokens=MAX_NEW_STREAM, pad_token_id=0, do_sample=False)
+    compiled_before = counters["stats"]["unique_graphs"]
+    for seed, (levels, own) in enumerate(LAYOUT_STREAM):
+        ids, mask = (t.cuda() for t in pad_batch(tree_prompts(levels, own, rows=8, seed=60 + seed)))
+        before = recorded_steps(cas)["recorded"]
+        got = cas.generate(ids, attention_mask=mask, custom_generate=hf_cascade.generate,
+                           cascade_options=_graphs_options(), **gen)
+        assert torch.equal(got, ref.generate(ids, attention_mask=mask, **gen)), seed
+        assert recorded_steps(cas)["recorded"] - before <= 1
+    assert counters["stats"]["unique_graphs"] == compiled_before
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_gpu_recorded_step_stop_flag_read_a_step_late(do_sample):
+    """An EOS ending row 0 early and a criterion ending every row before max_new_tokens, with recorded steps: the
+    extra step (replayed from the graph) is undone, the cache's length is transformers' (its host length was
+    stale after replays)."""
+    from test_custom_generate import _AllDoneAt
+    from transformers import StoppingCriteriaList
+
+    ref = tiny_model("llama", "sdpa", device="cuda")
+    cas = tiny_model("llama", "cascade", device="cuda")
+    ids, mask = (t.cuda() for t in pad_batch(make_prompts(seed=1)))
+    plain = ref.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    stop = StoppingCriteriaList([_AllDoneAt(ids.shape[1] + 6)])
+    gen = dict(max_new_tokens=9, pad_token_id=0, eos_token_id=int(plain[0, ids.shape[1] + 2]), do_sample=do_sample,
+               top_k=20, return_dict_in_generate=True, output_scores=True)
+    torch.manual_seed(7)
+    want = ref.generate(ids, attention_mask=mask, stopping_criteria=stop, **gen)
+    torch.manual_seed(7)
+    got = cas.generate(ids, attention_mask=mask, stopping_criteria=stop, custom_generate=hf_cascade.generate,
+                       cascade_options=_graphs_options(), **gen)
+    assert torch.equal(got.sequences, want.sequences)
+    assert len(got.scores) == len(want.scores) == 6
+    assert got.past_key_values.get_seq_length() == want.past_key_values.get_seq_length()
+
+
+def test_gpu_recorded_decode_steps_never_wait_for_the_gpu():
+    """decode_step="graphs": replayed steps do not synchronise (a 12-token call as often as a 3-token call)."""
+    import warnings
+
+    cas = tiny_model("llama", "cascade", device="cuda")
+    ids, mask = (t.cuda() for t in pad_batch(make_prompts(seed=41, system=37, block=19, groups=2, per_group=3)))
+    gen = dict(pad_token_id=0, do_sample=False, custom_generate=hf_cascade.generate,
+               cascade_options=dict(cost_model=None, decode_step="graphs"))
+
+    def syncs(new_tokens):
+        cas.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **gen)  # record
+        torch.cuda.synchronize()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                cas.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **gen)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        return sum("synchroniz" in str(w.message) for w in caught)
+
+    syncs(3)
+    assert syncs(12) == syncs(3)

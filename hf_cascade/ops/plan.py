@@ -57,12 +57,14 @@ class CascadePlan:
         """``[(prefix_key [Hkv, T_l, D], prefix_value, PrefixPlan)]`` for :func:`cascade_attention` (eager)."""
         return list(zip(keys, values, self.levels))
 
-    def op_inputs(self, query: Tensor, key: Tensor, prefix_keys: Sequence[Tensor]) -> list[Tensor]:
+    def op_inputs(self, query: Tensor, key: Tensor, prefix_keys: Sequence[Tensor], buffers=None) -> list[Tensor]:
         """The index tensors of the compiled op for a step with ``query`` ``[B, Hq, Lq, D]`` (built once per
         ``(G, Lq)`` and cached; call it eagerly before a CUDA graph captures the step).
 
         ``prefix_keys``: per level ``[Hkv, T_l, D]``, as the compiled step passes them: the real levels last,
         after ``len(prefix_keys) - len(self.levels)`` padding levels (see :func:`padded_level_count`).
+        ``buffers``: a :class:`~hf_cascade.step_buffers.StepBuffers`; the tensors are copies in tensors taken from
+        it, in the order returned (so that a later layout of the same sizes has them at the same addresses).
 
         What may change between two layouts is a size of dimension 0 of these tensors (nodes + 2, tiles), marked
         dynamic; each is >= 2 (a no-op tile is appended to a 1-tile list), so that no layout gets a size dynamo
@@ -88,10 +90,12 @@ class CascadePlan:
                 if tile_node.numel() < 2:
                     tile_node = torch.cat([tile_node, tile_node.new_full((1,), plan.num_nodes)])
                     tile_m0 = torch.cat([tile_m0, tile_m0.new_full((1,), _NO_OP_TILE_M0)])
-                layout = [sched.row_start, sched.node_starts, tile_node, tile_m0]
-                for t in layout:
+                level_tensors = [sched.rows, sched.row_start, sched.node_starts, tile_node, tile_m0, row_node]
+                if buffers is not None:
+                    level_tensors = [buffers.take(t.shape, t.dtype, t.device).copy_(t) for t in level_tensors]
+                for t in level_tensors[1:5]:  # the layout: sizes that differ between trees
                     torch._dynamo.maybe_mark_dynamic(t, 0)
-                tensors += [sched.rows, *layout, row_node]
+                tensors += level_tensors
             self._inputs[cache_key] = tensors
         return tensors
 

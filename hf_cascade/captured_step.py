@@ -1,0 +1,218 @@
+"""The decode step of a fixed-buffer cascade cache recorded into a CUDA graph, without ``torch.compile``.
+
+Why. generate()'s compiled step (``torch.compile`` + CUDA graphs) is the fastest step, but its first compilation
+of an 8B model takes about a minute (``benchmarks/results/profile_decode.jsonl``), longer than sdpa needs for a
+stream of eight batches. The model's eager step launches ~1,460 kernels, and its cost is those launches, not the
+GPU work: recorded once into a CUDA graph (as SGLang records its decode steps) the same kernels replay in one
+launch. Recording costs one eager step, no compilation.
+
+What makes it safe. While a step is recorded or run by :class:`CapturedDecodeStep` (:func:`static_step` is True),
+a :class:`~hf_cascade.cache.CascadeCache` with fixed buffers takes the path it takes inside a compiled step: it
+reads and writes device tensors only (suffix buffers written at a device-side length, the planned prefix slots,
+the op's planned index tensors, the window mask built from device data) and never changes a Python value that
+the next step would read. Everything a graph reads outside its own memory is named by its key: the cache's
+tensors (:meth:`CascadeCache.step_buffer_tensors`, by address, shape, stride and dtype), the model's parameters,
+and the step's inputs (copied into the graph's own input tensors before every replay). A step whose key differs
+(another cache at other addresses, another shape, another argument) is recorded anew; the model's graphs are kept
+between generate() calls (at most :data:`GRAPHS_PER_MODEL`, the least recently used dropped), and since
+``hf_cascade.generate`` takes a call's buffers from the model's :class:`~hf_cascade.step_buffers.StepBuffers`, a
+call with the shapes of an earlier one replays its graph from the first step.
+
+A new key is first run eagerly in this mode on the recording stream (Triton kernels built, cuBLAS set up for that
+stream), and recorded at the next step with that key.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import threading
+import weakref
+from collections import OrderedDict
+
+import torch
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+__all__ = ["CapturedDecodeStep", "GRAPHS_PER_MODEL", "recorded_steps", "static_step"]
+
+GRAPHS_PER_MODEL = 4
+
+_STATIC_STEP: contextvars.ContextVar[bool] = contextvars.ContextVar("hf_cascade_static_step", default=False)
+
+
+def static_step() -> bool:
+    """Whether the running forward must touch device data only: inside a compiled step, or a step that
+    :class:`CapturedDecodeStep` runs or records."""
+    return torch.compiler.is_compiling() or _STATIC_STEP.get()
+
+
+class _Graph:
+    """One recorded step: the graph, its input tensors (filled before each replay) and its output."""
+
+    def __init__(self):
+        self.graph = None
+        self.inputs: dict[tuple, torch.Tensor] = {}
+        self.output = None
+
+
+class _ModelGraphs:
+    """A model's recorded steps by key (least recently used first), and the keys run once but not recorded yet."""
+
+    def __init__(self):
+        self.graphs: OrderedDict = OrderedDict()
+        self.warm: set = set()
+        self.failed: set = set()  # keys whose recording raised: run eagerly
+        self.lock = threading.Lock()
+        self.stream: torch.cuda.Stream | None = None
+        self.recorded = 0  # graphs recorded, all calls
+        self.replayed = 0  # steps replayed, all calls
+
+
+_BY_MODEL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_BY_MODEL_LOCK = threading.Lock()
+
+
+def _model_graphs(model: torch.nn.Module) -> _ModelGraphs:
+    with _BY_MODEL_LOCK:
+        graphs = _BY_MODEL.get(model)
+        if graphs is None:
+            graphs = _BY_MODEL[model] = _ModelGraphs()
+        return graphs
+
+
+def recorded_steps(model: torch.nn.Module) -> dict[str, int]:
+    """``{"recorded": graphs recorded, "replayed": steps replayed, "kept": graphs kept}`` for ``model``'s decode steps
+    in this process (:class:`CapturedDecodeStep`)."""
+    store = _model_graphs(model)
+    with store.lock:
+        return {"recorded": store.recorded, "replayed": store.replayed, "kept": len(store.graphs)}
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+
+
+class CapturedDecodeStep:
+    """``model.__call__`` for the decode steps of one generate() call on a fixed-buffer :class:`CascadeCache`,
+    replayed from a CUDA graph (see the module docstring).
+
+    Call it as the model: ``step(**model_inputs, return_dict=True)`` with ``model_inputs`` from
+    ``prepare_inputs_for_generation`` (``input_ids`` ``[B, 1]``, ``position_ids`` ``[B, 1]``, the 4-D mask, the
+    cache, ...). The returned output's tensors are the graph's own: read (copy) them before the next step.
+    """
+
+    def __init__(self, model: torch.nn.Module, cache):
+        self.model = model
+        self.cache = cache
+        self._store = _model_graphs(model)
+        self._cache_key: tuple | None = None  # the cache's and the model's tensors: fixed for one call
+
+    def __call__(self, **inputs):
+        if self._cache_key is None:
+            self._cache_key = (
+                tuple(_tensor_key(t) for t in self.cache.step_buffer_tensors()),
+                tuple(p.data_ptr() for p in self.model.parameters()),
+                tuple(b.data_ptr() for b in self.model.buffers()),
+            )
+        if inputs.get("past_key_values") is not self.cache:
+            raise ValueError("CapturedDecodeStep serves the cache it was built for; got another cache.")
+        tensors, others = {}, []  # tensors by path: (name,) or (name, key) for a dict of masks (per layer type)
+        for name, value in sorted(inputs.items()):
+            items = sorted(value.items()) if isinstance(value, dict) else [(None, value)]
+            for sub, leaf in items:
+                path = (name,) if sub is None else (name, sub)
+                if isinstance(leaf, torch.Tensor):
+                    tensors[path] = leaf
+                    others.append((path, tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device))
+                elif name != "past_key_values":
+                    others.append((path, leaf))
+        key = (self._cache_key, tuple(others))
+        try:
+            hash(key)
+        except TypeError:  # an argument that cannot be compared between steps: not recorded
+            return self.model(**inputs)
+        store = self._store
+        with store.lock:
+            entry = store.graphs.get(key)
+            if entry is not None:
+                store.graphs.move_to_end(key)
+            failed = key in store.failed
+        if failed:
+            return self.model(**inputs)
+        if entry is not None:
+            for path, value in tensors.items():
+                entry.inputs[path].copy_(value, non_blocking=True)
+            entry.graph.replay()
+            store.replayed += 1
+            return self._output(entry)
+        if store.stream is None:
+            store.stream = torch.cuda.Stream(device=self.cache_device(tensors))
+        stream = store.stream
+        token = _STATIC_STEP.set(True)
+        try:
+            if key not in store.warm:  # run once (kernels built for these shapes), record at the next step
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    out = self.model(**inputs)
+                torch.cuda.current_stream().wait_stream(stream)
+                if len(store.warm) >= 8 * GRAPHS_PER_MODEL:  # keys of calls long gone
+                    store.warm.clear()
+                store.warm.add(key)
+                return out
+            entry = _Graph()
+            entry.inputs = {path: value.clone() for path, value in tensors.items()}
+            recorded_inputs = dict(inputs)
+            for path, value in entry.inputs.items():
+                if len(path) == 1:
+                    recorded_inputs[path[0]] = value
+                else:
+                    recorded_inputs[path[0]] = {**recorded_inputs[path[0]], path[1]: value}
+            entry.graph = torch.cuda.CUDAGraph()
+            # CUDAGraph.capture_begin rather than torch.cuda.graph, which empties the allocator's cache first (the
+            # next prefill would then allocate its activations from the driver again).
+            stream.wait_stream(torch.cuda.current_stream())
+            try:
+                with torch.cuda.stream(stream):
+                    entry.graph.capture_begin(capture_error_mode="thread_local")
+                    try:
+                        output = self.model(**recorded_inputs)
+                    finally:
+                        entry.graph.capture_end()
+            except RuntimeError as err:  # something in this model's step cannot be recorded: it runs eagerly
+                with store.lock:
+                    store.failed.add(key)
+                logger.warning_once(f"hf_cascade: this model's decode step could not be recorded into a CUDA graph "
+                                    f"({type(err).__name__}: {str(err)[:200]}); it runs eagerly.")
+                _STATIC_STEP.reset(token)
+                token = None
+                return self.model(**inputs)
+            finally:
+                torch.cuda.current_stream().wait_stream(stream)
+            # The cache is this call's: the graph keeps the output's tensors, not the cache object.
+            entry.output = (type(output), {k: v for k, v in output.items() if k != "past_key_values"},
+                            "past_key_values" in output)
+        finally:
+            if token is not None:
+                _STATIC_STEP.reset(token)
+        with store.lock:
+            store.warm.discard(key)
+            store.graphs[key] = entry
+            while len(store.graphs) > GRAPHS_PER_MODEL:
+                store.graphs.popitem(last=False)
+            store.recorded += 1
+        entry.graph.replay()
+        store.replayed += 1
+        return self._output(entry)
+
+    def _output(self, entry: _Graph):
+        """The recorded output (its tensors the graph's), with this call's cache."""
+        cls, fields, has_cache = entry.output
+        return cls(**fields, past_key_values=self.cache) if has_cache else cls(**fields)
+
+    @staticmethod
+    def cache_device(tensors: dict[str, torch.Tensor]) -> torch.device:
+        for value in tensors.values():
+            if value.device.type == "cuda":
+                return value.device
+        return torch.device("cuda", torch.cuda.current_device())
