@@ -17,6 +17,8 @@ transformers' ``DeferredStopCheck``.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from hf_cascade.attention import ALWAYS_BUILD_DECODE_MASK
@@ -113,6 +115,7 @@ def sample(
     max_length = getattr(stopping_criteria, "max_length", None)
     prefill_consumed = finished = False
     mask_token = ALWAYS_BUILD_DECODE_MASK.set(True)  # see attention.cascade_mask: no host read of the mask
+    started = time.perf_counter()
     try:
         with model._optimize_model_for_decode():
             while not finished:
@@ -146,6 +149,8 @@ def sample(
                 del outputs
     finally:
         ALWAYS_BUILD_DECODE_MASK.reset(mask_token)
+        if hasattr(model_forward, "add_decode_seconds"):  # recorded steps (decode_step "graphs" / "auto")
+            model_forward.add_decode_seconds(time.perf_counter() - started)
     cache = model_kwargs.get("past_key_values")
     if stop.extra_steps:  # the step after every row had finished: undone
         input_ids = input_ids[:, : -stop.extra_steps]
@@ -162,6 +167,7 @@ def sample(
 
 
 def _decode_forward(model, model_kwargs: dict, generation_config, decode_step: str):
+    # "auto" is resolved by hf_cascade.generate before the loop starts.
     """The callable that runs the decode steps (see :func:`sample`'s ``decode_step``)."""
     from hf_cascade.cache import CascadeCache
 
