@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import ResultWriter, timed_with_compile_breakdown, wall_time  # noqa: E402
+from common import ResultWriter, timed_with_compile_breakdown, triton_variants, wall_time  # noqa: E402
 
 import hf_cascade  # noqa: E402
 
@@ -415,7 +415,7 @@ def main_stream(args, writer, model) -> None:
     totals = {}
     for peer in args.stream_peers:
         graphs_before = counters["stats"]["unique_graphs"]
-        per_batch, status, caches, split, compile_per_batch = [], "ok", [], [], []
+        per_batch, status, caches, split, compile_per_batch, variants = [], "ok", [], [], [], []
         for ids, mask in batches:
             try:
                 if peer == "sdpa":
@@ -433,6 +433,7 @@ def main_stream(args, writer, model) -> None:
                         cascade_options=_decode_step_options(CASCADE_GENERATE_PEERS[peer]),
                     ))
                     compile_per_batch.append(compile_s)
+                    variants.append(triton_variants())
                 per_batch.append(t)
             except torch.OutOfMemoryError:
                 status = "out of memory"
@@ -449,6 +450,7 @@ def main_stream(args, writer, model) -> None:
             record["sdpa_parts_per_batch"] = split
         if compile_per_batch:  # torch.compile phases per batch (the rest of a compiling batch: Triton, cudagraphs)
             record["compile_s_per_batch"] = compile_per_batch
+            record["triton_variants_after_batch"] = variants  # hf_cascade's Triton kernels built so far
         if caches:  # the trees as planned: prefix levels and fixed-buffer capacity of each batch
             record["planned"] = [{"levels": c.num_levels, "max_suffix_length": c.max_suffix_length,
                                   "compiled": c.is_compileable} for c in caches]

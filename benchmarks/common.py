@@ -135,6 +135,28 @@ def timed_with_compile_breakdown(fn) -> tuple[float, dict, object]:
     return seconds, {k: round(after[k] - before[k], 3) for k in after}, result
 
 
+def triton_variants() -> int | None:
+    """Compiled variants of hf_cascade's Triton kernels in this process (one per specialisation Triton built), or
+    None where Triton's cache cannot be read (interpreter, another Triton)."""
+    try:
+        from triton.runtime.jit import JITFunction
+
+        from hf_cascade.ops import _cascade_kernel, _merge_kernel, _prefix_kernel, _suffix_kernel
+    except Exception:
+        return None
+    total = 0
+    for module in (_cascade_kernel, _merge_kernel, _prefix_kernel, _suffix_kernel):
+        for value in vars(module).values():
+            caches = getattr(value, "device_caches", None) if isinstance(value, JITFunction) else None
+            if caches is None:
+                continue
+            try:
+                total += sum(len(cache[0]) for cache in caches.values())
+            except (TypeError, IndexError):
+                return None
+    return total
+
+
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth (bytes read + written per second, GB/s), measured now."""
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")

@@ -17,7 +17,10 @@ from ._prefix_kernel import _prefix_tile
 from ._suffix_kernel import _suffix_tile
 
 
-@triton.jit
+# Sizes that differ between batch layouts are not specialised: Triton would build a variant per pattern of
+# them (== 1, divisible by 16), several per new sharing tree (seconds each, in a stream of layouts).
+@triton.jit(do_not_specialize=["S", "num_splits", "slot0", "suffix_slot", "n_prefix", "tiles", "s_mtiles",
+                               "stride_mb", "stride_mq"])
 def _cascade_fwd_kernel(
     q_ptr,
     pk_ptr, pv_ptr,  # prefix level KV [Hkv, T, D]

@@ -4,7 +4,7 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])  # rows: a size of the batch layout, not specialised
 def _merge_attention_states_kernel(
     out_ptr, lse_out_ptr,  # [R, D] out dtype, [R] fp32
     a_ptr, lse_a_ptr,  # [R, D], [R] fp32

@@ -141,7 +141,9 @@ def _prefix_tile(
     tl.store(l_ptr + l_off, lse, mask=valid)
 
 
-@triton.jit
+# Sizes that differ between batch layouts are not specialised: Triton would build a variant per pattern of
+# them (== 1, divisible by 16), several per new sharing tree (seconds each, in a stream of layouts).
+@triton.jit(do_not_specialize=["num_splits", "slot0"])
 def _prefix_fwd_kernel(
     q_ptr, k_ptr, v_ptr,
     o_ptr, l_ptr,  # outputs (final or partials, see module docstring), fp32
@@ -203,7 +205,7 @@ def _merge_states(po_ptrs, pl_ptrs, stride_ps, stride_pls, num_slots, valid, o_m
     return acc / t_safe[:, None], tl.where(has_keys, mx + tl.log(t_safe), float("-inf"))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M_total", "num_slots"])  # layout sizes, see _prefix_fwd_kernel
 def _state_combine_kernel(
     out_ptr, lse_ptr,  # final [B, Hq, Lq, D] (any float dtype, d stride 1) / [B, Hq, Lq] fp32
     part_out_ptr, part_lse_ptr,  # fp32 [slots, Hkv, B*Lq*G, D] / [slots, Hkv, B*Lq*G], batch-row order

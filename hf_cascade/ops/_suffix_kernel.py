@@ -141,7 +141,9 @@ def _suffix_tile(
     tl.store(lse_ptr + l_off, lse2 * LN2, mask=valid)
 
 
-@triton.jit
+# Sizes that differ between batch layouts are not specialised: Triton would build a variant per pattern of
+# them (== 1, divisible by 16), several per new sharing tree (seconds each, in a stream of layouts).
+@triton.jit(do_not_specialize=["S", "num_prefix", "stride_mb", "stride_mq"])
 def _suffix_fwd_kernel(
     q_ptr, k_ptr, v_ptr, mask_ptr,
     po_ptr, pl_ptr,  # prefix states, fp32 (see module docstring); unused when NUM_PREFIX == 0
