@@ -74,8 +74,8 @@ def test_gpu_compiled_generate_matches_reference(family, mode):
 
 
 def test_gpu_compiled_once_for_a_stream_of_layouts():
-    """The default one-argument path on CUDA compiles the decode step (CUDA graphs) once per batch size: batches
-    with other sharing trees (1-3 levels, other lengths, another buffer bucket) re-plan on the host and reuse it.
+    """The one-argument path with decode_step="compile" compiles the decode step (CUDA graphs) once per batch size:
+    batches with other sharing trees (1-3 levels, other lengths, another buffer bucket) re-plan on the host and reuse it.
     Tokens stay exact (fp32)."""
     from torch._dynamo.utils import counters
 
@@ -90,7 +90,7 @@ def test_gpu_compiled_once_for_a_stream_of_layouts():
         want = ref.generate(ids, attention_mask=mask, **gen)
         caches = []
         got = cas.generate(ids, attention_mask=mask, custom_generate=hf_cascade.generate, cascade_caches=caches,
-                           cascade_options=dict(cost_model=None, min_shared_tokens=2), **gen)
+                           cascade_options=dict(cost_model=None, min_shared_tokens=2, decode_step="compile"), **gen)
         assert caches[0].is_compileable
         shapes.add((caches[0].num_levels, caches[0].max_suffix_length))
         assert hasattr(cas, "_compiled_call"), "generate() did not compile the decode step"
@@ -102,7 +102,7 @@ def test_gpu_compiled_once_for_a_stream_of_layouts():
 
 def test_gpu_batch_sizes_share_one_compiled_step():
     """Greedy batches of 5, 6 and 7 rows run at the bucket of 8 by default on CUDA (rows added and cut from the
-    output): one compiled step for the three sizes, the real rows' tokens exact (fp32)."""
+    output): one compiled step for the three sizes (decode_step="compile"), the real rows' tokens exact (fp32)."""
     from torch._dynamo.utils import counters
 
     ref = tiny_model("llama", "sdpa", device="cuda")
@@ -113,8 +113,9 @@ def test_gpu_batch_sizes_share_one_compiled_step():
         ids, mask = (t.cuda() for t in pad_batch(tree_prompts([(1, 37), (2, 11)], 5, rows=rows, seed=90 + rows)))
         caches = []
         got = cas.generate(ids, attention_mask=mask, custom_generate=hf_cascade.generate, cascade_caches=caches,
-                           cascade_options=dict(cost_model=None, min_shared_tokens=2), **gen)
+                           cascade_options=dict(cost_model=None, min_shared_tokens=2, decode_step="compile"), **gen)
         assert caches[0].is_compileable and caches[0].layers[0].keys.shape[0] == 8
+        assert hasattr(cas, "_compiled_call"), "generate() did not compile the decode step"
         assert torch.equal(got, ref.generate(ids, attention_mask=mask, **gen)), rows
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[-1] == graphs[0], f"a new batch size compiled again: unique graphs {graphs}"
@@ -148,7 +149,7 @@ def test_gpu_custom_generate_matches_reference(family, mode):
 def test_gpu_stop_flag_read_a_step_late(do_sample):
     """The default path on CUDA reads "every row finished" one step late (pinned flag, event; no wait per step):
     an EOS ending row 0 early and a criterion ending every row before max_new_tokens give transformers' sequences,
-    scores and cache length (the extra step undone), in the compiled step."""
+    scores and cache length (the extra step undone), in the compiled step (the recorded one: below)."""
     from test_custom_generate import _AllDoneAt
     from transformers import StoppingCriteriaList
 
@@ -164,7 +165,8 @@ def test_gpu_stop_flag_read_a_step_late(do_sample):
     caches = []
     torch.manual_seed(7)
     got = cas.generate(ids, attention_mask=mask, stopping_criteria=stop, custom_generate=hf_cascade.generate,
-                       cascade_caches=caches, cascade_options=dict(cost_model=None, min_shared_tokens=2), **gen)
+                       cascade_caches=caches,
+                       cascade_options=dict(cost_model=None, min_shared_tokens=2, decode_step="compile"), **gen)
     assert caches[0].is_compileable
     assert torch.equal(got.sequences, want.sequences)
     assert len(got.scores) == len(want.scores) == 6
@@ -182,7 +184,7 @@ def test_gpu_decode_steps_never_wait_for_the_gpu(compiled):
     cas = tiny_model("llama", "cascade", device="cuda")
     ids, mask = (t.cuda() for t in pad_batch(make_prompts(seed=41, system=37, block=19, groups=2, per_group=3)))
     gen = dict(pad_token_id=0, do_sample=False, custom_generate=hf_cascade.generate,
-               cascade_options=dict(cost_model=None), disable_compile=not compiled)
+               cascade_options=dict(cost_model=None, decode_step="compile"), disable_compile=not compiled)
 
     def syncs(new_tokens):
         cas.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **gen)  # warm
