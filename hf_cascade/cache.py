@@ -410,6 +410,14 @@ class CascadeCache(Cache):
                     for t in (layer.keys, layer.values, layer.cumulative_length)]
         return tensors + list(self._op_inputs or ())
 
+    def static_step_tensors(self) -> list[torch.Tensor]:
+        """Every device tensor of this cache that a compiled or recorded decode step reads (the step buffers, and the
+        rows' suffix starts where no window mask was planned): what a recorded CUDA graph is keyed on."""
+        tensors = self.step_buffer_tensors()
+        if self._suffix_start_dev is not None:
+            tensors.append(self._suffix_start_dev)
+        return tensors
+
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_prefix(

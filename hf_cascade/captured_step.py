@@ -11,7 +11,7 @@ a :class:`~hf_cascade.cache.CascadeCache` with fixed buffers takes the path it t
 reads and writes device tensors only (suffix buffers written at a device-side length, the planned prefix slots,
 the op's planned index tensors, the window mask built from device data) and never changes a Python value that
 the next step would read. Everything a graph reads outside its own memory is named by its key: the cache's
-tensors (:meth:`CascadeCache.step_buffer_tensors`, by address, shape, stride and dtype), the model's parameters,
+tensors (:meth:`CascadeCache.static_step_tensors`, by address, shape, stride and dtype), the model's parameters,
 and the step's inputs (copied into the graph's own input tensors before every replay). A step whose key differs
 (another cache at other addresses, another shape, another argument) is recorded anew; the model's graphs are kept
 between generate() calls (at most :data:`GRAPHS_PER_MODEL`, the least recently used dropped), and since
@@ -64,7 +64,7 @@ class _ModelGraphs:
         self.warm: set = set()
         self.failed: set = set()  # keys whose recording raised: run eagerly
         self.lock = threading.Lock()
-        self.stream: torch.cuda.Stream | None = None
+        self.streams = threading.local()  # recording streams by device, per thread (a capture takes a whole stream)
         self.recorded = 0  # graphs recorded, all calls
         self.replayed = 0  # steps replayed, all calls
         self.decode_seconds = 0.0  # wall time of the decoding loops that ran recorded steps
@@ -121,15 +121,42 @@ class CapturedDecodeStep:
         self._cache_key: tuple | None = None  # the cache's and the model's tensors: fixed for one call
 
     def __call__(self, **inputs):
-        if self._cache_key is None:
+        if inputs.get("past_key_values") is not self.cache:
+            raise ValueError("CapturedDecodeStep serves the cache it was built for; got another cache.")
+        key, tensors = self._key(inputs)
+        if key is None:  # an argument that cannot be compared between steps: not recorded
+            return self.model(**inputs)
+        store = self._store
+        with store.lock:
+            entry = store.graphs.get(key)
+            if entry is not None:
+                store.graphs.move_to_end(key)
+                store.replayed += 1
+            failed = key in store.failed
+        if failed:
+            return self.model(**inputs)
+        if entry is None:
+            stream = self._recording_stream(tensors)
+            if key not in store.warm:
+                return self._run_once(key, inputs, stream)
+            entry = self._record(key, inputs, tensors, stream)
+            if entry is None:
+                return self.model(**inputs)
+        else:
+            for path, value in tensors.items():
+                entry.inputs[path].copy_(value, non_blocking=True)
+        entry.graph.replay()
+        return self._output(entry)
+
+    def _key(self, inputs: dict) -> tuple[tuple | None, dict[tuple, torch.Tensor]]:
+        """The step's graph key and its tensor arguments by path ((name,), or (name, key) for a dict of masks)."""
+        if self._cache_key is None:  # fixed for one call
             self._cache_key = (
-                tuple(_tensor_key(t) for t in self.cache.step_buffer_tensors()),
+                tuple(_tensor_key(t) for t in self.cache.static_step_tensors()),
                 tuple(p.data_ptr() for p in self.model.parameters()),
                 tuple(b.data_ptr() for b in self.model.buffers()),
             )
-        if inputs.get("past_key_values") is not self.cache:
-            raise ValueError("CapturedDecodeStep serves the cache it was built for; got another cache.")
-        tensors, others = {}, []  # tensors by path: (name,) or (name, key) for a dict of masks (per layer type)
+        tensors, others = {}, []
         for name, value in sorted(inputs.items()):
             items = sorted(value.items()) if isinstance(value, dict) else [(None, value)]
             for sub, leaf in items:
@@ -142,80 +169,81 @@ class CapturedDecodeStep:
         key = (self._cache_key, tuple(others))
         try:
             hash(key)
-        except TypeError:  # an argument that cannot be compared between steps: not recorded
-            return self.model(**inputs)
-        store = self._store
-        with store.lock:
-            entry = store.graphs.get(key)
-            if entry is not None:
-                store.graphs.move_to_end(key)
-            failed = key in store.failed
-        if failed:
-            return self.model(**inputs)
-        if entry is not None:
-            for path, value in tensors.items():
-                entry.inputs[path].copy_(value, non_blocking=True)
-            entry.graph.replay()
-            store.replayed += 1
-            return self._output(entry)
-        if store.stream is None:
-            store.stream = torch.cuda.Stream(device=self.cache_device(tensors))
-        stream = store.stream
+        except TypeError:
+            return None, tensors
+        return key, tensors
+
+    def _recording_stream(self, tensors: dict[tuple, torch.Tensor]) -> torch.cuda.Stream:
+        device = next((t.device for t in tensors.values() if t.device.type == "cuda"),
+                      torch.device("cuda", torch.cuda.current_device()))
+        streams = self._store.streams
+        if not hasattr(streams, "by_device"):
+            streams.by_device = {}
+        if device not in streams.by_device:
+            streams.by_device[device] = torch.cuda.Stream(device=device)
+        return streams.by_device[device]
+
+    def _run_once(self, key: tuple, inputs: dict, stream: torch.cuda.Stream):
+        """A new key's first step: run in the recorded path on the recording stream (its Triton kernels built,
+        cuBLAS set up for that stream); it is recorded at its next step."""
+        stream.wait_stream(torch.cuda.current_stream())
         token = _STATIC_STEP.set(True)
         try:
-            if key not in store.warm:  # run once (kernels built for these shapes), record at the next step
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    out = self.model(**inputs)
-                torch.cuda.current_stream().wait_stream(stream)
-                if len(store.warm) >= 8 * GRAPHS_PER_MODEL:  # keys of calls long gone
-                    store.warm.clear()
-                store.warm.add(key)
-                return out
-            entry = _Graph()
-            entry.inputs = {path: value.clone() for path, value in tensors.items()}
-            recorded_inputs = dict(inputs)
-            for path, value in entry.inputs.items():
-                if len(path) == 1:
-                    recorded_inputs[path[0]] = value
-                else:
-                    recorded_inputs[path[0]] = {**recorded_inputs[path[0]], path[1]: value}
-            entry.graph = torch.cuda.CUDAGraph()
-            # CUDAGraph.capture_begin rather than torch.cuda.graph, which empties the allocator's cache first (the
-            # next prefill would then allocate its activations from the driver again).
-            stream.wait_stream(torch.cuda.current_stream())
-            try:
-                with torch.cuda.stream(stream):
-                    entry.graph.capture_begin(capture_error_mode="thread_local")
-                    try:
-                        output = self.model(**recorded_inputs)
-                    finally:
-                        entry.graph.capture_end()
-            except RuntimeError as err:  # something in this model's step cannot be recorded: it runs eagerly
-                with store.lock:
-                    store.failed.add(key)
-                logger.warning_once(f"hf_cascade: this model's decode step could not be recorded into a CUDA graph "
-                                    f"({type(err).__name__}: {str(err)[:200]}); it runs eagerly.")
-                _STATIC_STEP.reset(token)
-                token = None
-                return self.model(**inputs)
-            finally:
-                torch.cuda.current_stream().wait_stream(stream)
-            # The cache is this call's: the graph keeps the output's tensors, not the cache object.
-            entry.output = (type(output), {k: v for k, v in output.items() if k != "past_key_values"},
-                            "past_key_values" in output)
+            with torch.cuda.stream(stream):
+                out = self.model(**inputs)
         finally:
-            if token is not None:
-                _STATIC_STEP.reset(token)
+            _STATIC_STEP.reset(token)
+            torch.cuda.current_stream().wait_stream(stream)
+        with self._store.lock:
+            if len(self._store.warm) >= 8 * GRAPHS_PER_MODEL:  # keys of calls long gone
+                self._store.warm.clear()
+            self._store.warm.add(key)
+        return out
+
+    def _record(self, key: tuple, inputs: dict, tensors: dict[tuple, torch.Tensor],
+                stream: torch.cuda.Stream) -> _Graph | None:
+        """Record this step (not run: the caller replays it); None where it cannot be recorded."""
+        store = self._store
+        entry = _Graph()
+        entry.inputs = {path: value.clone() for path, value in tensors.items()}
+        recorded_inputs = dict(inputs)
+        for path, value in entry.inputs.items():
+            if len(path) == 1:
+                recorded_inputs[path[0]] = value
+            else:
+                recorded_inputs[path[0]] = {**recorded_inputs[path[0]], path[1]: value}
+        entry.graph = torch.cuda.CUDAGraph()
+        # CUDAGraph.capture_begin rather than torch.cuda.graph, which empties the allocator's cache first (the next
+        # prefill would then allocate its activations from the driver again).
+        stream.wait_stream(torch.cuda.current_stream())
+        token = _STATIC_STEP.set(True)
+        try:
+            with torch.cuda.stream(stream):
+                entry.graph.capture_begin(capture_error_mode="thread_local")
+                try:
+                    output = self.model(**recorded_inputs)
+                finally:
+                    entry.graph.capture_end()
+        except RuntimeError as err:  # something in this model's step cannot be recorded: it runs eagerly
+            with store.lock:
+                store.failed.add(key)
+            logger.warning_once(f"hf_cascade: this model's decode step could not be recorded into a CUDA graph "
+                                f"({type(err).__name__}: {str(err)[:200]}); it runs eagerly.")
+            return None
+        finally:
+            _STATIC_STEP.reset(token)
+            torch.cuda.current_stream().wait_stream(stream)
+        # The cache is this call's: the graph keeps the output's tensors, not the cache object.
+        entry.output = (type(output), {k: v for k, v in output.items() if k != "past_key_values"},
+                        "past_key_values" in output)
         with store.lock:
             store.warm.discard(key)
             store.graphs[key] = entry
             while len(store.graphs) > GRAPHS_PER_MODEL:
                 store.graphs.popitem(last=False)
             store.recorded += 1
-        entry.graph.replay()
-        store.replayed += 1
-        return self._output(entry)
+            store.replayed += 1  # the caller replays it now
+        return entry
 
     def _output(self, entry: _Graph):
         """The recorded output (its tensors the graph's), with this call's cache."""
@@ -226,10 +254,3 @@ class CapturedDecodeStep:
         """Count a decoding loop's wall time for ``decode_step="auto"`` (see ``hf_cascade.generation``)."""
         with self._store.lock:
             self._store.decode_seconds += seconds
-
-    @staticmethod
-    def cache_device(tensors: dict[str, torch.Tensor]) -> torch.device:
-        for value in tensors.values():
-            if value.device.type == "cuda":
-                return value.device
-        return torch.device("cuda", torch.cuda.current_device())

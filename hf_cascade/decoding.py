@@ -179,7 +179,10 @@ def _decode_forward(model, model_kwargs: dict, generation_config, decode_step: s
     )
     if fixed_cascade and decode_step == "eager":
         return model.__call__
-    if fixed_cascade and decode_step == "graphs" and not generation_config.disable_compile:
+    # Recorded where transformers would compile (its checks: not disable_compile, no offload, a compileable
+    # quantizer): what a compiled step may not do, a recorded one may not either.
+    if fixed_cascade and decode_step == "graphs" and model._valid_auto_compile_criteria(model_kwargs,
+                                                                                      generation_config):
         from hf_cascade.captured_step import CapturedDecodeStep
 
         return CapturedDecodeStep(model, cache)

@@ -1,0 +1,64 @@
+"""When a recorded decode step may be replayed: the key of hf_cascade.captured_step (CPU; recording and replay
+themselves need CUDA graphs: tests/test_gpu_generate.py).
+
+A recorded CUDA graph reads every tensor at the address it had when it was recorded, so a replay is correct only
+for a step whose cache tensors sit at the same addresses with the same shapes, and whose arguments have the same
+shapes (their values are copied in). The key must tell those steps apart from all others.
+"""
+
+import torch
+
+import hf_cascade
+from hf_cascade.captured_step import CapturedDecodeStep
+
+from test_generate import model_pair, pad_batch, tree_prompts
+
+
+def _call(cas, ids, mask):
+    """A fixed-buffer one-argument call (the CUDA default, forced here; eager on CPU); returns its cache."""
+    caches = []
+    cas.generate(ids, attention_mask=mask, max_new_tokens=4, min_new_tokens=4, do_sample=False, pad_token_id=0,
+                 custom_generate=hf_cascade.generate, cascade_caches=caches, disable_compile=True,
+                 cascade_options=dict(min_shared_tokens=2, cost_model=None, fixed_buffers=True))
+    return caches[0]
+
+
+def _step_inputs(cache, batch, token=3, width=None):
+    width = cache.max_suffix_length if width is None else width
+    return dict(
+        input_ids=torch.full((batch, 1), token), position_ids=torch.full((batch, 1), 40 + token),
+        attention_mask={"full_attention": torch.ones(batch, 1, 1, width, dtype=torch.bool), "sliding_attention": None},
+        past_key_values=cache, use_cache=True, return_dict=True,
+    )
+
+
+def test_replay_key_follows_addresses_shapes_and_arguments():
+    _, cas = model_pair("llama")
+    layout = ([(1, 20), (2, 6)], 5)
+    ids, mask = pad_batch(tree_prompts(*layout, rows=6, seed=80))
+    first = _call(cas, ids, mask)
+    rows = first.layers[0].keys.shape[0]
+    step = CapturedDecodeStep(cas, first)
+    key, tensors = step._key(_step_inputs(first, rows))
+    assert key is not None and set(tensors) == {("input_ids",), ("position_ids",), ("attention_mask", "full_attention")}
+    # Another step of the call: other token values, same shapes -> the same graph (values are copied in).
+    assert step._key(_step_inputs(first, rows, token=9))[0] == key
+    # An argument of another shape, or another non-tensor argument -> another graph.
+    assert step._key(_step_inputs(first, rows, width=first.max_suffix_length + 1))[0] != key
+    assert step._key({**_step_inputs(first, rows), "use_cache": False})[0] != key
+    # An argument that cannot be compared between steps -> never recorded.
+    assert step._key({**_step_inputs(first, rows), "extra": [1, 2]})[0] is None
+
+    # The next call with the same shapes (other tokens) gets the kept buffers back: same addresses, same key.
+    ids2, mask2 = pad_batch(tree_prompts(*layout, rows=6, seed=81))
+    second = _call(cas, ids2, mask2)
+    assert second is not first
+    assert CapturedDecodeStep(cas, second)._key(_step_inputs(second, rows))[0] == key
+    # A call with another tree: other shapes -> another key.
+    ids3, mask3 = pad_batch(tree_prompts([(1, 33)], 3, rows=6, seed=82))
+    third = _call(cas, ids3, mask3)
+    assert CapturedDecodeStep(cas, third)._key(_step_inputs(third, rows))[0] != key
+    # Every device tensor the step reads is in the key: the op's index tensors and the window mask included.
+    read = {t.data_ptr() for t in third.static_step_tensors()}
+    assert {t.data_ptr() for t in third._op_inputs} <= read and third._window_dev.data_ptr() in read
+
