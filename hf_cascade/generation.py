@@ -99,6 +99,10 @@ def generate(
         raise ValueError(
             f"`cascade_options` takes {sorted(_OPTIONS)}; got unknown {sorted(unknown)}."
         )
+    if options.get("decode_step", DEFAULT_DECODE_STEP) not in _DECODE_STEPS:
+        raise ValueError(
+            f"`cascade_options['decode_step']` must be one of {list(_DECODE_STEPS)}; got {options['decode_step']!r}."
+        )
     method_name = GENERATION_MODES_MAPPING.get(generation_config.get_generation_mode())
     if method_name not in _DECODING_METHODS:
         raise NotImplementedError(
@@ -120,13 +124,9 @@ def generate(
 
     defer = options.pop("defer_stop_check", None)
     decode_step = options.pop("decode_step", DEFAULT_DECODE_STEP)
-    if decode_step not in _DECODE_STEPS:
-        raise ValueError(
-            f"`cascade_options['decode_step']` must be one of {list(_DECODE_STEPS)}; got {decode_step!r}."
-        )
-    if decode_step == "auto":
-        decode_step = _auto_decode_step(model)
     if method_name == "_sample":  # transformers' loop, without a wait for the GPU at every step
+        if decode_step == "auto":
+            decode_step = _auto_decode_step(model)
         decode = functools.partial(sample, defer_stop_check=defer, decode_step=decode_step)
     attention_mask = model_kwargs.get("attention_mask")
     if attention_mask is None:  # transformers >= 5.18 drops an all-ones mask
