@@ -24,6 +24,7 @@ stream), and recorded at the next step with that key.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import threading
 import weakref
@@ -34,11 +35,23 @@ from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["CapturedDecodeStep", "GRAPHS_PER_MODEL", "first_compiled_call", "recorded_steps", "static_step"]
+__all__ = ["CapturedDecodeStep", "GRAPHS_PER_MODEL", "first_compiled_call", "recorded_steps", "static_step",
+           "static_step_mode"]
 
 GRAPHS_PER_MODEL = 4
 
 _STATIC_STEP: contextvars.ContextVar[bool] = contextvars.ContextVar("hf_cascade_static_step", default=False)
+
+
+@contextlib.contextmanager
+def static_step_mode():
+    """Run the forwards inside in the device-only path of a compiled step (what :class:`CapturedDecodeStep` does
+    while it runs a new key once and while it records). Only for a fixed-buffer cache whose prefill has run."""
+    token = _STATIC_STEP.set(True)
+    try:
+        yield
+    finally:
+        _STATIC_STEP.reset(token)
 
 
 def static_step() -> bool:
@@ -187,12 +200,10 @@ class CapturedDecodeStep:
         """A new key's first step: run in the recorded path on the recording stream (its Triton kernels built,
         cuBLAS set up for that stream); it is recorded at its next step."""
         stream.wait_stream(torch.cuda.current_stream())
-        token = _STATIC_STEP.set(True)
         try:
-            with torch.cuda.stream(stream):
+            with static_step_mode(), torch.cuda.stream(stream):
                 out = self.model(**inputs)
         finally:
-            _STATIC_STEP.reset(token)
             torch.cuda.current_stream().wait_stream(stream)
         with self._store.lock:
             if len(self._store.warm) >= 8 * GRAPHS_PER_MODEL:  # keys of calls long gone
@@ -216,9 +227,8 @@ class CapturedDecodeStep:
         # CUDAGraph.capture_begin rather than torch.cuda.graph, which empties the allocator's cache first (the next
         # prefill would then allocate its activations from the driver again).
         stream.wait_stream(torch.cuda.current_stream())
-        token = _STATIC_STEP.set(True)
         try:
-            with torch.cuda.stream(stream):
+            with static_step_mode(), torch.cuda.stream(stream):
                 entry.graph.capture_begin(capture_error_mode="thread_local")
                 try:
                     output = self.model(**recorded_inputs)
@@ -231,7 +241,6 @@ class CapturedDecodeStep:
                                 f"({type(err).__name__}: {str(err)[:200]}); it runs eagerly.")
             return None
         finally:
-            _STATIC_STEP.reset(token)
             torch.cuda.current_stream().wait_stream(stream)
         # The cache is this call's: the graph keeps the output's tensors, not the cache object.
         entry.output = (type(output), {k: v for k, v in output.items() if k != "past_key_values"},

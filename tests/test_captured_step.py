@@ -6,6 +6,7 @@ for a step whose cache tensors sit at the same addresses with the same shapes, a
 shapes (their values are copied in). The key must tell those steps apart from all others.
 """
 
+import pytest
 import torch
 
 import hf_cascade
@@ -62,3 +63,46 @@ def test_replay_key_follows_addresses_shapes_and_arguments():
     read = {t.data_ptr() for t in third.static_step_tensors()}
     assert {t.data_ptr() for t in third._op_inputs} <= read and third._window_dev.data_ptr() in read
 
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
+@pytest.mark.parametrize("levels", [[(1, 20), (2, 6)], [(1, 9), (2, 5), (3, 4)]])
+def test_decode_steps_in_the_recorded_path_match_the_reference(family, levels):
+    """The path a recorded (or compiled) step takes, run eagerly: every decode step of a fixed-buffer call inside
+    static_step_mode() (entered by forward hooks for the one-token forwards, as CapturedDecodeStep enters it for
+    each step it runs or records). fp32 tokens and logits equal to the reference's."""
+    from hf_cascade.captured_step import static_step_mode
+
+    ref, cas = model_pair(family)
+    ids, mask = pad_batch(tree_prompts(levels, 4, rows=6, seed=83))
+    gen = dict(max_new_tokens=7, min_new_tokens=7, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
+               output_logits=True)
+    want = ref.generate(ids, attention_mask=mask, **gen)
+    modes, entered = [], []
+
+    def enter(module, args, kwargs):
+        if kwargs["input_ids"].shape[1] == 1:  # a decode step (the prefill has every prompt column)
+            mode = static_step_mode()
+            mode.__enter__()
+            modes.append(mode)
+            entered.append(True)
+
+    def leave(module, args, kwargs, output):
+        if modes:
+            modes.pop().__exit__(None, None, None)
+
+    hooks = [cas.register_forward_pre_hook(enter, with_kwargs=True),
+             cas.register_forward_hook(leave, with_kwargs=True)]
+    try:
+        caches = []
+        got = cas.generate(ids, attention_mask=mask, custom_generate=hf_cascade.generate, cascade_caches=caches,
+                           disable_compile=True, cascade_options=dict(min_shared_tokens=2, cost_model=None,
+                                                                      fixed_buffers=True), **gen)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert len(entered) == gen["max_new_tokens"] - 1 and caches[0].num_levels == len(levels)
+    assert caches[0]._compiled_prefix is not None and caches[0]._op_inputs is not None  # the op's path ran
+    assert torch.equal(got.sequences, want.sequences)
+    for w, g in zip(want.logits, got.logits):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=0)
