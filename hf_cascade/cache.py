@@ -153,7 +153,9 @@ class _StaticSuffixLayer(_SuffixLayer):
                 torch._dynamo.maybe_mark_dynamic(tensor, 2)
         self.is_initialized = True
 
-    def update(self, key_states, value_states, *args, **kwargs):
+    def update(self, key_states, value_states, *args, step_memo: dict | None = None, **kwargs):
+        """Write the new KV at the written length; ``step_memo``: a dict shared by the layers of one eager
+        device-only step (see ``CascadeCache.update``), which then compute the write positions once."""
         if not self.is_initialized or self.keys.shape[0] != key_states.shape[0]:
             self.lazy_initialization(key_states, value_states)
         if static_step():
@@ -167,7 +169,11 @@ class _StaticSuffixLayer(_SuffixLayer):
                     "`max_suffix_length` (or `max_new_tokens` in shared_prefix_inputs), or lower `max_new_tokens`."
                 )
             self._host_length = length
-        positions = torch.arange(key_states.shape[-2], device=self.device) + self.cumulative_length
+        positions = None if step_memo is None else step_memo.get(("positions", key_states.shape[-2]))
+        if positions is None:  # every layer has written as many columns: the positions are the same
+            positions = torch.arange(key_states.shape[-2], device=self.device) + self.cumulative_length
+            if step_memo is not None:
+                step_memo[("positions", key_states.shape[-2])] = positions
         self.cumulative_length.add_(key_states.shape[-2])
         self.keys.index_copy_(2, positions, key_states)
         self.values.index_copy_(2, positions, value_states)
@@ -457,7 +463,14 @@ class CascadeCache(Cache):
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Append the new suffix KV ``[batch, num_kv_heads, q_len, head_dim]``; return this layer's suffix KV."""
         if static_step():  # a compiled or recorded step: device work only (see captured_step)
-            keys, values = self.layers[layer_idx].update(key_states, value_states)
+            memo = None
+            if not torch.compiler.is_compiling():
+                # Eager (a step CapturedDecodeStep runs or records): what all layers compute alike (write positions,
+                # the suffix mask) is computed by the first and reused; a compiled step fuses it instead.
+                if layer_idx == 0 or self._step_memo is None:
+                    self._step_memo = {}
+                memo = self._step_memo
+            keys, values = self.layers[layer_idx].update(key_states, value_states, step_memo=memo)
             bind_layer(self, layer_idx, keys)
             return keys, values
         with self._lock:  # a reset by another thread's generate() cannot interleave with this write
@@ -601,6 +614,7 @@ class CascadeCache(Cache):
         self.window = window
         self._suffix_start_dev = self._window_dev = None
         self._mask_memo = None
+        self._step_memo: dict | None = None  # per eager device-only step (see update)
         self._plans: dict[int, CascadePlan] = {}
         self._plan: CascadePlan | None = None
         self._op_inputs: list[torch.Tensor] | None = None
@@ -650,8 +664,15 @@ class CascadeCache(Cache):
         tokens are in the row's prefix chain, or padding). bool ``[B or 1, q_len, S]`` or None (causal)."""
         if self._window_dev is not None and static_step():
             # Compiled (or recorded) step: the mask from device data only (transformers' was built at kv_offset 0, see
-            # get_mask_sizes), so the graph does not depend on this batch's prefix_length.
-            return self._window_dev[:, None, :] & layer.causal_mask(query_length)
+            # get_mask_sizes), so the graph does not depend on this batch's prefix_length. The same for every layer
+            # (each has written as many columns): an eager step builds it once (see update).
+            memo = None if torch.compiler.is_compiling() else self._step_memo
+            mask = None if memo is None else memo.get(("mask", query_length, layer.capacity))
+            if mask is None:
+                mask = self._window_dev[:, None, :] & layer.causal_mask(query_length)
+                if memo is not None:
+                    memo[("mask", query_length, layer.capacity)] = mask
+            return mask
         if attention_mask is None:
             attention_mask = layer.causal_mask(query_length)
         if self._suffix_start_dev is None:
