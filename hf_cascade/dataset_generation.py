@@ -2,8 +2,9 @@
 
 The rows of few-shot evaluation, synthetic-data generation or best-of-k sampling share long preambles. This
 module orders the rows so that rows sharing a prefix land in the same batch, packs batches under a token
-budget, and runs the user-facing cascade call on each (``model.generate(..., custom_generate=hf_cascade.generate)``,
-compiled on CUDA and compiled once for all batches of a size): every shared prefix is prefilled and stored once per
+budget, and runs the user-facing cascade call on each (``model.generate(..., custom_generate=hf_cascade.generate)``;
+on CUDA its decode steps replay recorded CUDA graphs, compiled once the job has decoded long enough for it to pay):
+every shared prefix is prefilled and stored once per
 batch, and a prefix that spans several batches (a dataset-wide system prompt) is
 prefilled once for all of them (:meth:`hf_cascade.CascadeCache.from_prefix`). Completions come back in the
 dataset's original row order.
@@ -632,8 +633,10 @@ def _run_batch(
     """Generate one batch; return (completions in batch order, new-token count).
 
     The batch goes through the user-facing one-argument path (``custom_generate=hf_cascade.generate``), so on CUDA
-    its decode step is the compiled one, shared by every batch of the dataset (a new sharing tree re-plans on the
-    host; only a new batch size, or a tree deeper than 4 levels, compiles again)."""
+    its decode steps replay CUDA graphs recorded from the eager step (a new sharing tree re-plans on the host and
+    records once, without compiling), and the compiled step once the model has decoded long enough for a
+    compilation to pay (``decode_step="auto"``), shared by every later batch (only a new batch size, or a tree
+    deeper than 4 levels, compiles again)."""
     import hf_cascade
     from hf_cascade.prefix_tree import find_shared_prefixes
 
