@@ -167,8 +167,8 @@ def sample(
 
 
 def _decode_forward(model, model_kwargs: dict, generation_config, decode_step: str):
-    # "auto" is resolved by hf_cascade.generate before the loop starts.
-    """The callable that runs the decode steps (see :func:`sample`'s ``decode_step``)."""
+    """The callable that runs the decode steps (see :func:`sample`'s ``decode_step``; ``"auto"`` is resolved by
+    ``hf_cascade.generate`` before the loop starts)."""
     from hf_cascade.cache import CascadeCache
 
     if decode_step not in ("compile", "graphs", "eager"):
