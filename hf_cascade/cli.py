@@ -202,8 +202,9 @@ def collect_info() -> dict:
     from transformers import AttentionInterface
 
     if gpus:
-        decode = ("compiled: generate(..., custom_generate=hf_cascade.generate) keeps suffixes in fixed buffers and "
-                  "transformers compiles the decode step (CUDA graphs) for greedy/sampling; disable_compile=True "
+        decode = ("recorded: generate(..., custom_generate=hf_cascade.generate) keeps suffixes in fixed buffers and "
+                  "replays greedy/sampling decode steps from CUDA graphs (no compilation; compiled once the model "
+                  "has decoded 200 s, or with cascade_options=dict(decode_step='compile')); disable_compile=True "
                   "opts out, beam search stays eager")
     else:
         decode = "eager: generate(..., custom_generate=hf_cascade.generate) decodes eagerly (compiled only on CUDA)"

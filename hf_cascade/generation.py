@@ -71,9 +71,9 @@ def generate(
             ``nbytes`` or ``prefix_tree``). Pass it to ``generate()`` / a pipeline call like any other kwarg.
         cascade_options: optional planning options, any of ``min_shared_tokens`` (default 4), ``min_rows`` (2),
             ``max_levels`` (4), ``cost_model`` ("auto": the measured cost model on CUDA; None: share everything),
-            as in :func:`hf_cascade.shared_prefix_inputs`, ``fixed_buffers`` (None: on where generate()
-            compiles the decode step — CUDA, greedy or sampling, no ``disable_compile=True``; True / False), and
-            ``batch_buckets``: where the step is compiled, add rows (copies of the last row, cut from the output,
+            as in :func:`hf_cascade.shared_prefix_inputs`, ``fixed_buffers`` (None: on where the decode step is
+            recorded or compiled — CUDA, greedy or sampling, no ``disable_compile=True``; True / False), and
+            ``batch_buckets``: where the step is recorded or compiled, add rows (copies of the last row, cut from the output,
             finished from the first step) up to a bucket size (:func:`~hf_cascade.inputs.batch_bucket`), so that
             batches of other sizes run the same compiled step. None (default): for greedy search only, where the
             added rows change nothing; True: also when sampling (the samples are as random, but a seed then gives
