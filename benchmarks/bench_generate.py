@@ -8,7 +8,10 @@ for each peer in the same run, and checks that cascade's first-step logits match
     python benchmarks/bench_generate.py                       # the grid (needs an 80 GB GPU)
     python benchmarks/bench_generate.py --layers 4 --batches 8 --prefix 1024   # a quick look
     python benchmarks/bench_generate.py --workload nsamples grpo   # n samples of a prompt, through plain generate()
-    python benchmarks/bench_generate.py --workload stream --batches 32  # 8 batches, 8 sharing trees, compiles included
+    python benchmarks/bench_generate.py --workload stream --stream-passes 2  # 8 batches, 8 sharing trees, cold + warm
+
+hf_cascade's one-argument peers: ``cascade_generate`` (the default, ``decode_step="auto"``: decode steps replayed
+from recorded CUDA graphs), ``cascade_generate_graphs`` and ``cascade_generate_compile`` (``decode_step`` named).
 
 Sampling workloads (``--workload nsamples grpo``): ``nsamples`` is 1 prompt of 4096 tokens x 32 samples, 64 new
 tokens; ``grpo`` is 16 prompts (a shared 256-token system prompt + 512 own tokens) x 8 samples, 128 new tokens. The
