@@ -145,6 +145,7 @@ def run_cascade_generate(model, ids, mask, new_tokens, decode_step=None):
     ))
     return {
         **step_timings(t_first, t_all, new_tokens),
+        "decode_step": decode_step or "default",
         "kv_gib": caches[-1].nbytes / 2**30,
         "new_tokens": out[:, ids.shape[1] :],
     }
@@ -457,6 +458,8 @@ def _stream_pass(args, writer, model, batches, stream_pass: int, counters) -> No
         }
         if split:
             record["sdpa_parts_per_batch"] = split
+        if peer in CASCADE_GENERATE_PEERS:
+            record["decode_step"] = CASCADE_GENERATE_PEERS[peer] or "default"
         if compile_per_batch:  # torch.compile phases per batch (the rest of a compiling batch: Triton, cudagraphs)
             record["compile_s_per_batch"] = compile_per_batch
             record["triton_variants_after_batch"] = variants  # hf_cascade's Triton kernels built so far

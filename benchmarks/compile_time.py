@@ -66,7 +66,8 @@ def measure(peer: str, layers: int, device: str, backend: str, mark_layers: bool
     config._compile_all_devices = True
     gen = dict(max_new_tokens=4, min_new_tokens=4, pad_token_id=0, do_sample=False, compile_config=config)
     if peer == "cascade_generate":
-        gen.update(custom_generate=hf_cascade.generate, cascade_options=dict(min_shared_tokens=2, fixed_buffers=True))
+        gen.update(custom_generate=hf_cascade.generate, cascade_options=dict(min_shared_tokens=2, fixed_buffers=True,
+                                                                      decode_step="compile"))
     else:
         gen.update(cache_implementation="static")
     seconds, phases, _ = timed_with_compile_breakdown(lambda: model.generate(ids, attention_mask=mask, **gen))

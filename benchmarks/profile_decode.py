@@ -6,8 +6,10 @@ and the top kernels. A step whose wall time is far above its GPU time is launch/
     python benchmarks/profile_decode.py --batch 32 --prefix 4096
     python benchmarks/profile_decode.py --peers cascade_generate --host-profile   # + where the host time goes
 
-Peers: ``cascade_generate`` (the default path: ``generate(..., custom_generate=hf_cascade.generate)``, compiled on
-CUDA), ``cascade_compiled`` / ``cascade`` (``shared_prefix_inputs`` with / without fixed buffers), ``sdpa``.
+Peers: ``cascade_generate`` (the default path: ``generate(..., custom_generate=hf_cascade.generate)``; on CUDA its
+decode steps replay recorded CUDA graphs since 2178092, compiled before), ``cascade_generate_graphs`` /
+``cascade_generate_compile`` (``decode_step`` named; records carry ``decode_step``), ``cascade_compiled`` /
+``cascade`` (``shared_prefix_inputs`` with / without fixed buffers), ``sdpa``.
 ``--host-profile`` runs cProfile over an unprofiled decode and prints the functions with the most own time and the
 most time below them: the time a step spends waiting for the GPU shows up where generate() synchronises.
 """
@@ -40,7 +42,7 @@ def main(argv=None):
     parser.add_argument("--suffix", type=int, default=64)
     parser.add_argument("--steps", type=int, default=8)
     peers = ["cascade_generate", "cascade_generate_synced", "cascade_generate_eager", "cascade_generate_graphs",
-             "cascade_compiled", "cascade", "sdpa"]
+             "cascade_generate_compile", "cascade_compiled", "cascade", "sdpa"]
     parser.add_argument("--peers", nargs="+", default=["cascade_generate", "cascade_compiled", "cascade", "sdpa"],
                         choices=peers, help="cascade_generate_synced: the default path with the stop flag read "
                         "at every step (cascade_options=dict(defer_stop_check=False)), as transformers' _sample does; "
@@ -69,8 +71,8 @@ def main(argv=None):
             call["cascade_options"] = dict(defer_stop_check=peer != "cascade_generate_synced")
             if peer == "cascade_generate_eager":
                 call["disable_compile"] = True
-            if peer == "cascade_generate_graphs":  # the eager step recorded into CUDA graphs, no compilation
-                call["cascade_options"]["decode_step"] = "graphs"
+            if peer in ("cascade_generate_graphs", "cascade_generate_compile"):
+                call["cascade_options"]["decode_step"] = peer.rsplit("_", 1)[1]
         elif peer.startswith("cascade"):
             max_new = steps if peer == "cascade_compiled" else None
             inputs = hf_cascade.shared_prefix_inputs(model, ids, mask, max_new_tokens=max_new)
@@ -129,6 +131,8 @@ def main(argv=None):
             host_profile=host_top,
             kernels_per_step_us_count=kernel_rows,
         )
+        if peer.startswith("cascade_generate"):
+            record["decode_step"] = call["cascade_options"].get("decode_step", "default")
         writer.write(record)
         print(f"\n== {peer}: wall {wall_step:.2f} ms/step ({per_step:.1f} profiled), GPU busy {gpu_step:.1f} ms/step, "
               f"{record['kernel_launches_per_step']:.0f} kernels/step")
