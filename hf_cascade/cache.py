@@ -169,11 +169,12 @@ class _StaticSuffixLayer(_SuffixLayer):
                     "`max_suffix_length` (or `max_new_tokens` in shared_prefix_inputs), or lower `max_new_tokens`."
                 )
             self._host_length = length
-        positions = None if step_memo is None else step_memo.get(("positions", key_states.shape[-2]))
+        memo_key = ("positions", key_states.shape[-2], self.device)
+        positions = None if step_memo is None else step_memo.get(memo_key)
         if positions is None:  # every layer has written as many columns: the positions are the same
             positions = torch.arange(key_states.shape[-2], device=self.device) + self.cumulative_length
             if step_memo is not None:
-                step_memo[("positions", key_states.shape[-2])] = positions
+                step_memo[memo_key] = positions
         self.cumulative_length.add_(key_states.shape[-2])
         self.keys.index_copy_(2, positions, key_states)
         self.values.index_copy_(2, positions, value_states)
@@ -420,9 +421,17 @@ class CascadeCache(Cache):
         """Every device tensor of this cache that a compiled or recorded decode step reads (the step buffers, and the
         rows' suffix starts where no window mask was planned): what a recorded CUDA graph is keyed on."""
         tensors = self.step_buffer_tensors()
-        if self._suffix_start_dev is not None:
+        if self._window_dev is None and self._suffix_start_dev is not None:  # read by _suffix_mask only then
             tensors.append(self._suffix_start_dev)
         return tensors
+
+    def begin_static_step(self) -> None:
+        """A compiled or recorded step is about to run (or, replayed, has run) on the device: the host's count of
+        written columns is stale, and nothing computed for an earlier step is reused."""
+        self._step_memo = None
+        for layer in self.layers:
+            if isinstance(layer, _StaticSuffixLayer) and layer.is_initialized:
+                layer._host_length_stale = True
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -467,7 +476,7 @@ class CascadeCache(Cache):
             if not torch.compiler.is_compiling():
                 # Eager (a step CapturedDecodeStep runs or records): what all layers compute alike (write positions,
                 # the suffix mask) is computed by the first and reused; a compiled step fuses it instead.
-                if layer_idx == 0 or self._step_memo is None:
+                if layer_idx == 0 or self._step_memo is None:  # (begin_static_step clears it too)
                     self._step_memo = {}
                 memo = self._step_memo
             keys, values = self.layers[layer_idx].update(key_states, value_states, step_memo=memo)
@@ -667,11 +676,12 @@ class CascadeCache(Cache):
             # get_mask_sizes), so the graph does not depend on this batch's prefix_length. The same for every layer
             # (each has written as many columns): an eager step builds it once (see update).
             memo = None if torch.compiler.is_compiling() else self._step_memo
-            mask = None if memo is None else memo.get(("mask", query_length, layer.capacity))
+            memo_key = ("mask", query_length, layer.capacity, layer.device)
+            mask = None if memo is None else memo.get(memo_key)
             if mask is None:
                 mask = self._window_dev[:, None, :] & layer.causal_mask(query_length)
                 if memo is not None:
-                    memo[("mask", query_length, layer.capacity)] = mask
+                    memo[memo_key] = mask
             return mask
         if attention_mask is None:
             attention_mask = layer.causal_mask(query_length)

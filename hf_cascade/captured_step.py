@@ -148,9 +148,10 @@ class CapturedDecodeStep:
             failed = key in store.failed
         if failed:
             return self.model(**inputs)
+        self.cache.begin_static_step()
         if entry is None:
             stream = self._recording_stream(tensors)
-            if key not in store.warm:
+            if (key, stream.cuda_stream) not in store.warm:  # per stream: its cuBLAS set up before a capture on it
                 return self._run_once(key, inputs, stream)
             entry = self._record(key, inputs, tensors, stream)
             if entry is None:
@@ -168,6 +169,9 @@ class CapturedDecodeStep:
                 tuple(_tensor_key(t) for t in self.cache.static_step_tensors()),
                 tuple(p.data_ptr() for p in self.model.parameters()),
                 tuple(b.data_ptr() for b in self.model.buffers()),
+                # Python state the eager step reads (a compiled step guards on it)
+                torch.is_grad_enabled(), torch.is_autocast_enabled("cuda"),
+                getattr(self.model.config, "_attn_implementation", None),
             )
         tensors, others = {}, []
         for name, value in sorted(inputs.items()):
@@ -208,7 +212,7 @@ class CapturedDecodeStep:
         with self._store.lock:
             if len(self._store.warm) >= 8 * GRAPHS_PER_MODEL:  # keys of calls long gone
                 self._store.warm.clear()
-            self._store.warm.add(key)
+            self._store.warm.add((key, stream.cuda_stream))
         return out
 
     def _record(self, key: tuple, inputs: dict, tensors: dict[tuple, torch.Tensor],
@@ -246,7 +250,7 @@ class CapturedDecodeStep:
         entry.output = (type(output), {k: v for k, v in output.items() if k != "past_key_values"},
                         "past_key_values" in output)
         with store.lock:
-            store.warm.discard(key)
+            store.warm.discard((key, stream.cuda_stream))
             store.graphs[key] = entry
             while len(store.graphs) > GRAPHS_PER_MODEL:
                 store.graphs.popitem(last=False)

@@ -12,7 +12,7 @@ import torch
 import hf_cascade
 from hf_cascade.captured_step import CapturedDecodeStep
 
-from test_generate import model_pair, pad_batch, tree_prompts
+from test_generate import make_prompts, model_pair, pad_batch, tree_prompts
 
 
 def _call(cas, ids, mask):
@@ -59,6 +59,15 @@ def test_replay_key_follows_addresses_shapes_and_arguments():
     ids3, mask3 = pad_batch(tree_prompts([(1, 33)], 3, rows=6, seed=82))
     third = _call(cas, ids3, mask3)
     assert CapturedDecodeStep(cas, third)._key(_step_inputs(third, rows))[0] != key
+    # Rows whose own tokens start at different columns (left padding): their suffix starts are read through the
+    # planned window mask, so two calls of one layout still get one key.
+    keys = []
+    for seed in (51, 52):
+        ids4, mask4 = pad_batch(make_prompts(seed=seed, system=37, block=19, groups=2, per_group=3))
+        cache = _call(cas, ids4, mask4)
+        assert cache._suffix_start_dev is not None and cache._window_dev is not None
+        keys.append(CapturedDecodeStep(cas, cache)._key(_step_inputs(cache, cache.layers[0].keys.shape[0]))[0])
+    assert keys[0] == keys[1]
     # Every device tensor the step reads is in the key: the op's index tensors and the window mask included.
     read = {t.data_ptr() for t in third.static_step_tensors()}
     assert {t.data_ptr() for t in third._op_inputs} <= read and third._window_dev.data_ptr() in read
@@ -106,3 +115,19 @@ def test_decode_steps_in_the_recorded_path_match_the_reference(family, levels):
     assert torch.equal(got.sequences, want.sequences)
     for w, g in zip(want.logits, got.logits):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=0)
+
+
+def test_host_length_follows_steps_that_ran_no_python():
+    """A replayed step writes its column on the device only (each layer's device count goes up by one, and no
+    Python runs): begin_static_step, called before every recorded or replayed step, makes the host count read the
+    device count again, so suffix_length, crop and the eager capacity check see every replayed step."""
+    _, cas = model_pair("llama")
+    ids, mask = pad_batch(tree_prompts([(1, 20), (2, 6)], 5, rows=6, seed=84))
+    cache = _call(cas, ids, mask)
+    before = cache.suffix_length
+    cache.begin_static_step()
+    for layer in cache.layers:  # what one replay does to the cache's device state
+        layer.cumulative_length.add_(1)
+    assert cache.suffix_length == before + 1
+    cache.crop(-1)
+    assert cache.suffix_length == before and int(cache.layers[0].cumulative_length) == before

@@ -233,6 +233,8 @@ def test_gpu_recorded_decode_step_matches_reference(family, mode):
                            cascade_options=_graphs_options(), **gen)
         after = recorded_steps(cas)
         assert caches[0].is_compileable and caches[0].num_levels >= 1
+        # The host's count of written columns follows replayed steps (which run no Python).
+        assert caches[0].suffix_length == int(caches[0].layers[0].cumulative_length) > 0
         assert torch.equal(got.sequences, want.sequences), (family, mode, call)
         replayed = after["replayed"] - before["replayed"]
         if call == 0:  # step 1 runs once eagerly (warm-up), then recorded and replayed
