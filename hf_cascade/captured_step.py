@@ -27,11 +27,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
-import weakref
 from collections import OrderedDict
 
 import torch
 from transformers.utils import logging
+
+from hf_cascade.step_buffers import model_state
 
 logger = logging.get_logger(__name__)
 
@@ -84,16 +85,8 @@ class _ModelGraphs:
         self.compiled_call_announced = False
 
 
-_BY_MODEL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-_BY_MODEL_LOCK = threading.Lock()
-
-
 def _model_graphs(model: torch.nn.Module) -> _ModelGraphs:
-    with _BY_MODEL_LOCK:
-        graphs = _BY_MODEL.get(model)
-        if graphs is None:
-            graphs = _BY_MODEL[model] = _ModelGraphs()
-        return graphs
+    return model_state(model, _ModelGraphs)
 
 
 def recorded_steps(model: torch.nn.Module) -> dict[str, int]:

@@ -62,17 +62,24 @@ class StepBuffers:
             return sum(t.numel() * t.element_size() for ts in self._free.values() for t in ts)
 
 
-_BY_MODEL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_BY_MODEL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {state class: its instance}
 _BY_MODEL_LOCK = threading.Lock()
+
+
+def model_state(model: torch.nn.Module, cls: type):
+    """The ``cls()`` instance kept for ``model`` between generate() calls (created on first use, freed with the
+    model): its :class:`StepBuffers`, its recorded decode steps (``captured_step``)."""
+    with _BY_MODEL_LOCK:
+        states = _BY_MODEL.setdefault(model, {})
+        state = states.get(cls)
+        if state is None:
+            state = states[cls] = cls()
+        return state
 
 
 def step_buffers(model: torch.nn.Module) -> StepBuffers:
     """The :class:`StepBuffers` of ``model`` (created on first use, freed with the model)."""
-    with _BY_MODEL_LOCK:
-        pool = _BY_MODEL.get(model)
-        if pool is None:
-            pool = _BY_MODEL[model] = StepBuffers()
-        return pool
+    return model_state(model, StepBuffers)
 
 
 def take_or_new(buffers: StepBuffers | None, shape: Iterable[int], dtype: torch.dtype,

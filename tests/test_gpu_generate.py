@@ -75,8 +75,8 @@ def test_gpu_compiled_generate_matches_reference(family, mode):
 
 def test_gpu_compiled_once_for_a_stream_of_layouts():
     """The one-argument path with decode_step="compile" compiles the decode step (CUDA graphs) once per batch size:
-    batches with other sharing trees (1-3 levels, other lengths, another buffer bucket) re-plan on the host and reuse it.
-    Tokens stay exact (fp32)."""
+    batches with other sharing trees (1-3 levels, other lengths, another buffer bucket) re-plan on the host and reuse
+    it. Tokens stay exact (fp32)."""
     from torch._dynamo.utils import counters
 
     from test_compiled_generate import LAYOUT_STREAM, MAX_NEW_STREAM
@@ -145,11 +145,13 @@ def test_gpu_custom_generate_matches_reference(family, mode):
     assert caches and caches[0].num_levels >= 2
 
 
+@pytest.mark.parametrize("decode_step", ["compile", "graphs"])
 @pytest.mark.parametrize("do_sample", [False, True])
-def test_gpu_stop_flag_read_a_step_late(do_sample):
-    """The default path on CUDA reads "every row finished" one step late (pinned flag, event; no wait per step):
-    an EOS ending row 0 early and a criterion ending every row before max_new_tokens give transformers' sequences,
-    scores and cache length (the extra step undone), in the compiled step (the recorded one: below)."""
+def test_gpu_stop_flag_read_a_step_late(do_sample, decode_step):
+    """The one-argument path on CUDA reads "every row finished" one step late (pinned flag, event; no wait per
+    step): an EOS ending row 0 early and a criterion ending every row before max_new_tokens give transformers'
+    sequences, scores and cache length (the extra step undone), in the compiled step and in the recorded one (whose
+    replayed extra step ran no Python: the cache's host length was stale)."""
     from test_custom_generate import _AllDoneAt
     from transformers import StoppingCriteriaList
 
@@ -166,17 +168,18 @@ def test_gpu_stop_flag_read_a_step_late(do_sample):
     torch.manual_seed(7)
     got = cas.generate(ids, attention_mask=mask, stopping_criteria=stop, custom_generate=hf_cascade.generate,
                        cascade_caches=caches,
-                       cascade_options=dict(cost_model=None, min_shared_tokens=2, decode_step="compile"), **gen)
+                       cascade_options=dict(cost_model=None, min_shared_tokens=2, decode_step=decode_step), **gen)
     assert caches[0].is_compileable
     assert torch.equal(got.sequences, want.sequences)
     assert len(got.scores) == len(want.scores) == 6
     assert got.past_key_values.get_seq_length() == want.past_key_values.get_seq_length()
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_gpu_decode_steps_never_wait_for_the_gpu(compiled):
-    """No host-device synchronisation per decode step, eager (``disable_compile=True``) or compiled: a call of 12
-    new tokens synchronises as often as a call of 3 (planning and prefill synchronise; the steps do not). Seen on
+@pytest.mark.parametrize("decode_step", ["eager", "compile", "graphs"])
+def test_gpu_decode_steps_never_wait_for_the_gpu(decode_step):
+    """No host-device synchronisation per decode step, eager (``disable_compile=True``), compiled or recorded
+    (replayed from a CUDA graph): a call of 12 new tokens synchronises as often as a call of 3 (planning and
+    prefill synchronise; the steps do not). Seen on
     an H100 before the discarded first count: 49 vs 48, the extra one at the first count whichever call it was.
     Counted with torch's CUDA sync debug mode, which warns at every synchronising call."""
     import warnings
@@ -184,7 +187,7 @@ def test_gpu_decode_steps_never_wait_for_the_gpu(compiled):
     cas = tiny_model("llama", "cascade", device="cuda")
     ids, mask = (t.cuda() for t in pad_batch(make_prompts(seed=41, system=37, block=19, groups=2, per_group=3)))
     gen = dict(pad_token_id=0, do_sample=False, custom_generate=hf_cascade.generate,
-               cascade_options=dict(cost_model=None, decode_step="compile"), disable_compile=not compiled)
+               cascade_options=dict(cost_model=None, decode_step=decode_step), disable_compile=decode_step == "eager")
 
     def syncs(new_tokens):
         cas.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **gen)  # warm
@@ -265,53 +268,3 @@ def test_gpu_recorded_decode_step_for_a_stream_of_layouts():
         assert torch.equal(got, ref.generate(ids, attention_mask=mask, **gen)), seed
         assert recorded_steps(cas)["recorded"] - before <= 1
     assert counters["stats"]["unique_graphs"] == compiled_before
-
-
-@pytest.mark.parametrize("do_sample", [False, True])
-def test_gpu_recorded_step_stop_flag_read_a_step_late(do_sample):
-    """An EOS ending row 0 early and a criterion ending every row before max_new_tokens, with recorded steps: the
-    extra step (replayed from the graph) is undone, the cache's length is transformers' (its host length was
-    stale after replays)."""
-    from test_custom_generate import _AllDoneAt
-    from transformers import StoppingCriteriaList
-
-    ref = tiny_model("llama", "sdpa", device="cuda")
-    cas = tiny_model("llama", "cascade", device="cuda")
-    ids, mask = (t.cuda() for t in pad_batch(make_prompts(seed=1)))
-    plain = ref.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, pad_token_id=0)
-    stop = StoppingCriteriaList([_AllDoneAt(ids.shape[1] + 6)])
-    gen = dict(max_new_tokens=9, pad_token_id=0, eos_token_id=int(plain[0, ids.shape[1] + 2]), do_sample=do_sample,
-               top_k=20, return_dict_in_generate=True, output_scores=True)
-    torch.manual_seed(7)
-    want = ref.generate(ids, attention_mask=mask, stopping_criteria=stop, **gen)
-    torch.manual_seed(7)
-    got = cas.generate(ids, attention_mask=mask, stopping_criteria=stop, custom_generate=hf_cascade.generate,
-                       cascade_options=_graphs_options(), **gen)
-    assert torch.equal(got.sequences, want.sequences)
-    assert len(got.scores) == len(want.scores) == 6
-    assert got.past_key_values.get_seq_length() == want.past_key_values.get_seq_length()
-
-
-def test_gpu_recorded_decode_steps_never_wait_for_the_gpu():
-    """decode_step="graphs": replayed steps do not synchronise (a 12-token call as often as a 3-token call)."""
-    import warnings
-
-    cas = tiny_model("llama", "cascade", device="cuda")
-    ids, mask = (t.cuda() for t in pad_batch(make_prompts(seed=41, system=37, block=19, groups=2, per_group=3)))
-    gen = dict(pad_token_id=0, do_sample=False, custom_generate=hf_cascade.generate,
-               cascade_options=dict(cost_model=None, decode_step="graphs"))
-
-    def syncs(new_tokens):
-        cas.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **gen)  # record
-        torch.cuda.synchronize()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                cas.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **gen)
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-        return sum("synchroniz" in str(w.message) for w in caught)
-
-    syncs(3)
-    assert syncs(12) == syncs(3)
