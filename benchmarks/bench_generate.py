@@ -33,7 +33,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from common import ResultWriter, timed_with_compile_breakdown, triton_variants, wall_time  # noqa: E402
+from common import (  # noqa: E402
+    ResultWriter, TritonBuilds, timed_with_compile_breakdown, triton_cache_files, triton_variants, wall_time,
+)
 
 import hf_cascade  # noqa: E402
 
@@ -423,9 +425,11 @@ def main_stream(args, writer, model) -> None:
 
 def _stream_pass(args, writer, model, batches, stream_pass: int, counters) -> None:
     totals = {}
+    builds = args.triton_builds
     for peer in args.stream_peers:
         graphs_before = counters["stats"]["unique_graphs"]
         per_batch, status, caches, split, compile_per_batch, variants = [], "ok", [], [], [], []
+        triton_per_batch = []
         for ids, mask in batches:
             try:
                 if peer == "sdpa":
@@ -437,6 +441,7 @@ def _stream_pass(args, writer, model, batches, stream_pass: int, counters) -> No
                     t = run_hf_prefix_reuse(model, ids, mask, args.new_tokens, prefix=prefix, once=True)["total_s"]
                 else:
                     model.set_attn_implementation("cascade")
+                    before = builds.snapshot()
                     t, compile_s, _ = timed_with_compile_breakdown(lambda: model.generate(
                         ids, attention_mask=mask, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
                         do_sample=False, pad_token_id=0, custom_generate=hf_cascade.generate, cascade_caches=caches,
@@ -444,6 +449,9 @@ def _stream_pass(args, writer, model, batches, stream_pass: int, counters) -> No
                     ))
                     compile_per_batch.append(compile_s)
                     variants.append(triton_variants())
+                    after = builds.snapshot()
+                    triton_per_batch.append({k: None if after[k] is None else round(after[k] - before[k], 3)
+                                             for k in after})
                 per_batch.append(t)
             except torch.OutOfMemoryError:
                 status = "out of memory"
@@ -463,6 +471,8 @@ def _stream_pass(args, writer, model, batches, stream_pass: int, counters) -> No
         if compile_per_batch:  # torch.compile phases per batch (the rest of a compiling batch: Triton, cudagraphs)
             record["compile_s_per_batch"] = compile_per_batch
             record["triton_variants_after_batch"] = variants  # hf_cascade's Triton kernels built so far
+            record["triton_per_batch"] = triton_per_batch  # builds (and seconds), loads from Triton's disk cache
+            record["triton_cache_files_at_start"] = args.triton_cache_files_at_start  # 0: a machine-cold stream
         if caches:  # the trees as planned: prefix levels and fixed-buffer capacity of each batch
             record["planned"] = [{"levels": c.num_levels, "max_suffix_length": c.max_suffix_length,
                                   "compiled": c.is_compileable} for c in caches]
@@ -524,6 +534,8 @@ def main(argv=None):
     if unknown:
         raise SystemExit(f"unknown peers {sorted(unknown)}; choose from {sorted(runners)}")
     writer = ResultWriter("generate.jsonl", args.output)
+    # Before any kernel is built: whether this process starts with Triton's disk cache empty (a machine-cold run)
+    args.triton_cache_files_at_start, args.triton_builds = triton_cache_files(), TritonBuilds()
     model = build_model(args.layers)
     sampling = [w for w in args.workload if w in SAMPLING_WORKLOADS]
     if sampling:

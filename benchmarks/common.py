@@ -157,6 +157,54 @@ def triton_variants() -> int | None:
     return total
 
 
+class TritonBuilds:
+    """Triton compilations in this process, through Triton's compilation listener (``triton.knobs``): each kernel
+    build (a miss of Triton's on-disk cache) and its seconds, and each load from that cache. ``snapshot()`` gives the
+    totals so far; None fields where this Triton has no listener."""
+
+    def __init__(self):
+        self.builds, self.build_s, self.cache_hits = 0, 0.0, 0
+        self.available = False
+        try:
+            from triton import knobs
+
+            previous = knobs.compilation.listener
+        except Exception:
+            return
+
+        def listener(*args, **kwargs):
+            times, hit = kwargs.get("times"), kwargs.get("cache_hit")
+            if hit:
+                self.cache_hits += 1
+            else:
+                self.builds += 1
+                self.build_s += (times.total if times is not None else 0) / 1e6
+            if previous is not None:
+                previous(*args, **kwargs)
+
+        knobs.compilation.listener = listener
+        self.available = True
+
+    def snapshot(self) -> dict:
+        if not self.available:
+            return {"triton_builds": None, "triton_build_s": None, "triton_cache_hits": None}
+        return {"triton_builds": self.builds, "triton_build_s": round(self.build_s, 3),
+                "triton_cache_hits": self.cache_hits}
+
+
+def triton_cache_files() -> int | None:
+    """Files in Triton's on-disk kernel cache now (0 on a machine that never built a Triton kernel), or None."""
+    try:
+        from triton import knobs
+
+        root = knobs.cache.dir
+    except Exception:
+        root = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
+    if not root or not os.path.isdir(root):
+        return 0
+    return sum(len(files) for _, _, files in os.walk(root))
+
+
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy bandwidth (bytes read + written per second, GB/s), measured now."""
     src = torch.empty(nbytes // 2, dtype=torch.uint8, device="cuda")
