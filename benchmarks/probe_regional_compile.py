@@ -1,0 +1,109 @@
+"""Probe: would compiling each decoder layer on its own (regional compilation) make the compiled decode step cheap
+to get? The recorded decode step (``decode_step="graphs"``, the default's first phase) against the same step with
+every decoder layer ``torch.compile``'d (inductor, no CUDA graphs of its own) inside the recording.
+
+The layers are compiled only while hf_cascade runs or records a decode step (the model's own calls never see it);
+this is a measurement, not a code path of hf_cascade. Regional compilation pays off where the compiled code of one
+layer serves every layer; here transformers' attention passes ``self.layer_idx`` (a Python int) to the cache, so
+dynamo specialises each layer (one compilation per layer: the record's ``unique_graphs``).
+
+    python benchmarks/probe_regional_compile.py           # Llama-3-8B shape, B=32 sharing 4,096, 64 new tokens
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench_generate import build_model, make_batch  # noqa: E402
+from common import ResultWriter, compile_seconds  # noqa: E402
+
+import hf_cascade  # noqa: E402
+from hf_cascade.captured_step import CapturedDecodeStep, _model_graphs, recorded_steps  # noqa: E402
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--prefix", type=int, default=4096)
+    parser.add_argument("--suffix", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--output", default=None)
+    args = parser.parse_args(argv)
+    from torch._dynamo.utils import counters
+
+    writer = ResultWriter("regional_compile.jsonl", args.output)
+    model = build_model(args.layers)
+    ids, mask = make_batch(args.batch, args.prefix, args.suffix, model.config.vocab_size)
+    layers = model.model.layers
+
+    def call(new):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                             pad_token_id=0, custom_generate=hf_cascade.generate,
+                             cascade_options=dict(decode_step="graphs"))
+        torch.cuda.synchronize()
+        return time.perf_counter() - start, out
+
+    def measure(name):
+        before = compile_seconds()
+        first, out = call(args.new_tokens)
+        after = compile_seconds()
+        full = sorted(call(args.new_tokens)[0] for _ in range(3))[1]
+        short = sorted(call(2)[0] for _ in range(3))[1]
+        record = {
+            "bench": "regional_compile_probe", "step": name, "layers": args.layers, "batch": args.batch,
+            "prefix": args.prefix, "suffix": args.suffix, "new_tokens": args.new_tokens,
+            "first_call_s": round(first, 3), "first_call_compile_s": {k: round(after[k] - before[k], 3) for k in after},
+            "call_s": round(full, 4), "decode_ms_per_step": round((full - short) / (args.new_tokens - 2) * 1e3, 3),
+            "unique_graphs": counters["stats"]["unique_graphs"], "recorded": recorded_steps(model),
+        }
+        writer.write(record)
+        print(record, flush=True)
+        return out[:, ids.shape[1]:]
+
+    recorded = measure("graphs")
+    torch._dynamo.config.recompile_limit = 4 * args.layers  # one compilation per layer (see the docstring)
+    compiled = [torch.compile(layer._call_impl, dynamic=False) for layer in layers]
+
+    @contextlib.contextmanager
+    def compiled_layers():
+        for layer, fn in zip(layers, compiled):
+            layer._compiled_call_impl = fn
+        try:
+            yield
+        finally:
+            for layer in layers:
+                layer._compiled_call_impl = None
+
+    run_once, record = CapturedDecodeStep._run_once, CapturedDecodeStep._record
+
+    def run_once_compiled(self, *a, **k):
+        with compiled_layers():
+            return run_once(self, *a, **k)
+
+    def record_compiled(self, *a, **k):
+        with compiled_layers():
+            return record(self, *a, **k)
+
+    CapturedDecodeStep._run_once, CapturedDecodeStep._record = run_once_compiled, record_compiled
+    store = _model_graphs(model)
+    store.graphs.clear()  # record the step again, with the compiled layers
+    store.warm.clear()
+    regional = measure("graphs_with_compiled_layers")
+    writer.write({"bench": "regional_compile_probe_tokens", "greedy_tokens_equal_frac":
+                  (recorded == regional).float().mean().item(), "note": "bf16 random weights: near-uniform logits"})
+
+
+if __name__ == "__main__":
+    main()
