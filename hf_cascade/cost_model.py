@@ -1,24 +1,37 @@
 """When does storing a shared segment once (a cascade level) beat folding it into every row's suffix?
 
-Per decode step, a segment of ``n`` tokens shared by ``r`` rows, each with ``s`` more tokens of its own, makes the
-attention read ``n + r·s`` tokens of KV as a cascade level (the segment once) against ``r·(n + s)`` flat (every row
-its own copy). Cascade wins when that byte ratio is large enough to pay for its extra launch and for the prefix
-pass's arithmetic, and when the batch is wide enough to fill the GPU through the shared pass.
+Two costs decide it, per segment of ``n`` tokens shared by ``r`` rows:
 
-The thresholds were measured on an H100 80GB HBM3 (96-point decode-step grid of ``benchmarks/bench_kernels.py``,
-GQA 32/8 and MHA 32/32, d=128, bf16, B in {1, 8, 32, 64, 128, 256}, P in {1K, 4K, 16K, 32K}, S in {128, 1K};
-``benchmarks/results/kernels.jsonl``): with ``B >= 8`` and ``B·(P+S)/(P+B·S) >= 1.9`` cascade beat SDPA on per-row
-KV at every measured point; at B=1 it never did (0.39–0.99x), and at B=8, P=1K, S=1K it broke even (0.99x).
-This is the decode-kernel view. Sharing also saves the segment's prefill and its memory: a segment whose copies
-would hold at least ``min_saved_tokens`` tokens (``(rows - 1) * tokens``) is stored once even when the byte ratio is
-below the threshold (H100, Llama-3-8B shape, 16 prompts sharing a 256-token system prompt with 512 own tokens x 8
-samples: the level adds one launch per layer, ~1 µs of bytes saved per step, and saves 0.47 GiB of KV and 3,840
-tokens of prefill).
+* **The prefill.** Folded, the segment goes through the model once per row: ``(r - 1)·n`` more prompt tokens,
+  and as many more tokens of KV kept. For a generate() call of a few dozen new tokens this is usually the larger
+  cost: on an H100, Llama-3-8B shape, a prompt token costs ~36 µs of prefill, and one more prefix level costs a
+  decode step ~0.54 ms (``benchmarks/results/profile_stream.jsonl``, a16b170: 2-level trees 10.9–11.0 ms per step
+  against 10.4 ms for 1 level; one-token calls of 6,144 and 9,216 prompt tokens 0.22 and 0.37 s). A level's cost
+  is shared by all of its nodes, so a node is charged for its share of the batch's rows. Before this term the
+  stream's trees with 8 nodes of 512 tokens (4 rows each) were folded into the rows, and their calls took
+  0.86–1.0 s of planning and prefill instead of ~0.3–0.4 s (same file). A segment whose copies would hold at least
+  ``min_saved_tokens`` tokens is stored once in any case (memory).
+* **The decode kernel.** Per decode step the attention reads ``n + r·s`` tokens of KV as a cascade level against
+  ``r·(n + s)`` flat (``s``: each row's own tokens). Measured on an H100 80GB HBM3 (96-point decode-step grid of
+  ``benchmarks/bench_kernels.py``, GQA 32/8 and MHA 32/32, d=128, bf16, B in {1, 8, 32, 64, 128, 256}, P in {1K,
+  4K, 16K, 32K}, S in {128, 1K}; ``benchmarks/results/kernels.jsonl``): with ``B >= 8`` and
+  ``B·(P+S)/(P+B·S) >= 1.9`` cascade beat SDPA on per-row KV at every measured point; at B=1 it never did
+  (0.39–0.99x), and at B=8, P=1K, S=1K it broke even (0.99x).
+
+A segment becomes a level when either view says so. :meth:`CascadeCostModel.for_model` scales the two prefill
+constants to a model (prefill cost with its non-embedding parameters, the level's cost with its layers).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
+
+# Measured for the reference model: Llama-3-8B shape (7.50e9 parameters besides the input embedding, as
+# transformers' ``num_parameters(exclude_embeddings=True)`` counts them; 32 layers), bf16, H100.
+_REFERENCE_PARAMETERS = 7.50e9
+_REFERENCE_LAYERS = 32
 
 
 @dataclass(frozen=True)
@@ -26,23 +39,54 @@ class CascadeCostModel:
     """Decides per shared segment whether it becomes a cascade level (see the module docstring).
 
     Attributes:
-        min_rows: fewest rows for which a shared pass pays (H100: 8).
+        min_rows: fewest rows for which a shared pass pays in the decode kernel (H100: 8).
         min_byte_ratio: smallest ``rows·(n+s) / (n + rows·s)`` (flat bytes over cascade bytes) that pays (H100: 1.9).
         new_tokens: decode steps expected; the rows' suffixes grow by this many tokens.
         min_saved_tokens: store a segment once anyway when its per-row copies would hold this many tokens.
+        prefill_us_per_token: prefill time of one prompt token through the model (µs; H100, Llama-3-8B: 36).
+        level_us_per_step: decode time one more prefix level adds to a step (µs; H100, Llama-3-8B: 540).
+        batch_rows: rows of the batch (a node is charged ``rows / batch_rows`` of its level's cost); None: the
+            whole cost.
     """
 
     min_rows: int = 8
     min_byte_ratio: float = 1.9
     new_tokens: int = 64
     min_saved_tokens: int = 2048
+    prefill_us_per_token: float = 36.0
+    level_us_per_step: float = 540.0
+    batch_rows: int | None = None
+
+    @classmethod
+    def for_model(cls, model: torch.nn.Module, *, new_tokens: int | None = None, batch_rows: int | None = None,
+                  **overrides) -> CascadeCostModel:
+        """The H100-measured model with its prefill constants scaled to ``model``: prefill time with the
+        non-embedding parameters (its FLOPs per token), a level's time with the number of layers."""
+        config = model.config.get_text_config()
+        layers = getattr(config, "num_hidden_layers", None) or _REFERENCE_LAYERS
+        try:
+            parameters = model.num_parameters(exclude_embeddings=True)
+        except (AttributeError, TypeError):
+            parameters = sum(p.numel() for p in model.parameters())
+        scaled = dict(
+            prefill_us_per_token=cls.prefill_us_per_token * parameters / _REFERENCE_PARAMETERS,
+            level_us_per_step=cls.level_us_per_step * layers / _REFERENCE_LAYERS,
+        )
+        if new_tokens:
+            scaled["new_tokens"] = new_tokens
+        return cls(**{**scaled, "batch_rows": batch_rows, **overrides})
 
     def share(self, rows: int, tokens: int, suffix_tokens: float = 0.0) -> bool:
         """True if ``tokens`` shared by ``rows`` rows, each followed by ``suffix_tokens`` of its own, should be a level."""
-        if rows < max(self.min_rows, 2) or tokens < 1:
+        if rows < 2 or tokens < 1:
             return False
-        if (rows - 1) * tokens >= self.min_saved_tokens:
+        saved = (rows - 1) * tokens  # prompt tokens prefilled and stored once instead of once per row
+        if saved >= self.min_saved_tokens:
             return True
+        share_of_level = 1.0 if not self.batch_rows else min(1.0, rows / self.batch_rows)
+        if saved * self.prefill_us_per_token >= self.new_tokens * self.level_us_per_step * share_of_level:
+            return True
+        if rows < self.min_rows:
+            return False
         s = suffix_tokens + self.new_tokens
         return rows * (tokens + s) / (tokens + rows * s) >= self.min_byte_ratio
-

@@ -108,7 +108,7 @@ def plan_cascade_batch(
     offset = len(base_tokens)
     if cost_model == "auto":
         cost_model = (
-            CascadeCostModel(new_tokens=max_new_tokens or CascadeCostModel.new_tokens)
+            CascadeCostModel.for_model(model, new_tokens=max_new_tokens, batch_rows=len(rows))
             if input_ids.device.type == "cuda" else None
         )
     elif cost_model is not None and not isinstance(cost_model, CascadeCostModel):

@@ -44,11 +44,43 @@ def test_cost_model_vetoes_what_measured_slower():
     model = CascadeCostModel()
     assert model.share(64, 16384, 256)  # the showcase: long prefix, wide batch
     assert model.share(8, 4096, 128)
-    assert not model.share(4, 16384, 0)  # fewer than 8 rows: a shared pass never beat per-row KV (H100)
-    assert not model.share(8, 64, 1024)  # a short segment before long suffixes: bytes barely change
-    # GRPO-shaped: 16 prompts x 8 samples share a 256-token system prompt: byte ratio 1.4, but 3,840 tokens of
+    assert not model.share(8, 64, 1024)  # a short segment before long suffixes: bytes barely change, 448 tokens saved
+    assert not model.share(1, 4096, 0) and not model.share(2, 0, 5)
+    # The decode kernel alone: fewer than 8 rows never beat per-row KV (H100) ...
+    decode_only = CascadeCostModel(min_saved_tokens=10**9, prefill_us_per_token=0.0)
+    assert not decode_only.share(4, 16384, 0)
+    # ... but folded, 4 rows would prefill and keep 3 more copies of 16K tokens: stored once.
+    assert model.share(4, 16384, 0)
+    # GRPO-shaped: 16 prompts x 8 samples share a 256-token system prompt: byte ratio 1.4, but 32,512 tokens of
     # per-row copies (prefill and memory) are saved.
-    assert model.share(128, 256, 641) and not CascadeCostModel(min_saved_tokens=10**9).share(128, 256, 641)
+    assert model.share(128, 256, 641) and not decode_only.share(128, 256, 641)
+
+
+def test_cost_model_weighs_the_prefill_a_level_saves_against_its_decode_steps():
+    # The layout stream's trees (H100, Llama-3-8B: 36 us of prefill per prompt token, 540 us per step for a level):
+    # 8 nodes of 512 tokens, 4 of 32 rows each: 1,536 tokens saved per node (55 ms) against 64 steps x 540 us x 4/32.
+    stream = CascadeCostModel(batch_rows=32, new_tokens=64)
+    assert stream.share(4, 512, 64)
+    assert stream.share(2, 256, 64)  # 16 nodes of 256 tokens, 2 rows each: 9.2 ms saved, 2.2 ms charged
+    # A node charged the whole level (batch_rows unknown): 256 saved tokens do not pay for 64 steps of a level.
+    assert not CascadeCostModel(new_tokens=64).share(2, 256, 64)
+    # More decode steps make the level dearer: 1,536 saved tokens (55 ms) against 4,096 steps x 67.5 us.
+    assert not CascadeCostModel(batch_rows=32, new_tokens=4096).share(4, 512, 64)
+
+
+def test_cost_model_scales_its_prefill_constants_to_the_model():
+    from hf_cascade.tiny import tiny_model
+
+    model = tiny_model("llama")
+    scaled = CascadeCostModel.for_model(model, new_tokens=100, batch_rows=12)
+    layers = model.config.num_hidden_layers
+    assert scaled.new_tokens == 100 and scaled.batch_rows == 12
+    assert scaled.level_us_per_step == pytest.approx(540.0 * layers / 32)
+    assert scaled.prefill_us_per_token == pytest.approx(
+        36.0 * model.num_parameters(exclude_embeddings=True) / 7.50e9)
+    # A tiny model's prefill is cheap: small segments are left to the rows (the byte ratio still decides).
+    assert not scaled.share(4, 512, 64)
+    assert CascadeCostModel.for_model(model, min_rows=2).min_rows == 2
     rows = [list(range(10, 30)) + [i] for i in range(3)]
     seen = []
     veto = find_shared_prefixes(rows, min_shared_tokens=1, keep_node=lambda r, t, s: seen.append((r, t, s)) or False)
