@@ -4,13 +4,14 @@ Two costs decide it, per segment of ``n`` tokens shared by ``r`` rows:
 
 * **The prefill.** Folded, the segment goes through the model once per row: ``(r - 1)·n`` more prompt tokens,
   and as many more tokens of KV kept. For a generate() call of a few dozen new tokens this is usually the larger
-  cost: on an H100, Llama-3-8B shape, a prompt token costs ~36 µs of prefill, and one more prefix level costs a
+  cost: on an H100, Llama-3-8B shape, a prompt token costs ~36–40 µs of prefill, and one more prefix level costs a
   decode step ~0.54 ms (``benchmarks/results/profile_stream.jsonl``, a16b170: 2-level trees 10.9–11.0 ms per step
   against 10.4 ms for 1 level; one-token calls of 6,144 and 9,216 prompt tokens 0.22 and 0.37 s). A level's cost
-  is shared by all of its nodes, so a node is charged for its share of the batch's rows. Before this term the
-  stream's trees with 8 nodes of 512 tokens (4 rows each) were folded into the rows, and their calls took
-  0.86–1.0 s of planning and prefill instead of ~0.3–0.4 s (same file). A segment whose copies would hold at least
-  ``min_saved_tokens`` tokens is stored once in any case (memory).
+  is shared by all of its nodes, so a node is charged for its share of the batch's rows. Without this term the
+  layout stream's levels of 8 nodes of 512 tokens (4 rows each) and 16 nodes of 256 (2 rows each) were folded into
+  the rows, and those calls took 0.59–1.0 s of planning and prefill (a16b170); stored once, 0.29–0.39 s (4a8d3af,
+  same file). A segment whose copies would hold at least ``min_saved_tokens`` tokens is stored once in any case
+  (memory).
 * **The decode kernel.** Per decode step the attention reads ``n + r·s`` tokens of KV as a cascade level against
   ``r·(n + s)`` flat (``s``: each row's own tokens). Measured on an H100 80GB HBM3 (96-point decode-step grid of
   ``benchmarks/bench_kernels.py``, GQA 32/8 and MHA 32/32, d=128, bf16, B in {1, 8, 32, 64, 128, 256}, P in {1K,

@@ -68,6 +68,22 @@ def test_cost_model_weighs_the_prefill_a_level_saves_against_its_decode_steps():
     assert not CascadeCostModel(batch_rows=32, new_tokens=4096).share(4, 512, 64)
 
 
+def test_cost_model_keeps_a_level_of_small_nodes_that_saves_prefill():
+    """The layout stream's tree [(1, 2048), (8, 512)] + 64 own tokens, 32 rows (tokens scaled down 8x here; the
+    constants scaled with them): with the prefill counted the 8 nodes of 4 rows are a level; by the decode kernel
+    alone they would be folded into the rows."""
+    rows, scale = [], 8
+    system = list(range(1000, 1000 + 2048 // scale))
+    for r in range(32):
+        group = list(range(5000 + 1000 * (r // 4), 5000 + 1000 * (r // 4) + 512 // scale))
+        rows.append(system + group + [70000 + 100 * r + i for i in range(64 // scale)])
+    with_prefill = CascadeCostModel(batch_rows=32, new_tokens=64 // scale, min_saved_tokens=2048 // scale)
+    tree = find_shared_prefixes(rows, keep_node=with_prefill.share)
+    assert [len(level) for level in tree.levels] == [1, 8]
+    decode_only = CascadeCostModel(new_tokens=64 // scale, min_saved_tokens=2048 // scale, prefill_us_per_token=0.0)
+    assert [len(level) for level in find_shared_prefixes(rows, keep_node=decode_only.share).levels] == [1]
+
+
 def test_cost_model_scales_its_prefill_constants_to_the_model():
     from hf_cascade.tiny import tiny_model
 
