@@ -16,7 +16,6 @@ import argparse
 import contextlib
 import os
 import sys
-import time
 
 import torch
 
@@ -24,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_generate import build_model, make_batch  # noqa: E402
-from common import ResultWriter, compile_seconds  # noqa: E402
+from common import ResultWriter, timed_with_compile_breakdown, wall_time  # noqa: E402
 
 import hf_cascade  # noqa: E402
 from hf_cascade.captured_step import CapturedDecodeStep, _model_graphs, recorded_steps  # noqa: E402
@@ -46,25 +45,19 @@ def main(argv=None):
     ids, mask = make_batch(args.batch, args.prefix, args.suffix, model.config.vocab_size)
     layers = model.model.layers
 
-    def call(new):
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                             pad_token_id=0, custom_generate=hf_cascade.generate,
-                             cascade_options=dict(decode_step="graphs"))
-        torch.cuda.synchronize()
-        return time.perf_counter() - start, out
+    def generate(new):
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                              pad_token_id=0, custom_generate=hf_cascade.generate,
+                              cascade_options=dict(decode_step="graphs"))
 
     def measure(name):
-        before = compile_seconds()
-        first, out = call(args.new_tokens)
-        after = compile_seconds()
-        full = sorted(call(args.new_tokens)[0] for _ in range(3))[1]
-        short = sorted(call(2)[0] for _ in range(3))[1]
+        first, compile_s, out = timed_with_compile_breakdown(lambda: generate(args.new_tokens))
+        full = sorted(wall_time(lambda: generate(args.new_tokens))[0] for _ in range(3))[1]
+        short = sorted(wall_time(lambda: generate(2))[0] for _ in range(3))[1]
         record = {
             "bench": "regional_compile_probe", "step": name, "layers": args.layers, "batch": args.batch,
             "prefix": args.prefix, "suffix": args.suffix, "new_tokens": args.new_tokens,
-            "first_call_s": round(first, 3), "first_call_compile_s": {k: round(after[k] - before[k], 3) for k in after},
+            "first_call_s": round(first, 3), "first_call_compile_s": compile_s,
             "call_s": round(full, 4), "decode_ms_per_step": round((full - short) / (args.new_tokens - 2) * 1e3, 3),
             "unique_graphs": counters["stats"]["unique_graphs"], "recorded": recorded_steps(model),
         }

@@ -169,12 +169,9 @@ class _StaticSuffixLayer(_SuffixLayer):
                     "`max_suffix_length` (or `max_new_tokens` in shared_prefix_inputs), or lower `max_new_tokens`."
                 )
             self._host_length = length
-        memo_key = ("positions", key_states.shape[-2], self.device)
-        positions = None if step_memo is None else step_memo.get(memo_key)
-        if positions is None:  # every layer has written as many columns: the positions are the same
-            positions = torch.arange(key_states.shape[-2], device=self.device) + self.cumulative_length
-            if step_memo is not None:
-                step_memo[memo_key] = positions
+        # Every layer has written as many columns: the positions are the same.
+        positions = _memoized(step_memo, ("positions", key_states.shape[-2], self.device),
+                              lambda: torch.arange(key_states.shape[-2], device=self.device) + self.cumulative_length)
         self.cumulative_length.add_(key_states.shape[-2])
         self.keys.index_copy_(2, positions, key_states)
         self.values.index_copy_(2, positions, value_states)
@@ -233,6 +230,16 @@ class _StaticSuffixLayer(_SuffixLayer):
         columns = torch.arange(self.capacity, device=self.device)
         last = self.cumulative_length - query_length + torch.arange(query_length, device=self.device)
         return (columns[None, :] <= last[:, None])[None]
+
+
+def _memoized(memo: dict | None, key: tuple, compute):
+    """``memo[key]``, computed by ``compute()`` and stored on first use; ``compute()`` every time without a memo."""
+    value = None if memo is None else memo.get(key)
+    if value is None:
+        value = compute()
+        if memo is not None:
+            memo[key] = value
+    return value
 
 
 def _stacked_base(tensors: list[torch.Tensor]) -> torch.Tensor | None:
@@ -676,13 +683,8 @@ class CascadeCache(Cache):
             # get_mask_sizes), so the graph does not depend on this batch's prefix_length. The same for every layer
             # (each has written as many columns): an eager step builds it once (see update).
             memo = None if torch.compiler.is_compiling() else self._step_memo
-            memo_key = ("mask", query_length, layer.capacity, layer.device)
-            mask = None if memo is None else memo.get(memo_key)
-            if mask is None:
-                mask = self._window_dev[:, None, :] & layer.causal_mask(query_length)
-                if memo is not None:
-                    memo[memo_key] = mask
-            return mask
+            return _memoized(memo, ("mask", query_length, layer.capacity, layer.device),
+                             lambda: self._window_dev[:, None, :] & layer.causal_mask(query_length))
         if attention_mask is None:
             attention_mask = layer.causal_mask(query_length)
         if self._suffix_start_dev is None:
