@@ -126,7 +126,7 @@ def run_cascade(model, ids, mask, new_tokens, compiled=False):
 
 # hf_cascade.generate peers: the default, and each decode step (cascade_options["decode_step"]) named
 CASCADE_GENERATE_PEERS = {"cascade_generate": None, "cascade_generate_compile": "compile",
-                          "cascade_generate_graphs": "graphs"}
+                          "cascade_generate_graphs": "graphs", "cascade_generate_layers": "layers"}
 
 
 def _decode_step_options(decode_step):
@@ -524,6 +524,7 @@ def main(argv=None):
         "cascade_generate": run_cascade_generate,
         "cascade_generate_compile": lambda *a: run_cascade_generate(*a, decode_step="compile"),
         "cascade_generate_graphs": lambda *a: run_cascade_generate(*a, decode_step="graphs"),
+        "cascade_generate_layers": lambda *a: run_cascade_generate(*a, decode_step="layers"),
         "cascade_compiled": lambda *a: run_cascade(*a, compiled=True),
         "sdpa": run_sdpa,
         "sdpa_compiled": lambda *a: run_sdpa(*a, compiled=True),
@@ -560,6 +561,8 @@ def main(argv=None):
     writer.write({"bench": "generate_check", **workload, **check})
     print("check:", check, flush=True)
 
+    from torch._dynamo.utils import counters as dynamo_counters
+
     out_of_memory = set()
     rows = []
     for batch in args.batches:
@@ -584,6 +587,7 @@ def main(argv=None):
                         tokens[peer] = new
                     record.update(result, status="ok")
                     record["tokens_per_s"] = batch * args.new_tokens / result["total_s"]
+                    record["dynamo_unique_graphs_so_far"] = dynamo_counters["stats"]["unique_graphs"]
                 except torch.OutOfMemoryError:
                     record["status"] = "out of memory"
                     out_of_memory.add(peer)

@@ -24,6 +24,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.utils import logging
 
+from hf_cascade.compiled_layers import outside_layer_graphs
+
 logger = logging.get_logger(__name__)
 
 ATTENTION_NAME = "cascade"
@@ -183,6 +185,9 @@ def cascade_attention_forward(
     Returns:
         ``(attn_output [batch, q_len, num_heads, head_dim], None)``.
     """
+    if outside_layer_graphs():  # a decoder layer compiled for a recorded step: this runs between its graphs
+        return _attention_outside_graphs(module, query, key, value, attention_mask, dropout=dropout,
+                                         scaling=scaling, sliding_window=sliding_window, softcap=softcap, **kwargs)
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError(
             "Attention sinks (`s_aux`, e.g. GPT-OSS) are not supported by attn_implementation='cascade'; "
@@ -210,6 +215,9 @@ def cascade_attention_forward(
         **kwargs,
     )
     return out, None
+
+
+_attention_outside_graphs = torch.compiler.disable(cascade_attention_forward)
 
 
 # Set while hf_cascade.generate runs a decode (it planned the batch), so the attention does not suggest using it.

@@ -33,6 +33,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from hf_cascade.attention import ATTENTION_NAME, bind_layer, check_model_uses_cascade, plain_attention
 from hf_cascade.captured_step import static_step
+from hf_cascade.compiled_layers import outside_layer_graphs
 from hf_cascade.ops._backend import host_to_device
 from hf_cascade.ops.plan import CascadePlan, cascade_attention_planned, padded_level_count, plan_cascade
 from hf_cascade.prefill import PrefixLevel, prefill_levels, validate_token_ids
@@ -230,6 +231,12 @@ class _StaticSuffixLayer(_SuffixLayer):
         columns = torch.arange(self.capacity, device=self.device)
         last = self.cumulative_length - query_length + torch.arange(query_length, device=self.device)
         return (columns[None, :] <= last[:, None])[None]
+
+
+@torch.compiler.disable
+def _update_outside_graphs(cache: CascadeCache, *args, **kwargs):
+    """``cache.update(*args, **kwargs)``, eagerly (see :mod:`hf_cascade.compiled_layers`)."""
+    return cache.update(*args, **kwargs)
 
 
 def _memoized(memo: dict | None, key: tuple, compute):
@@ -432,6 +439,12 @@ class CascadeCache(Cache):
             tensors.append(self._suffix_start_dev)
         return tensors
 
+    def suffix_lengths(self) -> list[torch.Tensor]:
+        """Each fixed-buffer layer's written suffix length (device int64 scalar), the state a decode step advances:
+        what to restore to run a failed step again."""
+        return [layer.cumulative_length for layer in self.layers
+                if isinstance(layer, _StaticSuffixLayer) and layer.is_initialized]
+
     def begin_static_step(self) -> None:
         """A compiled or recorded step is about to run (or, replayed, has run) on the device: the host's count of
         written columns is stale, and nothing computed for an earlier step is reused."""
@@ -478,6 +491,8 @@ class CascadeCache(Cache):
     # ------------------------------------------------------------------ what generate() calls
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Append the new suffix KV ``[batch, num_kv_heads, q_len, head_dim]``; return this layer's suffix KV."""
+        if outside_layer_graphs():  # a decoder layer compiled for a recorded step: this runs between its graphs
+            return _update_outside_graphs(self, key_states, value_states, layer_idx, *args, **kwargs)
         if static_step():  # a compiled or recorded step: device work only (see captured_step)
             memo = None
             if not torch.compiler.is_compiling():

@@ -32,6 +32,7 @@ from collections import OrderedDict
 import torch
 from transformers.utils import logging
 
+from hf_cascade.compiled_layers import compiled_layers
 from hf_cascade.step_buffers import model_state
 
 logger = logging.get_logger(__name__)
@@ -77,6 +78,7 @@ class _ModelGraphs:
         self.graphs: OrderedDict = OrderedDict()
         self.warm: set = set()
         self.failed: set = set()  # keys whose recording raised: run eagerly
+        self.layers_failed = False  # compiling the decoder layers raised: steps record the eager layers
         self.lock = threading.Lock()
         self.streams = threading.local()  # recording streams by device, per thread (a capture takes a whole stream)
         self.recorded = 0  # graphs recorded, all calls
@@ -120,9 +122,12 @@ class CapturedDecodeStep:
     cache, ...). The returned output's tensors are the graph's own: read (copy) them before the next step.
     """
 
-    def __init__(self, model: torch.nn.Module, cache):
+    def __init__(self, model: torch.nn.Module, cache, compile_layers: bool = False):
         self.model = model
         self.cache = cache
+        # The decoder layers compiled inside the recorded step (hf_cascade.compiled_layers), unless that failed
+        # for this model before.
+        self.compile_layers = compile_layers and not _model_graphs(model).layers_failed
         self._store = _model_graphs(model)
         self._cache_key: tuple | None = None  # the cache's and the model's tensors: fixed for one call
 
@@ -165,6 +170,7 @@ class CapturedDecodeStep:
                 # Python state the eager step reads (a compiled step guards on it)
                 torch.is_grad_enabled(), torch.is_autocast_enabled("cuda"),
                 getattr(self.model.config, "_attn_implementation", None),
+                self.compile_layers,
             )
         tensors, others = {}, []
         for name, value in sorted(inputs.items()):
@@ -199,7 +205,7 @@ class CapturedDecodeStep:
         stream.wait_stream(torch.cuda.current_stream())
         try:
             with static_step_mode(), torch.cuda.stream(stream):
-                out = self.model(**inputs)
+                out = self._run_with_compiled_layers(inputs) if self.compile_layers else self.model(**inputs)
         finally:
             torch.cuda.current_stream().wait_stream(stream)
         with self._store.lock:
@@ -207,6 +213,26 @@ class CapturedDecodeStep:
                 self._store.warm.clear()
             self._store.warm.add((key, stream.cuda_stream))
         return out
+
+    def _run_with_compiled_layers(self, inputs: dict):
+        """The step with the decoder layers compiled (they compile now, at a new key's first step: never while
+        recording). If compiling fails, this model's steps record the eager layers from now on; the cache's written
+        lengths are restored first, so the step runs again from the same state."""
+        lengths = [t.clone() for t in self.cache.suffix_lengths()]
+        try:
+            with compiled_layers(self.model):
+                return self.model(**inputs)
+        except Exception as err:  # noqa: BLE001 (any compiler error: the eager layers compute the same step)
+            for saved, current in zip(lengths, self.cache.suffix_lengths()):
+                current.copy_(saved)
+            self.compile_layers = False
+            with self._store.lock:
+                self._store.layers_failed = True
+            self._cache_key = None  # the key names the eager layers now
+            logger.warning_once(f"hf_cascade: compiling this model's decoder layers for the recorded decode step "
+                                f"failed ({type(err).__name__}: {str(err)[:300]}); the step records the eager "
+                                "layers instead.")
+            return self.model(**inputs)
 
     def _record(self, key: tuple, inputs: dict, tensors: dict[tuple, torch.Tensor],
                 stream: torch.cuda.Stream) -> _Graph | None:
@@ -228,7 +254,8 @@ class CapturedDecodeStep:
             with static_step_mode(), torch.cuda.stream(stream):
                 entry.graph.capture_begin(capture_error_mode="thread_local")
                 try:
-                    output = self.model(**recorded_inputs)
+                    with compiled_layers(self.model) if self.compile_layers else contextlib.nullcontext():
+                        output = self.model(**recorded_inputs)
                 finally:
                     entry.graph.capture_end()
         except RuntimeError as err:  # something in this model's step cannot be recorded: it runs eagerly

@@ -79,9 +79,11 @@ def sample(
             (default): on CUDA only; True: on any device (on a CPU it only adds the extra step; for tests); False:
             never.
         decode_step: how the decode steps run on a CUDA fixed-buffer :class:`~hf_cascade.cache.CascadeCache`:
-            ``"compile"`` (transformers' compiled step where generate() would compile it), ``"graphs"`` (the
-            eager step recorded into a CUDA graph, no compilation: :mod:`hf_cascade.captured_step`) or
-            ``"eager"``. Other caches and devices: transformers' choice (``"graphs"`` is ``"compile"`` there).
+            ``"compile"`` (transformers' compiled step where generate() would compile it), ``"layers"`` (the
+            step recorded into a CUDA graph with the decoder layers compiled once for all layers:
+            :mod:`hf_cascade.compiled_layers`), ``"graphs"`` (the eager step recorded, no compilation:
+            :mod:`hf_cascade.captured_step`) or ``"eager"``. Other caches and devices: transformers' choice
+            (``"layers"`` and ``"graphs"`` are ``"compile"`` there).
         model_kwargs: generate()'s model kwargs (``past_key_values``, ``attention_mask``, ``use_cache``, ...).
     Returns:
         ``[B, L + new]`` int64, or a ``GenerateDecoderOnlyOutput`` when ``return_dict_in_generate``; as ``_sample``.
@@ -149,7 +151,7 @@ def sample(
                 del outputs
     finally:
         ALWAYS_BUILD_DECODE_MASK.reset(mask_token)
-        if hasattr(model_forward, "add_decode_seconds"):  # recorded steps (decode_step "graphs" / "auto")
+        if hasattr(model_forward, "add_decode_seconds"):  # recorded steps (decode_step "layers" / "graphs")
             model_forward.add_decode_seconds(time.perf_counter() - started)
     cache = model_kwargs.get("past_key_values")
     if stop.extra_steps:  # the step after every row had finished: undone
@@ -171,8 +173,8 @@ def _decode_forward(model, model_kwargs: dict, generation_config, decode_step: s
     ``hf_cascade.generate`` before the loop starts)."""
     from hf_cascade.cache import CascadeCache
 
-    if decode_step not in ("compile", "graphs", "eager"):
-        raise ValueError(f"`decode_step` must be 'compile', 'graphs' or 'eager'; got {decode_step!r}.")
+    if decode_step not in ("compile", "layers", "graphs", "eager"):
+        raise ValueError(f"`decode_step` must be 'compile', 'layers', 'graphs' or 'eager'; got {decode_step!r}.")
     cache = model_kwargs.get("past_key_values")
     fixed_cascade = (
         isinstance(cache, CascadeCache) and cache.max_suffix_length is not None and model.device.type == "cuda"
@@ -181,11 +183,11 @@ def _decode_forward(model, model_kwargs: dict, generation_config, decode_step: s
         return model.__call__
     # Recorded where transformers would compile (its checks: not disable_compile, no offload, a compileable
     # quantizer): what a compiled step may not do, a recorded one may not either.
-    if fixed_cascade and decode_step == "graphs" and model._valid_auto_compile_criteria(model_kwargs,
-                                                                                      generation_config):
+    if fixed_cascade and decode_step in ("layers", "graphs") and model._valid_auto_compile_criteria(
+            model_kwargs, generation_config):
         from hf_cascade.captured_step import CapturedDecodeStep
 
-        return CapturedDecodeStep(model, cache)
+        return CapturedDecodeStep(model, cache, compile_layers=decode_step == "layers")
     if model._valid_auto_compile_criteria(model_kwargs, generation_config):
         return model.get_compiled_call(generation_config.compile_config)
     return model.__call__

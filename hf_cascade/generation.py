@@ -47,7 +47,7 @@ _OPTIONS = {
     "min_shared_tokens", "min_rows", "max_levels", "cost_model", "fixed_buffers", "batch_buckets", "defer_stop_check",
     "decode_step",
 }
-_DECODE_STEPS = ("auto", "compile", "graphs", "eager")
+_DECODE_STEPS = ("auto", "compile", "layers", "graphs", "eager")
 
 
 def generate(

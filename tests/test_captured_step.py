@@ -117,6 +117,56 @@ def test_decode_steps_in_the_recorded_path_match_the_reference(family, levels):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_compiled_layers_path_matches_reference_and_compiles_once(family):
+    """decode_step="layers" as it runs a step once before recording it, on CPU: every decode step inside
+    static_step_mode() with the decoder layers compiled (hf_cascade.compiled_layers; inductor). fp32 tokens equal to
+    the reference for trees of 1-3 levels and two buffer buckets; the layers compile during the first call only,
+    one code for all three layers (the layer index symbolic), and every later layout reuses it."""
+    from torch._dynamo.utils import counters
+
+    from hf_cascade.captured_step import static_step_mode
+    from hf_cascade.compiled_layers import compiled_layers, layer_compilations
+    from test_compiled_generate import LAYOUT_STREAM
+
+    ref, cas = model_pair(family, num_hidden_layers=3)
+    stack = []
+
+    def enter(module, args, kwargs):
+        if kwargs["input_ids"].shape[1] == 1:  # a decode step
+            for mode in (static_step_mode(), compiled_layers(cas)):
+                mode.__enter__()
+                stack.append(mode)
+
+    def leave(module, args, kwargs, output):
+        while stack:
+            stack.pop().__exit__(None, None, None)
+
+    hooks = [cas.register_forward_pre_hook(enter, with_kwargs=True),
+             cas.register_forward_hook(leave, with_kwargs=True)]
+    gen = dict(max_new_tokens=9, min_new_tokens=9, pad_token_id=0, do_sample=False)
+    graphs, frames = [], []
+    try:
+        for seed, (levels, own) in enumerate(LAYOUT_STREAM[:4]):
+            ids, mask = pad_batch(tree_prompts(levels, own, rows=6, seed=90 + seed))
+            frames_before = counters["frames"]["ok"]
+            caches = []
+            got = cas.generate(ids, attention_mask=mask, custom_generate=hf_cascade.generate, cascade_caches=caches,
+                               disable_compile=True, cascade_options=dict(min_shared_tokens=2, cost_model=None,
+                                                                          fixed_buffers=True), **gen)
+            assert caches[0].num_levels == len(levels)
+            assert torch.equal(got, ref.generate(ids, attention_mask=mask, **gen)), seed
+            graphs.append(counters["stats"]["unique_graphs"])
+            frames.append(counters["frames"]["ok"] - frames_before)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert layer_compilations(cas) == 4 * (gen["max_new_tokens"] - 1)
+    assert len(set(graphs)) == 1, f"compiled again for a later layout: {graphs}"
+    # The first call: each compiled frame once for layer 0 and once, symbolic, for layer 1 (layer 2 reuses it).
+    assert 0 < frames[0] <= 16 and frames[1:] == [0, 0, 0], frames
+
+
 def test_host_length_follows_steps_that_ran_no_python():
     """A replayed step writes its column on the device only (each layer's device count goes up by one, and no
     Python runs): begin_static_step, called before every recorded or replayed step, makes the host count read the

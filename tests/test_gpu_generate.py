@@ -268,3 +268,94 @@ def test_gpu_recorded_decode_step_for_a_stream_of_layouts():
         assert torch.equal(got, ref.generate(ids, attention_mask=mask, **gen)), seed
         assert recorded_steps(cas)["recorded"] - before <= 1
     assert counters["stats"]["unique_graphs"] == compiled_before
+
+
+def _layers_options(**extra):
+    return dict(cost_model=None, min_shared_tokens=2, decode_step="layers", **extra)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
+@pytest.mark.parametrize("mode", ["greedy", "samples"])
+def test_gpu_compiled_layers_decode_step_matches_reference(family, mode):
+    """decode_step="layers": the recorded step with the decoder layers compiled (hf_cascade.compiled_layers), fp32
+    tokens equal to the reference; the layers compile at the first call only (a second call with other tokens
+    replays the recorded step, compiling nothing)."""
+    from torch._dynamo.utils import counters
+
+    from hf_cascade.captured_step import recorded_steps
+    from hf_cascade.compiled_layers import layer_compilations
+
+    ref = tiny_model(family, reference_attention(family), device="cuda", num_hidden_layers=3)
+    cas = tiny_model(family, "cascade", device="cuda", num_hidden_layers=3)
+    gen = dict(max_new_tokens=9, pad_token_id=0, return_dict_in_generate=True)
+    gen.update({"greedy": dict(do_sample=False),
+                "samples": dict(do_sample=True, top_k=20, num_return_sequences=3)}[mode])
+    graphs = []
+    for call, seed in enumerate((53, 54)):
+        ids, mask = (t.cuda() for t in pad_batch(make_prompts(seed=seed, system=37, block=19, groups=2,
+                                                              per_group=3)))
+        torch.manual_seed(seed)
+        want = ref.generate(ids, attention_mask=mask, **gen)
+        before = recorded_steps(cas)
+        torch.manual_seed(seed)
+        got = cas.generate(ids, attention_mask=mask, custom_generate=hf_cascade.generate,
+                           cascade_options=_layers_options(), **gen)
+        assert torch.equal(got.sequences, want.sequences), (family, mode, call)
+        if call == 0:  # step 1 runs once (the layers compile), then recorded and replayed
+            assert recorded_steps(cas)["recorded"] - before["recorded"] == 1
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert layer_compilations(cas) == 2  # one run + one recording, in the first call only
+    assert graphs[1] == graphs[0], "the second call compiled again"
+    assert not hasattr(cas, "_compiled_call")  # transformers' whole-model compiled step never ran
+
+
+def test_gpu_compiled_layers_compile_once_for_a_stream_of_layouts():
+    """decode_step="layers" over batches with other sharing trees (1-3 levels, another buffer bucket): exact tokens;
+    the layers compile for the first batch only (one layer's code serves every layer and every layout)."""
+    from torch._dynamo.utils import counters
+
+    from test_compiled_generate import LAYOUT_STREAM, MAX_NEW_STREAM
+
+    ref = tiny_model("llama", "sdpa", device="cuda", num_hidden_layers=4)
+    cas = tiny_model("llama", "cascade", device="cuda", num_hidden_layers=4)
+    gen = dict(max_new_tokens=MAX_NEW_STREAM, pad_token_id=0, do_sample=False)
+    graphs = []
+    for seed, (levels, own) in enumerate(LAYOUT_STREAM):
+        ids, mask = (t.cuda() for t in pad_batch(tree_prompts(levels, own, rows=8, seed=70 + seed)))
+        got = cas.generate(ids, attention_mask=mask, custom_generate=hf_cascade.generate,
+                           cascade_options=_layers_options(), **gen)
+        assert torch.equal(got, ref.generate(ids, attention_mask=mask, **gen)), seed
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert len(set(graphs)) == 1, f"graphs compiled after the first batch: {graphs}"
+
+
+def test_gpu_compiled_layers_failure_loses_nothing(monkeypatch):
+    """A compiler error in the middle of the first compiled step (after some layers wrote their KV): the cache's
+    written lengths are restored, the step runs with the eager layers, and the tokens are exact; later steps record
+    the eager layers."""
+    import contextlib
+
+    import hf_cascade.captured_step as captured_step
+
+    ref = tiny_model("llama", "sdpa", device="cuda", num_hidden_layers=3)
+    cas = tiny_model("llama", "cascade", device="cuda", num_hidden_layers=3)
+    real = captured_step.compiled_layers
+
+    @contextlib.contextmanager
+    def failing_at_the_last_layer(model):
+        last = model.model.layers[-1]
+
+        def fail(*args, **kwargs):
+            raise RuntimeError("injected compiler error")
+
+        with real(model):
+            last._compiled_call_impl = fail
+            yield True
+
+    monkeypatch.setattr(captured_step, "compiled_layers", failing_at_the_last_layer)
+    ids, mask = (t.cuda() for t in pad_batch(make_prompts(seed=55, system=37, block=19, groups=2, per_group=3)))
+    gen = dict(max_new_tokens=8, pad_token_id=0, do_sample=False)
+    got = cas.generate(ids, attention_mask=mask, custom_generate=hf_cascade.generate,
+                       cascade_options=_layers_options(), **gen)
+    assert torch.equal(got, ref.generate(ids, attention_mask=mask, **gen))
+    assert captured_step._model_graphs(cas).layers_failed
