@@ -357,6 +357,9 @@ class CascadeCache(Cache):
         # padded to padded_level_count levels (_pad_prefix_levels). Built at the first forward (_match_rows), from
         # the StepBuffers given by use_step_buffers if any.
         self._compiled_prefix: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        # Whether _compiled_prefix has the empty levels that let one compiled graph serve trees of 1 to
+        # COMPILED_LEVELS levels (a recorded step, recorded per tree, launches for the real levels only).
+        self.pad_levels = True
         self._step_buffers: StepBuffers | None = None
         # The attention modules this cache may serve (reusing it with another model is an error).
         self._modules: dict[int, weakref.WeakSet] = {}
@@ -375,7 +378,7 @@ class CascadeCache(Cache):
     def _pad_prefix_levels(self, buffers: StepBuffers | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The prefix KV a compiled step takes: per level slot, the keys (values) of every layer as one tensor
         ``[layers, Hkv, T, D]``, with empty slots (2 keys that no row reads) in front of the real levels, so that
-        trees of 1 to COMPILED_LEVELS levels run one graph. One tensor per slot, not per layer: the step's inputs,
+        trees of 1 to COMPILED_LEVELS levels run one graph (where ``pad_levels``). One tensor per slot, not per layer: the step's inputs,
         and the sizes dynamo reads from them before every replay, do not grow with the layers. CUDA graphs read
         them in place (no copy per replay); a new cache re-records, never recompiles, and a level of another
         length is the same graph (its length is dynamic). ``buffers``: the slots are tensors taken from it. The
@@ -391,7 +394,7 @@ class CascadeCache(Cache):
                 "`max_new_tokens` / `max_suffix_length`."
             )
         new = lambda shape: take_or_new(buffers, shape, first.dtype, first.device)  # noqa: E731
-        pad = padded_level_count(len(self.levels)) - len(self.levels)
+        pad = padded_level_count(len(self.levels)) - len(self.levels) if self.pad_levels else 0
         slots = ([], [])
         for kind, kind_slots in enumerate(slots):  # taken in the order step_buffer_tensors lists them
             kind_slots += [new((layers, heads, 2, head_dim)) for _ in range(pad)]

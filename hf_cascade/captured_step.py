@@ -37,8 +37,7 @@ from hf_cascade.step_buffers import model_state
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["CapturedDecodeStep", "GRAPHS_PER_MODEL", "first_compiled_call", "recorded_steps", "static_step",
-           "static_step_mode"]
+__all__ = ["CapturedDecodeStep", "GRAPHS_PER_MODEL", "recorded_steps", "static_step", "static_step_mode"]
 
 GRAPHS_PER_MODEL = 4
 
@@ -83,8 +82,6 @@ class _ModelGraphs:
         self.streams = threading.local()  # recording streams by device, per thread (a capture takes a whole stream)
         self.recorded = 0  # graphs recorded, all calls
         self.replayed = 0  # steps replayed, all calls
-        self.decode_seconds = 0.0  # wall time of the decoding loops that ran recorded steps
-        self.compiled_call_announced = False
 
 
 def _model_graphs(model: torch.nn.Module) -> _ModelGraphs:
@@ -92,21 +89,11 @@ def _model_graphs(model: torch.nn.Module) -> _ModelGraphs:
 
 
 def recorded_steps(model: torch.nn.Module) -> dict[str, int]:
-    """``{"recorded": graphs recorded, "replayed": steps replayed, "kept": graphs kept, "decode_seconds": wall time
-    of the decoding loops that ran them}`` for ``model``'s decode steps in this process
-    (:class:`CapturedDecodeStep`)."""
+    """``{"recorded": graphs recorded, "replayed": steps replayed, "kept": graphs kept}`` for ``model``'s decode
+    steps in this process (:class:`CapturedDecodeStep`)."""
     store = _model_graphs(model)
     with store.lock:
-        return {"recorded": store.recorded, "replayed": store.replayed, "kept": len(store.graphs),
-                "decode_seconds": store.decode_seconds}
-
-
-def first_compiled_call(model: torch.nn.Module) -> bool:
-    """True once per model: the first time ``decode_step="auto"`` turns to the compiled step."""
-    store = _model_graphs(model)
-    with store.lock:
-        first, store.compiled_call_announced = not store.compiled_call_announced, True
-        return first
+        return {"recorded": store.recorded, "replayed": store.replayed, "kept": len(store.graphs)}
 
 
 def _tensor_key(t: torch.Tensor) -> tuple:
@@ -282,8 +269,3 @@ class CapturedDecodeStep:
         """The recorded output (its tensors the graph's), with this call's cache."""
         cls, fields, has_cache = entry.output
         return cls(**fields, past_key_values=self.cache) if has_cache else cls(**fields)
-
-    def add_decode_seconds(self, seconds: float) -> None:
-        """Count a decoding loop's wall time for ``decode_step="auto"`` (see ``hf_cascade.generation``)."""
-        with self._store.lock:
-            self._store.decode_seconds += seconds

@@ -117,7 +117,6 @@ def sample(
     max_length = getattr(stopping_criteria, "max_length", None)
     prefill_consumed = finished = False
     mask_token = ALWAYS_BUILD_DECODE_MASK.set(True)  # see attention.cascade_mask: no host read of the mask
-    started = time.perf_counter()
     try:
         with model._optimize_model_for_decode():
             while not finished:
@@ -151,8 +150,6 @@ def sample(
                 del outputs
     finally:
         ALWAYS_BUILD_DECODE_MASK.reset(mask_token)
-        if hasattr(model_forward, "add_decode_seconds"):  # recorded steps (decode_step "layers" / "graphs")
-            model_forward.add_decode_seconds(time.perf_counter() - started)
     cache = model_kwargs.get("past_key_values")
     if stop.extra_steps:  # the step after every row had finished: undone
         input_ids = input_ids[:, : -stop.extra_steps]

@@ -38,11 +38,10 @@ logger = logging.get_logger(__name__)
 _DECODING_METHODS = {"_sample", "_beam_search"}
 # How greedy search and sampling run their decode steps on a GPU (cascade_options["decode_step"]): see the docstring.
 DEFAULT_DECODE_STEP = "auto"
-# "auto": recorded CUDA graphs (no compilation) until the model has decoded this long in recorded steps, then
-# compiled. Ski rental: the compiled step saves ~25% of a recorded one (8.06 vs 10.7 ms per step, Llama-3-8B shape,
-# B=32, H100, profile_decode.jsonl) and compiling costs ~50 s cold, so compiling after ~4x that much decoding never
-# costs more than twice the better choice made in hindsight.
-COMPILE_AFTER_DECODE_SECONDS = 200.0
+# "auto" is "layers": the step recorded into a CUDA graph with the decoder layers compiled once for all layers
+# (hf_cascade.compiled_layers). Llama-3-8B shape, B=32, H100 (generate.jsonl, 5fd74f4): 8.1 ms per step after
+# ~5 s of compilation, once per model (1.6 s from a second process); "graphs" 10.3 ms, none; "compile" 7.9 ms after
+# 52-66 s.
 _OPTIONS = {
     "min_shared_tokens", "min_rows", "max_levels", "cost_model", "fixed_buffers", "batch_buckets", "defer_stop_check",
     "decode_step",
@@ -80,11 +79,11 @@ def generate(
             other samples than a call without the rows); False: never. ``defer_stop_check`` (None: on CUDA; True;
             False): greedy search and sampling read the "every row finished" flag one step late instead of waiting
             for the GPU at every step (:mod:`hf_cascade.decoding`; the same tokens). ``decode_step`` (greedy search
-            and sampling on CUDA with fixed buffers): ``"graphs"`` (the eager step recorded into a CUDA graph, no
-            compilation; :mod:`hf_cascade.captured_step`), ``"compile"`` (transformers' compiled step: ~25%
-            faster steps after a compilation of about a minute for an 8B model), ``"eager"``, or ``"auto"``
-            (default): ``"graphs"`` until this model has spent :data:`COMPILE_AFTER_DECODE_SECONDS` in recorded
-            decode steps in this process, ``"compile"`` after.
+            and sampling on CUDA with fixed buffers): ``"layers"`` (the step recorded into a CUDA graph, the
+            decoder layers compiled once per model for all layers and layouts: :mod:`hf_cascade.compiled_layers`),
+            ``"graphs"`` (the eager step recorded, no compilation: :mod:`hf_cascade.captured_step`),
+            ``"compile"`` (transformers' compiled step: as fast as ``"layers"`` after a compilation of about a
+            minute for an 8B model), ``"eager"``, or ``"auto"`` (default): ``"layers"``.
         model_kwargs: generate()'s model kwargs (``attention_mask`` ``[B * n, L]``, ``position_ids``,
             ``past_key_values``, ...).
     Returns:
@@ -126,7 +125,7 @@ def generate(
     decode_step = options.pop("decode_step", DEFAULT_DECODE_STEP)
     if method_name == "_sample":  # transformers' loop, without a wait for the GPU at every step
         if decode_step == "auto":
-            decode_step = _auto_decode_step(model)
+            decode_step = "layers"
         decode = functools.partial(sample, defer_stop_check=defer, decode_step=decode_step)
     attention_mask = model_kwargs.get("attention_mask")
     if attention_mask is None:  # transformers >= 5.18 drops an all-ones mask
@@ -168,6 +167,10 @@ def generate(
             position_ids = attention_mask.long().cumsum(-1) - 1
             model_kwargs["position_ids"] = position_ids.masked_fill(attention_mask == 0, 1)
     model_kwargs["past_key_values"] = cache
+    if cache is not user_cache:
+        # Padding levels let one compiled graph serve trees of 1-4 levels; a recorded step (CUDA) is recorded per
+        # tree and launches for its real levels only.
+        cache.pad_levels = decode_step not in ("layers", "graphs") or input_ids.device.type != "cuda"
     if cascade_caches is not None:
         cascade_caches.append(cache)
     if user_cache is not None or cache.max_suffix_length is None or max_new_tokens <= 1:
@@ -221,23 +224,6 @@ def _first_rows(value, rows: int, total: int):
             if key != "past_key_values":
                 value[key] = _first_rows(value[key], rows, total)
     return value
-
-
-def _auto_decode_step(model) -> str:
-    """``decode_step="auto"``: recorded graphs, or the compiled step once this model has decoded long enough in
-    recorded steps that a compilation pays (see :data:`COMPILE_AFTER_DECODE_SECONDS`)."""
-    from hf_cascade.captured_step import first_compiled_call, recorded_steps
-
-    if recorded_steps(model)["decode_seconds"] < COMPILE_AFTER_DECODE_SECONDS:
-        return "graphs"
-    if first_compiled_call(model):
-        logger.warning(
-            f"hf_cascade: this model has decoded for {COMPILE_AFTER_DECODE_SECONDS:.0f} s in recorded CUDA graphs; "
-            "compiling its decode step now (about a minute for an 8B model, once), which makes later steps ~25% "
-            "faster. Pass cascade_options=dict(decode_step='graphs') to never compile, or 'compile' to compile at "
-            "once."
-        )
-    return "compile"
 
 
 def _compiles_decode(model, input_ids, generation_config, method_name: str) -> bool:
