@@ -193,16 +193,19 @@ class TritonBuilds:
 
 
 def triton_cache_files() -> int | None:
-    """Files in Triton's on-disk kernel cache now (0 on a machine that never built a Triton kernel), or None."""
+    """Files in Triton's on-disk kernel caches now (0 on a machine that never built a Triton kernel): the directory
+    in effect, Triton's default one and Inductor's (which ``torch.compile`` and hf_cascade's kernels use where
+    ``TRITON_CACHE_DIR`` is unset, see ``hf_cascade.ops._backend.share_compiler_kernel_cache``)."""
+    roots = {os.environ.get("TRITON_CACHE_DIR"), os.path.join(os.path.expanduser("~"), ".triton", "cache")}
     try:
-        from triton import knobs
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-        root = knobs.cache.dir
+        roots.add(os.path.join(cache_dir(), "triton"))
     except Exception:
-        root = os.environ.get("TRITON_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".triton", "cache")
-    if not root or not os.path.isdir(root):
-        return 0
-    return sum(len(files) for _, _, files in os.walk(root))
+        pass
+    roots = {os.path.realpath(r) for r in roots if r and os.path.isdir(r)}
+    roots = [r for r in roots if not any(r != o and r.startswith(o + os.sep) for o in roots)]  # counted once
+    return sum(len(files) for root in roots for _, _, files in os.walk(root))
 
 
 def copy_bandwidth_gbs(nbytes: int = 2 << 30) -> float:

@@ -34,6 +34,22 @@ def interpret_mode() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
+def share_compiler_kernel_cache() -> None:
+    """Where ``TRITON_CACHE_DIR`` is unset, set it as ``torch.compile`` (Inductor) does the first time it loads a
+    Triton kernel in a process, before hf_cascade builds its first kernel. Without this, the kernels built before
+    that moment are cached in Triton's default directory and those built after it in Inductor's, so a later process
+    (which may load its compiled code without setting the variable) finds neither half and builds them again
+    (measured: 9.4 s of a process's first stream of batches, ``benchmarks/results/generate.jsonl``, 1ee2477).
+    Called when a kernel module is imported; does nothing under the interpreter or where the variable is set."""
+    if os.environ.get("TRITON_CACHE_DIR") or interpret_mode() or not torch.cuda.is_available():
+        return
+    try:
+        from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+    except Exception:  # another torch layout: leave Triton's default
+        return
+    os.environ["TRITON_CACHE_DIR"] = triton_cache_dir(torch.cuda.current_device())
+
+
 def host_to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """``tensor`` (built on the host) copied to ``device`` without waiting for the work already queued there.
 

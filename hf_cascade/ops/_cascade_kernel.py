@@ -15,6 +15,9 @@ import triton.language as tl
 
 from ._prefix_kernel import _prefix_tile
 from ._suffix_kernel import _suffix_tile
+from ._backend import share_compiler_kernel_cache
+
+share_compiler_kernel_cache()  # before the first kernel is built
 
 
 # Sizes that differ between batch layouts are not specialised: Triton would build a variant per pattern of

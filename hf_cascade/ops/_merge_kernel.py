@@ -3,6 +3,10 @@
 import triton
 import triton.language as tl
 
+from ._backend import share_compiler_kernel_cache
+
+share_compiler_kernel_cache()  # before the first kernel is built
+
 
 @triton.jit(do_not_specialize=["R"])  # rows: a size of the batch layout, not specialised
 def _merge_attention_states_kernel(

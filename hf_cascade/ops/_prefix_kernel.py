@@ -20,6 +20,10 @@ row order, reduced by ``_state_combine_kernel`` or by the suffix kernel's prolog
 import triton
 import triton.language as tl
 
+from ._backend import share_compiler_kernel_cache
+
+share_compiler_kernel_cache()  # before the first kernel is built
+
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): scores are kept in base 2 inside the loop
 LN2 = tl.constexpr(0.6931471805599453)  # ln(2): back to natural-log LSE on the way out
 # States merged per step by _merge_states: two [BLOCK_M, BLOCK_D] fp32 loads in flight (H100, B=32

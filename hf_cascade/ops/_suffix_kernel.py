@@ -15,6 +15,10 @@ launch of their own and no fp32 round trip through memory. State s of query (b, 
 import triton
 import triton.language as tl
 
+from ._backend import share_compiler_kernel_cache
+
+share_compiler_kernel_cache()  # before the first kernel is built
+
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
 
