@@ -1,9 +1,10 @@
 """Probe: would compiling each decoder layer on its own (regional compilation) make the compiled decode step cheap
-to get? The recorded decode step (``decode_step="graphs"``, the default's first phase) against the same step with
+to get? The recorded decode step (``decode_step="graphs"``) against the same step with
 every decoder layer ``torch.compile``'d (inductor, no CUDA graphs of its own) inside the recording.
 
 The layers are compiled only while hf_cascade runs or records a decode step (the model's own calls never see it);
-this is a measurement, not a code path of hf_cascade. Regional compilation pays off where the compiled code of one
+this is a measurement, not a code path of hf_cascade (``decode_step="layers"``, the default since 1ee2477, keeps
+the cache out of the layer graphs and the layer index symbolic instead: hf_cascade/compiled_layers.py). Regional compilation pays off where the compiled code of one
 layer serves every layer; here transformers' attention passes ``self.layer_idx`` (a Python int) to the cache, so
 dynamo specialises each layer (one compilation per layer: the record's ``unique_graphs``).
 

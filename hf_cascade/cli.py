@@ -203,9 +203,9 @@ def collect_info() -> dict:
 
     if gpus:
         decode = ("recorded: generate(..., custom_generate=hf_cascade.generate) keeps suffixes in fixed buffers and "
-                  "replays greedy/sampling decode steps from CUDA graphs (no compilation; compiled once the model "
-                  "has decoded 200 s, or with cascade_options=dict(decode_step='compile')); disable_compile=True "
-                  "opts out, beam search stays eager")
+                  "replays greedy/sampling decode steps from CUDA graphs, the decoder layers compiled once per model "
+                  "(cascade_options=dict(decode_step='graphs') records the eager layers, no compilation); "
+                  "disable_compile=True opts out, beam search stays eager")
     else:
         decode = "eager: generate(..., custom_generate=hf_cascade.generate) decodes eagerly (compiled only on CUDA)"
     return {

@@ -118,3 +118,23 @@ def test_decode_step_masks_are_built_in_the_decoding_loop():
     finally:
         ALWAYS_BUILD_DECODE_MASK.reset(token)
     assert mask.shape == (2, 1, 1, 5) and bool(mask.all())
+
+
+def test_torch_surfaces_the_compiled_layers_rely_on():
+    """hf_cascade.compiled_layers and ops._backend use three torch internals: ``Module._compiled_call_impl`` (what
+    ``Module.compile()`` sets and ``Module.__call__`` runs instead of ``_call_impl``), dynamo's
+    ``allow_unspec_int_on_nn_module`` config, and Inductor's ``triton_cache_dir``."""
+    from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
+
+    layer = torch.nn.Linear(2, 2)
+    calls = []
+    layer._compiled_call_impl = lambda *args, **kwargs: calls.append(args) or "compiled"
+    try:
+        assert layer(torch.ones(2)) == "compiled" and len(calls) == 1
+    finally:
+        layer._compiled_call_impl = None
+    assert isinstance(layer(torch.ones(2)), torch.Tensor)
+    assert hasattr(torch._dynamo.config, "allow_unspec_int_on_nn_module")
+    with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
+        assert torch._dynamo.config.allow_unspec_int_on_nn_module
+    assert isinstance(triton_cache_dir(0), str)
