@@ -20,6 +20,10 @@ call with the shapes of an earlier one replays its graph from the first step.
 
 A new key is first run eagerly in this mode on the recording stream (Triton kernels built, cuBLAS set up for that
 stream), and recorded at the next step with that key.
+
+With ``compile_layers`` (``decode_step="layers"``, the default) the model's decoder layers run compiled while a
+step is run once and recorded (:mod:`hf_cascade.compiled_layers`): they compile at that first run, once per model,
+and the recorded graph holds their fused kernels.
 """
 
 from __future__ import annotations

@@ -17,7 +17,6 @@ transformers' ``DeferredStopCheck``.
 
 from __future__ import annotations
 
-import time
 
 import torch
 
