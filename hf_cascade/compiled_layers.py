@@ -36,7 +36,7 @@ class _Tracing:
 
 
 _TRACING = _Tracing()
-_ACTIVE_LOCK = threading.Lock()
+_ACTIVE_LOCK = threading.RLock()
 
 
 def outside_layer_graphs() -> bool:
@@ -71,7 +71,8 @@ def layer_compilations(model: torch.nn.Module) -> int:
 @contextlib.contextmanager
 def compiled_layers(model: torch.nn.Module):
     """Run the forwards inside with ``model``'s decoder layers compiled (see the module docstring). Does nothing
-    for a model without a ``layers`` list. Not reentrant across threads: a second thread waits."""
+    for a model without a ``layers`` list. One thread at a time (a second thread waits): the layers' compiled calls
+    are set on the model's modules."""
     layers = decoder_layers(model)
     if layers is None:
         yield False
@@ -82,17 +83,14 @@ def compiled_layers(model: torch.nn.Module):
             state.calls = [torch.compile(layer._call_impl) for layer in layers]
         calls = state.calls
         state.entered += 1
-    with _ACTIVE_LOCK, torch._dynamo.config.patch(
-        allow_unspec_int_on_nn_module=True,
-        # the first layer's code, the symbolic one, and room for a new bucket's sizes
-        recompile_limit=max(torch._dynamo.config.recompile_limit, 8),
-    ):
+    with _ACTIVE_LOCK, torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
+        previous = [layer._compiled_call_impl for layer in layers], _TRACING.active  # (entered again: restored)
         for layer, call in zip(layers, calls):
             layer._compiled_call_impl = call
         _TRACING.active = True
         try:
             yield True
         finally:
-            _TRACING.active = False
-            for layer in layers:
-                layer._compiled_call_impl = None
+            _TRACING.active = previous[1]
+            for layer, impl in zip(layers, previous[0]):
+                layer._compiled_call_impl = impl
