@@ -18,6 +18,7 @@ __all__ = [
     "merge_states_ref",
     "shared_prefix_attention_ref",
     "suffix_attention_ref",
+    "write_suffix_kv_ref",
 ]
 
 _NEG_INF = float("-inf")
@@ -214,3 +215,12 @@ def suffix_attention_ref(
     if prefix_out is not None:
         out, lse = merge_attention_states_ref(prefix_out, prefix_lse, out, lse)
     return out, lse
+
+
+def write_suffix_kv_ref(key: Tensor, value: Tensor, keys: Tensor, values: Tensor, positions: Tensor,
+                        length: Tensor) -> None:
+    """``keys[:, :, positions] = key``, ``values[:, :, positions] = value``, ``length += Q`` (in place; see
+    :func:`hf_cascade.ops.kv_write.write_suffix_kv`)."""
+    keys.index_copy_(2, positions, key)
+    values.index_copy_(2, positions, value)
+    length.add_(key.shape[2])
