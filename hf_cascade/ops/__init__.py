@@ -1,5 +1,6 @@
 """Cascade attention ops: shared-prefix pass, per-row suffix pass, exact LSE merge, and
-``cascade_attention`` (all of them in one call: one launch per prefix level + one).
+``cascade_attention`` (all of them in one call: one launch per prefix level + one), and ``write_suffix_kv`` (a decode
+step's new KV into fixed buffers).
 
 Every op has a Triton kernel (CUDA, or CPU with ``TRITON_INTERPRET=1``) and an fp32 PyTorch path
 (``backend="torch"``, the CPU path). LSE is the natural log, float32, everywhere; an attention
@@ -8,6 +9,7 @@ state over no keys has ``lse = -inf``. Importing this package never imports Trit
 
 from ._backend import triton_available
 from .cascade_attention import cascade_attention
+from .kv_write import write_suffix_kv
 from .merge import merge_attention_states
 from .plan import CascadePlan, cascade_attention_planned, plan_cascade
 from .prefix_attention import PrefixPlan, plan_shared_prefix, shared_prefix_attention
@@ -15,6 +17,7 @@ from .reference import (
     merge_attention_states_ref,
     shared_prefix_attention_ref,
     suffix_attention_ref,
+    write_suffix_kv_ref,
 )
 from .suffix_attention import suffix_attention
 
@@ -32,4 +35,6 @@ __all__ = [
     "suffix_attention",
     "suffix_attention_ref",
     "triton_available",
+    "write_suffix_kv",
+    "write_suffix_kv_ref",
 ]
