@@ -37,6 +37,7 @@ from hf_cascade.compiled_layers import outside_layer_graphs
 from hf_cascade.ops._backend import host_to_device
 from hf_cascade.ops.kv_write import write_suffix_kv
 from hf_cascade.ops.plan import CascadePlan, cascade_attention_planned, padded_level_count, plan_cascade
+from hf_cascade.ops.reference import write_suffix_kv_ref
 from hf_cascade.prefill import PrefixLevel, prefill_levels, validate_token_ids
 from hf_cascade.step_buffers import StepBuffers, take_or_new
 
@@ -174,12 +175,9 @@ class _StaticSuffixLayer(_SuffixLayer):
         # Every layer has written as many columns: the positions are the same.
         positions = _memoized(step_memo, ("positions", key_states.shape[-2], self.device),
                               lambda: torch.arange(key_states.shape[-2], device=self.device) + self.cumulative_length)
-        if torch.compiler.is_compiling():  # traced: the compiler fuses these
-            self.cumulative_length.add_(key_states.shape[-2])
-            self.keys.index_copy_(2, positions, key_states)
-            self.values.index_copy_(2, positions, value_states)
-        else:  # one launch on CUDA (K, V and the length), instead of three
-            write_suffix_kv(key_states, value_states, self.keys, self.values, positions, self.cumulative_length)
+        # Traced, the reference's three ops (the compiler fuses them); else one launch on CUDA.
+        write = write_suffix_kv_ref if torch.compiler.is_compiling() else write_suffix_kv
+        write(key_states, value_states, self.keys, self.values, positions, self.cumulative_length)
         return self.keys, self.values
 
     def get_seq_length(self):

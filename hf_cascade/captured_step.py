@@ -116,10 +116,10 @@ class CapturedDecodeStep:
     def __init__(self, model: torch.nn.Module, cache, compile_layers: bool = False):
         self.model = model
         self.cache = cache
+        self._store = _model_graphs(model)
         # The decoder layers compiled inside the recorded step (hf_cascade.compiled_layers), unless that failed
         # for this model before.
-        self.compile_layers = compile_layers and not _model_graphs(model).layers_failed
-        self._store = _model_graphs(model)
+        self.compile_layers = compile_layers and not self._store.layers_failed
         self._cache_key: tuple | None = None  # the cache's and the model's tensors: fixed for one call
 
     def __call__(self, **inputs):

@@ -6,6 +6,8 @@ for a step whose cache tensors sit at the same addresses with the same shapes, a
 shapes (their values are copied in). The key must tell those steps apart from all others.
 """
 
+import contextlib
+
 import pytest
 import torch
 
@@ -74,6 +76,32 @@ def test_replay_key_follows_addresses_shapes_and_arguments():
 
 
 
+@contextlib.contextmanager
+def _in_decode_steps(model, *modes):
+    """Forward hooks that enter ``mode()`` for each of ``modes`` around every one-token forward of ``model`` (a
+    decode step; the prefill has every prompt column), as CapturedDecodeStep does for a step it runs or records.
+    Yields the list of decode steps entered."""
+    entered, stack = [], contextlib.ExitStack()
+
+    def enter(module, args, kwargs):
+        if kwargs["input_ids"].shape[1] == 1:
+            for mode in modes:
+                stack.enter_context(mode())
+            entered.append(True)
+
+    def leave(module, args, kwargs, output):
+        stack.close()
+
+    hooks = [model.register_forward_pre_hook(enter, with_kwargs=True),
+             model.register_forward_hook(leave, with_kwargs=True)]
+    try:
+        yield entered
+    finally:
+        stack.close()
+        for hook in hooks:
+            hook.remove()
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
 @pytest.mark.parametrize("levels", [[(1, 20), (2, 6)], [(1, 9), (2, 5), (3, 4)]])
 def test_decode_steps_in_the_recorded_path_match_the_reference(family, levels):
@@ -87,29 +115,11 @@ def test_decode_steps_in_the_recorded_path_match_the_reference(family, levels):
     gen = dict(max_new_tokens=7, min_new_tokens=7, do_sample=False, pad_token_id=0, return_dict_in_generate=True,
                output_logits=True)
     want = ref.generate(ids, attention_mask=mask, **gen)
-    modes, entered = [], []
-
-    def enter(module, args, kwargs):
-        if kwargs["input_ids"].shape[1] == 1:  # a decode step (the prefill has every prompt column)
-            mode = static_step_mode()
-            mode.__enter__()
-            modes.append(mode)
-            entered.append(True)
-
-    def leave(module, args, kwargs, output):
-        if modes:
-            modes.pop().__exit__(None, None, None)
-
-    hooks = [cas.register_forward_pre_hook(enter, with_kwargs=True),
-             cas.register_forward_hook(leave, with_kwargs=True)]
-    try:
+    with _in_decode_steps(cas, static_step_mode) as entered:
         caches = []
         got = cas.generate(ids, attention_mask=mask, custom_generate=hf_cascade.generate, cascade_caches=caches,
                            disable_compile=True, cascade_options=dict(min_shared_tokens=2, cost_model=None,
                                                                       fixed_buffers=True), **gen)
-    finally:
-        for hook in hooks:
-            hook.remove()
     assert len(entered) == gen["max_new_tokens"] - 1 and caches[0].num_levels == len(levels)
     assert caches[0]._compiled_prefix is not None and caches[0]._op_inputs is not None  # the op's path ran
     assert torch.equal(got.sequences, want.sequences)
@@ -130,23 +140,9 @@ def test_compiled_layers_path_matches_reference_and_compiles_once(family):
     from test_compiled_generate import LAYOUT_STREAM
 
     ref, cas = model_pair(family, num_hidden_layers=3)
-    stack = []
-
-    def enter(module, args, kwargs):
-        if kwargs["input_ids"].shape[1] == 1:  # a decode step
-            for mode in (static_step_mode(), compiled_layers(cas)):
-                mode.__enter__()
-                stack.append(mode)
-
-    def leave(module, args, kwargs, output):
-        while stack:
-            stack.pop().__exit__(None, None, None)
-
-    hooks = [cas.register_forward_pre_hook(enter, with_kwargs=True),
-             cas.register_forward_hook(leave, with_kwargs=True)]
     gen = dict(max_new_tokens=9, min_new_tokens=9, pad_token_id=0, do_sample=False)
     graphs, frames = [], []
-    try:
+    with _in_decode_steps(cas, static_step_mode, lambda: compiled_layers(cas)):
         for seed, (levels, own) in enumerate(LAYOUT_STREAM[:4]):
             ids, mask = pad_batch(tree_prompts(levels, own, rows=6, seed=90 + seed))
             frames_before = counters["frames"]["ok"]
@@ -158,9 +154,6 @@ def test_compiled_layers_path_matches_reference_and_compiles_once(family):
             assert torch.equal(got, ref.generate(ids, attention_mask=mask, **gen)), seed
             graphs.append(counters["stats"]["unique_graphs"])
             frames.append(counters["frames"]["ok"] - frames_before)
-    finally:
-        for hook in hooks:
-            hook.remove()
     assert layer_compilations(cas) == 4 * (gen["max_new_tokens"] - 1)
     assert len(set(graphs)) == 1, f"compiled again for a later layout: {graphs}"
     # The first call: each compiled frame once for layer 0 and once, symbolic, for layer 1 (layer 2 reuses it).
