@@ -9,6 +9,7 @@ for each peer in the same run, and checks that cascade's first-step logits match
     python benchmarks/bench_generate.py --layers 4 --batches 8 --prefix 1024   # a quick look
     python benchmarks/bench_generate.py --workload nsamples grpo   # n samples of a prompt, through plain generate()
     python benchmarks/bench_generate.py --workload stream --stream-passes 2  # 8 batches, 8 sharing trees, cold + warm
+    python benchmarks/bench_generate.py --workload stream --stream-process-per-peer  # each peer in a new process
 
 hf_cascade's one-argument peers: ``cascade_generate`` (the default, ``decode_step="auto"``: decode steps replayed
 from recorded CUDA graphs), ``cascade_generate_graphs`` and ``cascade_generate_compile`` (``decode_step`` named).
@@ -23,18 +24,25 @@ once + every sample's own tokens).
 
 from __future__ import annotations
 
-import argparse
-import gc
-import os
-import sys
+import time
 
-import torch
+PROCESS_STARTED = time.perf_counter()  # before torch's import: a stream record's process_s counts everything
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+
+import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import (  # noqa: E402
-    ResultWriter, TritonBuilds, timed_with_compile_breakdown, triton_cache_files, triton_variants, wall_time,
+    RESULTS_DIR, ResultWriter, TritonBuilds, timed_with_compile_breakdown, triton_cache_files, triton_variants,
+    wall_time,
 )
 
 import hf_cascade  # noqa: E402
@@ -463,6 +471,8 @@ def _stream_pass(args, writer, model, batches, stream_pass: int, counters) -> No
             "new_tokens": args.new_tokens, "layouts": [[list(l) for l in levels] for levels, _ in LAYOUT_STREAM],
             "per_batch_s": per_batch, "total_s": sum(per_batch), "status": status,
             "compiled_graphs": counters["stats"]["unique_graphs"] - graphs_before,
+            # this process so far: imports, model build, earlier peers and passes, this one
+            "process_s": time.perf_counter() - PROCESS_STARTED, "peers_in_process": args.stream_peers,
         }
         if split:
             record["sdpa_parts_per_batch"] = split
@@ -485,6 +495,38 @@ def _stream_pass(args, writer, model, batches, stream_pass: int, counters) -> No
             if totals.get(peer) and totals.get(ours):
                 print(f"layout stream (pass {stream_pass}): {ours} {totals[ours]:.1f} s, {peer} {totals[peer]:.1f} s "
                       f"({totals[peer] / totals[ours]:.2f}x)")
+
+
+def stream_process_per_peer(args, argv: list[str]) -> None:
+    """Each stream peer in a new process (this script again with ``--stream-peers <peer>``), one after another;
+    prints each pass's totals and the ratios from the records they append."""
+    output = args.output or str(RESULTS_DIR / "generate.jsonl")
+    with open(output, "a"):
+        pass
+    with open(output) as f:
+        start = sum(1 for _ in f)
+    child = [a for a in argv if a != "--stream-process-per-peer"]
+    i = child.index("--stream-peers") if "--stream-peers" in child else None
+    if i is not None:  # drop the peers list: each child gets one peer
+        j = i + 1
+        while j < len(child) and not child[j].startswith("--"):
+            j += 1
+        del child[i:j]
+    if "--output" not in child:
+        child += ["--output", output]
+    for peer in args.stream_peers:
+        subprocess.run([sys.executable, os.path.abspath(__file__), *child, "--stream-peers", peer], check=True)
+    with open(output) as f:
+        records = [json.loads(line) for line in list(f)[start:]]
+    totals = {(r["peer"], r["pass"]): r["total_s"] for r in records
+              if r.get("bench") == "generate_layout_stream" and r.get("status") == "ok"}
+    for stream_pass in range(args.stream_passes):
+        for ours in CASCADE_GENERATE_PEERS:
+            for peer in ("sdpa", "hf_prefix_reuse"):
+                a, b = totals.get((ours, stream_pass)), totals.get((peer, stream_pass))
+                if a and b:
+                    print(f"layout stream, a process per peer (pass {stream_pass}): {ours} {a:.1f} s, {peer} "
+                          f"{b:.1f} s ({b / a:.2f}x)")
 
 
 def main(argv=None):
@@ -514,10 +556,16 @@ def main(argv=None):
                         help="peers of --workload stream")
     parser.add_argument("--stream-passes", type=int, default=1,
                         help="--workload stream: run the stream this many times in one process (pass 0 is cold)")
+    parser.add_argument("--stream-process-per-peer", action="store_true",
+                        help="--workload stream: run each peer in a new process of its own (each pays its own "
+                        "first-call costs), one after another, and compare their pass-0 totals")
     parser.add_argument("--output", default=None, help="JSON-lines file (default benchmarks/results/generate.jsonl)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_generate.py needs a CUDA GPU.")
+    if args.stream_process_per_peer:
+        stream_process_per_peer(args, argv if argv is not None else sys.argv[1:])
+        return
 
     runners = {
         "cascade": run_cascade,
