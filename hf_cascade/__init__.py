@@ -8,6 +8,10 @@ from hf_cascade.attention import ATTENTION_NAME, register
 
 register()
 
+from hf_cascade.ops._backend import warm_triton_key  # noqa: E402
+
+warm_triton_key()  # CUDA only: Triton's cache key hashed while the model loads (see its docstring)
+
 from hf_cascade.cache import CascadeCache  # noqa: E402
 from hf_cascade.generation import generate, write_custom_generate  # noqa: E402
 from hf_cascade.dataset_generation import GenerationInterrupted, GenerationStats, generate_dataset  # noqa: E402

@@ -240,3 +240,23 @@ def test_gpu_fused_cascade_cuda_graph_replays_new_queries():
         ref_out, ref_lse = suffix_attention_ref(q, ks, vs, scale=d ** -0.5, prefix_out=ref_out, prefix_lse=ref_lse)
         assert_within_rounding(out, ref_out, torch.bfloat16)
         assert_lse_close(lse, ref_lse, atol=1e-3)
+
+
+def test_gpu_import_warms_the_triton_key():
+    """``import hf_cascade`` on a CUDA machine starts one daemon thread that leaves Triton's cache key in Triton's
+    own lru_cache (a new process: the key is not computed yet there)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import hf_cascade\n"
+        "from hf_cascade.ops._backend import warm_triton_key, _triton_key_function\n"
+        "thread = warm_triton_key()\n"
+        "assert thread is not None and thread.daemon and warm_triton_key() is thread\n"
+        "thread.join(60)\n"
+        "assert _triton_key_function().cache_info().currsize == 1\n"
+    )
+    drop = ("TRITON_INTERPRET", "HF_CASCADE_WARM_TRITON_KEY")
+    env = {k: v for k, v in __import__("os").environ.items() if k not in drop}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]

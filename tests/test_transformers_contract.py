@@ -138,3 +138,23 @@ def test_torch_surfaces_the_compiled_layers_rely_on():
     with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True):
         assert torch._dynamo.config.allow_unspec_int_on_nn_module
     assert isinstance(triton_cache_dir(0), str)
+
+
+def test_triton_and_dynamo_surfaces_the_cold_start_relies_on():
+    """ops._backend.warm_triton_key finds Triton's ``triton_key`` (an ``lru_cache`` of one value: the thread's
+    result is what a launch reads), and compiled_layers' ``dynamic_sources`` regex names the layer index as dynamo's
+    sources spell module attributes (``....layer_idx``). Where torch has no ``dynamic_sources`` the patch is a
+    no-op context."""
+    import re
+
+    from hf_cascade.compiled_layers import _LAYER_INDEX_SOURCES, _layer_index_symbolic
+    from hf_cascade.ops._backend import _triton_key_function, triton_available
+
+    if triton_available():
+        key = _triton_key_function()
+        assert key is not None and hasattr(key, "cache_info")
+    assert re.match(_LAYER_INDEX_SOURCES, "L['self']._modules['self_attn'].layer_idx")
+    assert not re.match(_LAYER_INDEX_SOURCES, "L['self']._modules['self_attn'].layer_idx_max")
+    with _layer_index_symbolic():
+        if hasattr(getattr(torch.compiler, "config", None), "dynamic_sources"):
+            assert torch.compiler.config.dynamic_sources == _LAYER_INDEX_SOURCES

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 
 import torch
 
@@ -48,6 +49,50 @@ def share_compiler_kernel_cache() -> None:
     except Exception:  # another torch layout: leave Triton's default
         return
     os.environ["TRITON_CACHE_DIR"] = triton_cache_dir(torch.cuda.current_device())
+
+
+_TRITON_KEY_THREAD: threading.Thread | None = None
+
+
+def _triton_key_function():
+    """Triton's ``triton_key`` (the hash of its sources and ``libtriton``, part of every kernel's cache key), or
+    None where this Triton has none."""
+    for module in ("triton.compiler.compiler", "triton.runtime.cache"):
+        try:
+            return getattr(__import__(module, fromlist=["triton_key"]), "triton_key")
+        except (ImportError, AttributeError):
+            continue
+    return None
+
+
+def warm_triton_key() -> threading.Thread | None:
+    """Start computing Triton's cache key in a daemon thread; returns the thread (None where nothing starts).
+
+    Why. The first kernel a process launches (hf_cascade's or ``torch.compile``'s) waits for Triton to hash its own
+    sources and its ~0.5 GB shared library, even when every kernel is on disk already: 0.53 s of a new process's
+    first batch on the H100 machine (``benchmarks/results/first_call.jsonl``). Started when hf_cascade is
+    imported, it runs while the model loads; the hashing releases the GIL, and the result lands in Triton's own
+    ``lru_cache``. A launch that comes first computes the key itself, as without this. Only on CUDA, not under the
+    interpreter; ``HF_CASCADE_WARM_TRITON_KEY=0`` turns it off."""
+    global _TRITON_KEY_THREAD
+    if _TRITON_KEY_THREAD is not None:
+        return _TRITON_KEY_THREAD
+    if (os.environ.get("HF_CASCADE_WARM_TRITON_KEY", "1").strip() == "0" or interpret_mode()
+            or not torch.cuda.is_available() or not triton_available()):
+        return None
+    triton_key = _triton_key_function()
+    if triton_key is None:
+        return None
+
+    def compute():
+        try:
+            triton_key()
+        except Exception:  # noqa: BLE001 (a launch computes it again and reports any error itself)
+            pass
+
+    _TRITON_KEY_THREAD = threading.Thread(target=compute, name="hf_cascade-triton-key", daemon=True)
+    _TRITON_KEY_THREAD.start()
+    return _TRITON_KEY_THREAD
 
 
 def host_to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
