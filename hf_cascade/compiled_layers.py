@@ -10,12 +10,14 @@ passes ``self.layer_idx``, a Python int, to the cache, and dynamo specialises gr
 
 How. Inside :func:`compiled_layers`, ``CascadeCache.update`` and the ``"cascade"`` attention run eagerly, outside
 the layer's graphs (they read per-layer state by the layer's index), and dynamo may treat a module's int as a
-symbol (``allow_unspec_int_on_nn_module``): the first layer compiles with its index a constant, the second
-recompiles with it symbolic, and that code serves every later layer. Used only while
+symbol (``allow_unspec_int_on_nn_module``; the index also named dynamic through
+``torch.compiler.config.dynamic_sources`` where torch has it): the first layers compile with their index a
+constant, then once with it symbolic, and that code serves every later layer. Used only while
 :class:`~hf_cascade.captured_step.CapturedDecodeStep` runs a step once and records it (the compiled code is then
 part of the CUDA graph); the model's own calls never see it. Measured (H100, Llama-3-8B shape, B=32,
 ``benchmarks/results/generate.jsonl``): 7.84–8.14 ms per step against 9.4–10.3 ms recorded eager, after 4.7 s of
-torch.compile in the first process (1.6 s in later ones: its caches); 5 graphs for the 32 layers.
+torch.compile in the first process (1.3–1.6 s in later ones: its caches); 4 graphs for the 32 layers (5 without
+``dynamic_sources``).
 """
 
 from __future__ import annotations
