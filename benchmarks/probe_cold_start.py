@@ -93,10 +93,14 @@ def main(argv=None):
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--peer", default="cascade_generate", choices=["cascade_generate", "sdpa"])
     parser.add_argument("--time-keys", action="store_true")
+    parser.add_argument("--no-cudnn-sdp", action="store_true",
+                        help="torch.backends.cuda.enable_cudnn_sdp(False): is the peer's first call cuDNN's plans?")
     parser.add_argument("--label", default="")
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
     writer = ResultWriter("first_call.jsonl", args.output)
+    if args.no_cudnn_sdp:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     files_at_start, builds = triton_cache_files(), TritonBuilds()
     t = time.perf_counter()
     model = build_model(args.layers)
@@ -137,7 +141,7 @@ def main(argv=None):
     from torch._dynamo.utils import compile_times
 
     record = {
-        "bench": "cold_start_probe", "peer": args.peer, "label": args.label, "levels": [list(l) for l in levels],
+        "bench": "cold_start_probe", "peer": args.peer, "label": args.label, "cudnn_sdp": not args.no_cudnn_sdp, "levels": [list(l) for l in levels],
         "import_s": {"torch": round(_TORCH_S, 3), "transformers": round(_TRANSFORMERS_S, 3),
                      "hf_cascade": round(_HF_CASCADE_S, 3)},
         "model_build_s": round(build_s, 2), "compiler_keys": keys, "calls": calls,
