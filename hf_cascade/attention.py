@@ -185,9 +185,10 @@ def cascade_attention_forward(
     Returns:
         ``(attn_output [batch, q_len, num_heads, head_dim], None)``.
     """
-    if outside_layer_graphs():  # a decoder layer compiled for a recorded step: this runs between its graphs
-        return _attention_outside_graphs(module, query, key, value, attention_mask, dropout=dropout,
-                                         scaling=scaling, sliding_window=sliding_window, softcap=softcap, **kwargs)
+    if outside_layer_graphs():  # a decoder layer compiled for a recorded step: one op writes the step and attends
+        scaling = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
+        return torch.ops.hf_cascade.layer_step_attention(query, key, value, attention_mask, module.layer_idx,
+                                                         scaling, softcap), None
     if kwargs.get("s_aux") is not None:
         raise NotImplementedError(
             "Attention sinks (`s_aux`, e.g. GPT-OSS) are not supported by attn_implementation='cascade'; "
@@ -217,7 +218,36 @@ def cascade_attention_forward(
     return out, None
 
 
-_attention_outside_graphs = torch.compiler.disable(cascade_attention_forward)
+@torch.library.custom_op("hf_cascade::layer_step_attention", mutates_args=())
+def layer_step_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask: torch.Tensor | None, layer_idx: int, scaling: float,
+                         softcap: float | None) -> torch.Tensor:
+    """One decoder layer's step inside :func:`~hf_cascade.compiled_layers.compiled_layers`: the new column's KV
+    written into the step's cache (``CascadeCache.update``) and the cascade attention over it, as the eager layer
+    runs them. One op in the layer's graph (no graph break), ``layer_idx`` a symbol, so one compiled graph serves
+    every layer. The cache is the one :func:`compiled_layers` was entered with (the op only runs inside it; its
+    writes are the cache's, which nothing else in the graph reads).
+
+    Args:
+        query: ``[batch, num_heads, 1, head_dim]``; key, value: the step's ``[batch, num_kv_heads, 1, head_dim]``.
+        attention_mask: the model's mask for the step, or None.
+    Returns:
+        ``[batch, 1, num_heads, head_dim]``, contiguous.
+    """
+    from hf_cascade.compiled_layers import layer_step_cache
+
+    cache = layer_step_cache()
+    if cache is None:
+        raise RuntimeError("hf_cascade::layer_step_attention runs only inside compiled_layers(model, cache).")
+    module = next(iter(cache._modules[layer_idx]))  # this layer's attention module (the cache checked it at prefill)
+    keys, values = cache.update(key, value, layer_idx)
+    out, _ = cascade_attention_forward(module, query, keys, values, attention_mask, scaling=scaling, softcap=softcap)
+    return out.contiguous()
+
+
+@layer_step_attention.register_fake
+def _(query, key, value, attention_mask, layer_idx, scaling, softcap):
+    return query.new_empty(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
 
 
 # Set while hf_cascade.generate runs a decode (it planned the batch), so the attention does not suggest using it.

@@ -235,12 +235,6 @@ class _StaticSuffixLayer(_SuffixLayer):
         return (columns[None, :] <= last[:, None])[None]
 
 
-@torch.compiler.disable
-def _update_outside_graphs(cache: CascadeCache, *args, **kwargs):
-    """``cache.update(*args, **kwargs)``, eagerly (see :mod:`hf_cascade.compiled_layers`)."""
-    return cache.update(*args, **kwargs)
-
-
 def _memoized(memo: dict | None, key: tuple, compute):
     """``memo[key]``, computed by ``compute()`` and stored on first use; ``compute()`` every time without a memo."""
     value = None if memo is None else memo.get(key)
@@ -496,8 +490,8 @@ class CascadeCache(Cache):
     # ------------------------------------------------------------------ what generate() calls
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Append the new suffix KV ``[batch, num_kv_heads, q_len, head_dim]``; return this layer's suffix KV."""
-        if outside_layer_graphs():  # a decoder layer compiled for a recorded step: this runs between its graphs
-            return _update_outside_graphs(self, key_states, value_states, layer_idx, *args, **kwargs)
+        if outside_layer_graphs():  # a decoder layer compiled for a recorded step: its attention op writes the step
+            return key_states, value_states
         if static_step():  # a compiled or recorded step: device work only (see captured_step)
             memo = None
             if not torch.compiler.is_compiling():

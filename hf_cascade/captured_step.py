@@ -211,7 +211,7 @@ class CapturedDecodeStep:
         lengths are restored first, so the step runs again from the same state."""
         lengths = [t.clone() for t in self.cache.suffix_lengths()]
         try:
-            with compiled_layers(self.model):
+            with compiled_layers(self.model, self.cache):
                 return self.model(**inputs)
         except Exception as err:  # noqa: BLE001 (any compiler error: the eager layers compute the same step)
             for saved, current in zip(lengths, self.cache.suffix_lengths()):
@@ -245,7 +245,7 @@ class CapturedDecodeStep:
             with static_step_mode(), torch.cuda.stream(stream):
                 entry.graph.capture_begin(capture_error_mode="thread_local")
                 try:
-                    with compiled_layers(self.model) if self.compile_layers else contextlib.nullcontext():
+                    with compiled_layers(self.model, self.cache) if self.compile_layers else contextlib.nullcontext():
                         output = self.model(**recorded_inputs)
                 finally:
                     entry.graph.capture_end()

@@ -29,7 +29,7 @@ import torch
 
 from hf_cascade.step_buffers import model_state
 
-__all__ = ["compiled_layers", "decoder_layers", "layer_compilations", "outside_layer_graphs"]
+__all__ = ["compiled_layers", "decoder_layers", "layer_compilations", "layer_step_cache", "outside_layer_graphs"]
 
 
 class _Tracing:
@@ -41,6 +41,13 @@ class _Tracing:
 
 _TRACING = _Tracing()
 _ACTIVE_LOCK = threading.RLock()
+_STEP = threading.local()  # .cache: the cache of the step running with compiled layers on this thread
+
+
+def layer_step_cache():
+    """The cache of the step that runs with compiled layers on this thread (read by the attention op that the
+    layers' graph calls, when it runs), or None."""
+    return getattr(_STEP, "cache", None)
 
 
 def outside_layer_graphs() -> bool:
@@ -87,10 +94,11 @@ def _layer_index_symbolic():
 
 
 @contextlib.contextmanager
-def compiled_layers(model: torch.nn.Module):
-    """Run the forwards inside with ``model``'s decoder layers compiled (see the module docstring). Does nothing
-    for a model without a ``layers`` list. One thread at a time (a second thread waits): the layers' compiled calls
-    are set on the model's modules."""
+def compiled_layers(model: torch.nn.Module, cache):
+    """Run the forwards inside with ``model``'s decoder layers compiled (see the module docstring), for decode steps
+    on ``cache`` (the :class:`~hf_cascade.cache.CascadeCache` the attention op writes and reads). Does nothing for a
+    model without a ``layers`` list. One thread at a time (a second thread waits): the layers' compiled calls are
+    set on the model's modules."""
     layers = decoder_layers(model)
     if layers is None:
         yield False
@@ -102,13 +110,13 @@ def compiled_layers(model: torch.nn.Module):
         calls = state.calls
         state.entered += 1
     with _ACTIVE_LOCK, torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True), _layer_index_symbolic():
-        previous = [layer._compiled_call_impl for layer in layers], _TRACING.active  # (entered again: restored)
-        for layer, call in zip(layers, calls):
+        previous = [layer._compiled_call_impl for layer in layers], _TRACING.active, layer_step_cache()
+        for layer, call in zip(layers, calls):  # (entered again: all restored on the way out)
             layer._compiled_call_impl = call
-        _TRACING.active = True
+        _TRACING.active, _STEP.cache = True, cache
         try:
             yield True
         finally:
-            _TRACING.active = previous[1]
+            _TRACING.active, _STEP.cache = previous[1], previous[2]
             for layer, impl in zip(layers, previous[0]):
                 layer._compiled_call_impl = impl

@@ -85,8 +85,8 @@ def _in_decode_steps(model, *modes):
 
     def enter(module, args, kwargs):
         if kwargs["input_ids"].shape[1] == 1:
-            for mode in modes:
-                stack.enter_context(mode())
+            for mode in modes:  # a mode takes the forward's keyword arguments (its cache among them) or nothing
+                stack.enter_context(mode(kwargs) if getattr(mode, "takes_inputs", False) else mode())
             entered.append(True)
 
     def leave(module, args, kwargs, output):
@@ -142,7 +142,11 @@ def test_compiled_layers_path_matches_reference_and_compiles_once(family):
     ref, cas = model_pair(family, num_hidden_layers=3)
     gen = dict(max_new_tokens=9, min_new_tokens=9, pad_token_id=0, do_sample=False)
     graphs, frames = [], []
-    with _in_decode_steps(cas, static_step_mode, lambda: compiled_layers(cas)):
+    def layers_compiled(inputs):
+        return compiled_layers(cas, inputs["past_key_values"])
+
+    layers_compiled.takes_inputs = True
+    with _in_decode_steps(cas, static_step_mode, layers_compiled):
         for seed, (levels, own) in enumerate(LAYOUT_STREAM[:4]):
             ids, mask = pad_batch(tree_prompts(levels, own, rows=6, seed=90 + seed))
             frames_before = counters["frames"]["ok"]
@@ -156,8 +160,9 @@ def test_compiled_layers_path_matches_reference_and_compiles_once(family):
             frames.append(counters["frames"]["ok"] - frames_before)
     assert layer_compilations(cas) == 4 * (gen["max_new_tokens"] - 1)
     assert len(set(graphs)) == 1, f"compiled again for a later layout: {graphs}"
-    # The first call: each compiled frame once for layer 0 and once, symbolic, for layer 1 (layer 2 reuses it).
-    assert 0 < frames[0] <= 16 and frames[1:] == [0, 0, 0], frames
+    # The first call: one frame (the layer, its cache write and attention one op, the index a symbol) for all three
+    # layers; a torch that keeps layer 0's index a constant compiles a second.
+    assert 0 < frames[0] <= 2 and frames[1:] == [0, 0, 0], frames
 
 
 def test_host_length_follows_steps_that_ran_no_python():
