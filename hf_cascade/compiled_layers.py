@@ -1,5 +1,5 @@
-"""The model's decoder layers compiled once for all layers, hf_cascade's cache update and attention left between
-their graphs: the model's own small kernels (norms, rotary, activations, residual adds) fused, in a few seconds of
+"""The model's decoder layers compiled once for all layers, hf_cascade's cache write and attention one opaque op
+inside the graph: the model's own small kernels (norms, rotary, activations, residual adds) fused, in a few seconds of
 compilation instead of a minute.
 
 Why. A recorded decode step (:mod:`hf_cascade.captured_step`) replays the eager step's kernels from a CUDA graph:
@@ -8,16 +8,17 @@ them (about 2 ms of a 10 ms step, Llama-3-8B shape, B=32, H100) but compiles the
 Compiling each decoder layer on its own costs as much where every layer compiles anew, and they do: transformers
 passes ``self.layer_idx``, a Python int, to the cache, and dynamo specialises graphs on module ints.
 
-How. Inside :func:`compiled_layers`, ``CascadeCache.update`` and the ``"cascade"`` attention run eagerly, outside
-the layer's graphs (they read per-layer state by the layer's index), and dynamo may treat a module's int as a
-symbol (``allow_unspec_int_on_nn_module``; the index also named dynamic through
-``torch.compiler.config.dynamic_sources`` where torch has it): the first layers compile with their index a
-constant, then once with it symbolic, and that code serves every later layer. Used only while
+How. While :func:`compiled_layers` traces a layer, ``CascadeCache.update`` hands the step's K and V on unchanged and
+the ``"cascade"`` attention calls one custom op, ``hf_cascade::layer_step_attention`` (:mod:`hf_cascade.attention`),
+which at run time writes them into the cache given to :func:`compiled_layers` and attends, eagerly (both read
+per-layer state by the layer's index, an argument of the op). Dynamo treats the index as a symbol
+(``allow_unspec_int_on_nn_module``, and ``torch.compiler.config.dynamic_sources`` where torch has it), so a layer is
+one graph without breaks and that graph serves every layer. Used only while
 :class:`~hf_cascade.captured_step.CapturedDecodeStep` runs a step once and records it (the compiled code is then
 part of the CUDA graph); the model's own calls never see it. Measured (H100, Llama-3-8B shape, B=32,
-``benchmarks/results/generate.jsonl``): 7.84–8.14 ms per step against 9.4–10.3 ms recorded eager, after 4.7 s of
-torch.compile in the first process (1.3–1.6 s in later ones: its caches); 4 graphs for the 32 layers (5 without
-``dynamic_sources``).
+``benchmarks/results/generate.jsonl``): 7.84–8.14 ms per step against 9.4–10.3 ms recorded eager; one graph for the
+32 layers, torch.compile 0.6–0.8 s in a new process with its caches warm (e01ef32; 1.3–1.6 s and 4–5 graphs with
+the update and attention left out of the graphs by ``torch.compiler.disable`` before).
 """
 
 from __future__ import annotations
@@ -51,8 +52,8 @@ def layer_step_cache():
 
 
 def outside_layer_graphs() -> bool:
-    """True while dynamo traces a decoder layer for :func:`compiled_layers`: hf_cascade's cache update and
-    attention then leave the graph (``torch.compiler.disable``) and run eagerly."""
+    """True while dynamo traces a decoder layer for :func:`compiled_layers`: hf_cascade's cache update then hands K
+    and V on, and the attention calls ``hf_cascade::layer_step_attention`` (one op in the graph)."""
     return torch.compiler.is_compiling() and _TRACING.active
 
 
@@ -85,8 +86,8 @@ _LAYER_INDEX_SOURCES = r".*\.layer_idx$"
 
 def _layer_index_symbolic():
     """Where this torch has ``torch.compiler.config.dynamic_sources``: the layer index symbolic from the first
-    layer that can have it (0 and 1 stay constants), not only after a layer's guards failed: one compilation fewer
-    (4 graphs for Llama instead of 5). Elsewhere nothing (automatic dynamic still makes it symbolic)."""
+    trace, not only after a layer's guards failed. Elsewhere nothing (automatic dynamic makes it symbolic at the
+    second layer: one more compilation)."""
     config = getattr(torch.compiler, "config", None)
     if config is None or not hasattr(config, "dynamic_sources"):
         return contextlib.nullcontext()
