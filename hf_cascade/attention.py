@@ -24,7 +24,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.utils import logging
 
-from hf_cascade.compiled_layers import outside_layer_graphs
+from hf_cascade.compiled_layers import layer_step_cache, outside_layer_graphs
 
 logger = logging.get_logger(__name__)
 
@@ -234,8 +234,6 @@ def layer_step_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     Returns:
         ``[batch, 1, num_heads, head_dim]``, contiguous.
     """
-    from hf_cascade.compiled_layers import layer_step_cache
-
     cache = layer_step_cache()
     if cache is None:
         raise RuntimeError("hf_cascade::layer_step_attention runs only inside compiled_layers(model, cache).")
