@@ -141,7 +141,8 @@ def main(argv=None):
     from torch._dynamo.utils import compile_times
 
     record = {
-        "bench": "cold_start_probe", "peer": args.peer, "label": args.label, "cudnn_sdp": not args.no_cudnn_sdp, "levels": [list(l) for l in levels],
+        "bench": "cold_start_probe", "peer": args.peer, "label": args.label, "cudnn_sdp": not args.no_cudnn_sdp,
+        "levels": [list(l) for l in levels],
         "import_s": {"torch": round(_TORCH_S, 3), "transformers": round(_TRANSFORMERS_S, 3),
                      "hf_cascade": round(_HF_CASCADE_S, 3)},
         "model_build_s": round(build_s, 2), "compiler_keys": keys, "calls": calls,

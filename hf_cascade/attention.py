@@ -237,7 +237,7 @@ def layer_step_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     cache = layer_step_cache()
     if cache is None:
         raise RuntimeError("hf_cascade::layer_step_attention runs only inside compiled_layers(model, cache).")
-    module = next(iter(cache._modules[layer_idx]))  # this layer's attention module (the cache checked it at prefill)
+    module = cache.attention_module(layer_idx)  # (the cache checked at prefill that it serves this model)
     keys, values = cache.update(key, value, layer_idx)
     out, _ = cascade_attention_forward(module, query, keys, values, attention_mask, scaling=scaling, softcap=softcap)
     return out.contiguous()

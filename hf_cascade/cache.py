@@ -755,6 +755,10 @@ class CascadeCache(Cache):
                 "`shared_prefix_inputs(model, ...)` for this model."
             )
 
+    def attention_module(self, layer_idx: int) -> torch.nn.Module:
+        """The attention module of layer ``layer_idx`` of the model this cache was built for."""
+        return next(iter(self._modules[layer_idx]))
+
     def attend(self, module, query, key, value, attention_mask, *, scaling, softcap=None, sliding_window=None, **kwargs):
         """Cascade attention for one layer: shared-prefix passes (one per level) merged with the suffix pass.
 

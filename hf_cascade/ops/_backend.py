@@ -73,8 +73,9 @@ def warm_triton_key() -> threading.Thread | None:
     sources and its shared library, even when every kernel is on disk already: 0.53 s on the H100 machine
     (``benchmarks/results/first_call.jsonl``). Started when hf_cascade is imported, it runs while the model loads
     (the hashing releases the GIL) and the result lands in Triton's own ``lru_cache``: a new process's time until
-    its first decode step went from 1.14 to 0.86 s (989ad8e, b4adee6). A launch that comes first computes the key itself, as without this. Only on CUDA, not under the
-    interpreter; ``HF_CASCADE_WARM_TRITON_KEY=0`` turns it off."""
+    its first decode step went from 1.14 to 0.86 s (989ad8e, b4adee6). A launch that comes first computes the key
+    itself, as without this. Only on CUDA, not under the interpreter; ``HF_CASCADE_WARM_TRITON_KEY=0`` turns it
+    off."""
     global _TRITON_KEY_THREAD
     if _TRITON_KEY_THREAD is not None:
         return _TRITON_KEY_THREAD
