@@ -306,6 +306,8 @@ def tune(args):
         torch.cuda.empty_cache()
     if "cascade" in args.sections:
         summary += compare_cascade(args, writer, copy_gbs)
+    if "decode" in args.sections:
+        summary += tune_decode(args, writer, copy_gbs)
     print("\n".join(["", "== tune summary =="] + summary), flush=True)
 
 
@@ -362,6 +364,75 @@ def compare_cascade(args, writer, copy_gbs):
     return lines
 
 
+DECODE_VARIANTS = [  # (fused, BLOCK_M, BLOCK_N, num_warps, num_stages, splits); None: the heuristic's choice
+    (True, 64, 64, 4, 3, None), (True, 64, 64, 4, 3, 4), (True, 64, 64, 4, 3, 16), (True, 64, 64, 4, 2, None),
+    (True, 64, 64, 4, 4, None), (True, 64, 32, 4, 4, None), (True, 64, 128, 4, 2, None), (True, 32, 64, 4, 3, None),
+    (True, 32, 64, 4, 3, 16), (True, 128, 64, 8, 3, None), (True, 128, 64, 8, 3, 16),
+    (False, 128, 64, 8, 3, None), (False, 128, 64, 8, 3, 16), (False, 64, 64, 4, 3, 16),
+]
+
+
+def tune_decode(args, writer, copy_gbs):
+    """cascade_attention's launch choices at decode shapes (one query per row, a suffix mask tensor as in the
+    compiled decode step): the heuristic's choice against variants of tile sizes, stages and KV splits."""
+    from hf_cascade.ops.cascade_attention import launch_cascade, launch_configs
+
+    lines = []
+    hq, hkv = 32, 8
+    g = hq // hkv
+    for b, p, s in itertools.product(args.batches, args.prefixes, args.suffixes):
+        gen = torch.Generator(device="cuda").manual_seed(b + p + s)
+        ub = unique_bytes(b, hq, hkv, p, s)
+        n = copies_for(ub)
+        q = rnd(b, hq, 1, D, gen=gen)
+        sets = [(rnd(hkv, p, D, gen=gen), rnd(hkv, p, D, gen=gen), rnd(b, hkv, s, D, gen=gen),
+                 rnd(b, hkv, s, D, gen=gen)) for _ in range(n)]
+        mask = torch.ones(b, 1, s, dtype=torch.bool, device="cuda")
+        mask[:, :, s - s // 4:] = False  # the step's unwritten columns
+        plan = plan_shared_prefix(torch.zeros(b, dtype=torch.int64), torch.tensor([0, p]), device=q.device)
+        ref_rows = 4
+        k_ref = torch.cat([sets[0][0].expand(ref_rows, -1, -1, -1), sets[0][2][:ref_rows, :, : s - s // 4]], dim=2)
+        v_ref = torch.cat([sets[0][1].expand(ref_rows, -1, -1, -1), sets[0][3][:ref_rows, :, : s - s // 4]], dim=2)
+        ref = F.scaled_dot_product_attention(q[:ref_rows].double(), k_ref.double().repeat_interleave(g, dim=1),
+                                             v_ref.double().repeat_interleave(g, dim=1), scale=D**-0.5).float()
+        bf16_err = ((ref.to(DTYPE).float() - ref).norm() / ref.norm()).item()
+        heur_fused, heur_cfgs = launch_configs(q, sets[0][2], [(sets[0][0], sets[0][1], plan)], shape_only=True)
+        results = []
+        for fused, bm, bn, w, st, splits in DECODE_VARIANTS:
+            sched = plan.schedule(g, bm)
+            ns = splits or launch_configs(q, sets[0][2], [(sets[0][0], sets[0][1], plan)], fuse_suffix=fused,
+                                          shape_only=True)[1][0][1]
+            cfg = [(sched, ns, bm, bn, w, st)]
+            heuristic = fused == heur_fused and tuple(cfg[0][1:]) == tuple(heur_cfgs[0][1:])
+            calls = [lambda st_=st_, cfg=cfg, fused=fused: launch_cascade(
+                q, st_[2], st_[3], [(st_[0], st_[1])], cfg, fused, scale=D**-0.5, mask=mask, causal=False,
+                softcap=None) for st_ in sets]
+            try:
+                out = calls[0]()[0]
+                err = ((out[:ref_rows].float() - ref).norm() / ref.norm()).item()
+                t = graph_time(calls, repeat=15)["ms"]
+            except Exception as e:  # a config that does not compile / fit: note it and go on
+                print(f"  skip {fused, bm, bn, w, st, ns}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                continue
+            ok = err <= 2 * bf16_err + 1e-3
+            results.append((t, fused, bm, bn, w, st, ns, heuristic, ok))
+            writer.write(dict(bench="tune_decode", heads="32/8", batch=b, prefix=p, suffix=s, fused=fused, block_m=bm,
+                              block_n=bn, num_warps=w, num_stages=st, splits=ns, heuristic=heuristic, ms=t,
+                              rel_err=err, check_ok=ok,
+                              pct_of_copy=100 * ub / (t * 1e-3) / 1e9 / copy_gbs))
+        results.sort()
+        floor = ub / (copy_gbs * 1e9) * 1e3
+        heur = next((r for r in results if r[7]), None)
+        line = (f"decode B={b:<4} P={p:<6} S={s:<5} floor {floor:.4f} heuristic {heur[0] if heur else float('nan'):.4f}"
+                " | " + "; ".join(f"{r[0]:.4f} {'F' if r[1] else '2'} m{r[2]} n{r[3]} w{r[4]} st{r[5]} ns{r[6]}"
+                                  f"{'' if r[8] else ' BAD'}" for r in results[:6]))
+        print(line, flush=True)
+        lines.append(line)
+        del q, sets
+        torch.cuda.empty_cache()
+    return lines
+
+
 def profile_host():
     """Where the host time of one eager cascade_attention call goes (cProfile, launches queued, no sync)."""
     import cProfile
@@ -393,7 +464,7 @@ def main(argv=None):
     parser.add_argument("--heads", nargs="+", default=["32/8", "32/32"], help="q_heads/kv_heads")
     parser.add_argument("--quick", action="store_true", help="B in {8, 64}, P in {4K, 16K}, S=256, GQA only")
     parser.add_argument("--tune", action="store_true", help="sweep kernel configs and KV splits (see NOTES.md)")
-    parser.add_argument("--sections", nargs="+", default=["prefix", "suffix"], help="--tune parts: prefix suffix cascade")
+    parser.add_argument("--sections", nargs="+", default=["prefix", "suffix"], help="--tune parts: prefix suffix cascade decode")
     parser.add_argument("--profile-host", action="store_true", help="cProfile the host side of eager calls")
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--output", default=None)

@@ -1,59 +1,151 @@
-"""Where the time of a shared-prefix generate() goes before decoding: planning, node prefill, first token.
+"""Where a warm shared-prefix generate() call spends the time before its first decode step (GPU).
 
-    python benchmarks/profile_prefill.py --layers 32 --prompt 4096 --samples 32
+One warm call of the shared workload (B rows share P tokens, S own each, N new; the default ``hf_cascade.generate``
+path), profiled with torch.profiler. The prefill is everything before the first CUDA-graph replay of the decode
+step. Written per run (``profile_prefill.jsonl``):
+
+* ``prefill_wall_ms``: from the call's start to the first replay's launch (host);
+* ``prefill_gpu_busy_ms`` / ``prefill_gpu_idle_ms``: the union of the kernels launched before it, and the rest of
+  the window from the call's start to their end (the GPU waiting for the host);
+* ``prefill_syncs``: host waits for the device before the first replay (cudaStreamSynchronize, cudaMemcpy,
+  cudaEventSynchronize, ...) with their milliseconds;
+* ``prefill_top_kernels``: [name, ms, count] by total time; ``host_top``: cProfile of another warm call, by own time;
+* floors in the same process: ``sdpa_prefix_forward_ms`` (model.model on the P shared tokens, sdpa) and
+  ``sdpa_suffix_forward_ms`` (the B x S own tokens, sdpa, no past): the GEMM work the prefill cannot avoid.
+
+    python benchmarks/profile_prefill.py --layers 32 --batch 32 --prefix 4096 --suffix 64 --new-tokens 64
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import json
 import os
+import pstats
 import sys
+import tempfile
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench_generate import build_model  # noqa: E402
-from common import ResultWriter, wall_time  # noqa: E402
+from bench_generate import build_model, make_batch  # noqa: E402
+from common import ResultWriter, cuda_time, wall_time  # noqa: E402
 
 import hf_cascade  # noqa: E402
-from hf_cascade.inputs import plan_cascade_batch  # noqa: E402
-from hf_cascade.prefix_tree import find_shared_prefixes  # noqa: E402
+
+_SYNC_CALLS = ("Synchronize", "cudaMemcpy", "cudaMemcpyAsync", "cudaStreamWaitEvent", "cudaMalloc")
+
+
+def _union_ms(spans) -> float:
+    """Milliseconds covered by the union of (start_us, end_us) spans."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(spans):
+        if s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total / 1e3
+
+
+def analyse_trace(path: str, top: int = 15) -> dict:
+    """The prefill part of a chrome trace of one generate() call (see the module docstring)."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    runtime = [e for e in events if e.get("cat") == "cuda_runtime" and "ts" in e]
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "ts" in e]
+    call = [e for e in events if e.get("name") == "profiled_generate_call"]
+    t_start = min(e["ts"] for e in call) if call else min(e["ts"] for e in runtime)
+    graph = [e["ts"] for e in runtime if e["name"].startswith("cudaGraphLaunch")]
+    t_replay = min(graph) if graph else max(e["ts"] + e.get("dur", 0) for e in runtime)
+    early = {e["args"].get("correlation") for e in runtime if e["ts"] < t_replay}
+    pre = [e for e in kernels if e["args"].get("correlation") in early]
+    spans = [(e["ts"], e["ts"] + e.get("dur", 0)) for e in pre]
+    gpu_end = max((s[1] for s in spans), default=t_start)
+    by_name: dict[str, list[float]] = {}
+    for e in pre:
+        entry = by_name.setdefault(e["name"][:90], [0.0, 0])
+        entry[0] += e.get("dur", 0) / 1e3
+        entry[1] += 1
+    syncs: dict[str, list[float]] = {}
+    for e in runtime:
+        if e["ts"] < t_replay and any(k in e["name"] for k in _SYNC_CALLS):
+            entry = syncs.setdefault(e["name"], [0.0, 0])
+            entry[0] += e.get("dur", 0) / 1e3
+            entry[1] += 1
+    busy = _union_ms(spans)
+    return {
+        "prefill_wall_ms": (t_replay - t_start) / 1e3,
+        "prefill_gpu_end_ms": (gpu_end - t_start) / 1e3,
+        "prefill_gpu_busy_ms": busy,
+        "prefill_gpu_idle_ms": (gpu_end - t_start) / 1e3 - busy,
+        "prefill_kernels": len(pre),
+        "prefill_launch_calls": sum(1 for e in runtime if e["ts"] < t_replay and "Launch" in e["name"]),
+        "prefill_syncs": {k: [round(v[0], 3), v[1]] for k, v in sorted(syncs.items(), key=lambda kv: -kv[1][0])},
+        "prefill_top_kernels": [[k, round(v[0], 3), v[1]] for k, v in
+                                sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]],
+    }
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--prompt", type=int, default=4096)
-    parser.add_argument("--samples", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--prefix", type=int, default=4096)
+    parser.add_argument("--suffix", type=int, default=64)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
-    writer = ResultWriter("profile_prefill.jsonl")
+    writer = ResultWriter("profile_prefill.jsonl", args.output)
     model = build_model(args.layers)
-    g = torch.Generator().manual_seed(0)
-    prompt = torch.randint(3, model.config.vocab_size, (1, args.prompt), generator=g).cuda()
-    ids = prompt.repeat_interleave(args.samples, dim=0)
-    mask = torch.ones_like(ids)
-    record = {"bench": "profile_prefill", "layers": args.layers, "prompt": args.prompt, "samples": args.samples}
-    for rep in range(2):  # the first repetition compiles kernels
-        record["tree_s"], _ = wall_time(lambda: find_shared_prefixes(ids.tolist()))
-        record["plan_s"], (cache, _, _) = wall_time(lambda: plan_cascade_batch(model, ids, mask))
-        model.set_attn_implementation("sdpa")
-        with torch.no_grad():
-            record["sdpa_prefill_one_prompt_s"], _ = wall_time(lambda: model.model(prompt))
-        model.set_attn_implementation("cascade")
-        gen = dict(max_new_tokens=1, do_sample=True, num_return_sequences=args.samples, pad_token_id=0)
-        record["generate_first_token_s"], _ = wall_time(
-            lambda: model.generate(prompt, attention_mask=torch.ones_like(prompt),
-                                   custom_generate=hf_cascade.generate, **gen)
-        )
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA,
-                                                torch.profiler.ProfilerActivity.CPU]) as prof:
-            plan_cascade_batch(model, ids, mask)
-            torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=12)
-    print(table)
-    print(record)
+    ids, mask = make_batch(args.batch, args.prefix, args.suffix, model.config.vocab_size)
+    gen = dict(do_sample=False, pad_token_id=0, custom_generate=hf_cascade.generate,
+               max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens)
+    call = lambda: model.generate(ids, attention_mask=mask, **gen)  # noqa: E731
+    record = {"bench": "profile_prefill", "peer": "cascade_generate", "layers": args.layers, "batch": args.batch,
+              "prefix": args.prefix, "suffix": args.suffix, "new_tokens": args.new_tokens}
+    record["first_call_s"], _ = wall_time(call)
+    record["warm_calls_s"] = [round(wall_time(call)[0], 4) for _ in range(3)]
+    one = dict(gen, max_new_tokens=1, min_new_tokens=1)
+    record["one_token_calls_s"] = [round(wall_time(lambda: model.generate(ids, attention_mask=mask, **one))[0], 4)
+                                   for _ in range(3)]
+
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        with torch.profiler.record_function("profiled_generate_call"):
+            call()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(trace)
+        record.update(analyse_trace(trace))
+
+    profiler = cProfile.Profile()
+    torch.cuda.synchronize()
+    profiler.enable()
+    call()
+    torch.cuda.synchronize()
+    profiler.disable()
+    stream = io.StringIO()
+    stats = pstats.Stats(profiler, stream=stream)
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:25]  # by own time
+    record["host_top"] = [[f"{os.path.basename(f)}:{line}:{name}", calls, round(tt * 1e3, 2), round(ct * 1e3, 2)]
+                          for (f, line, name), (calls, _, tt, ct, _) in rows]
+
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        prefix_ids = ids[:1, : args.prefix]
+        suffix_ids = ids[:, args.prefix:]
+        record["sdpa_prefix_forward_ms"] = cuda_time(lambda: model.model(prefix_ids), warmup=2, repeat=5)["ms"]
+        record["sdpa_suffix_forward_ms"] = cuda_time(lambda: model.model(suffix_ids), warmup=2, repeat=5)["ms"]
+    model.set_attn_implementation("cascade")
+    print(json.dumps(record, indent=1))
     writer.write(record)
 
 
