@@ -8,7 +8,9 @@ step. Written per run (``profile_prefill.jsonl``):
 * ``prefill_gpu_busy_ms`` / ``prefill_gpu_idle_ms``: the union of the kernels launched before it, and the rest of
   the window from the call's start to their end (the GPU waiting for the host);
 * ``prefill_syncs``: host waits for the device before the first replay (cudaStreamSynchronize, cudaMemcpy,
-  cudaEventSynchronize, ...) with their milliseconds;
+  cudaEventSynchronize, ...) with their milliseconds; ``prefill_waits`` / ``prefill_gpu_gaps``: each long wait
+  and each stretch the GPU ran dry, with the Python frames running then (``with_stack``: a second profile with
+  Python frames, which slow the host);
 * ``prefill_top_kernels``: [name, ms, count] by total time; ``host_top``: cProfile of another warm call, by own time;
 * floors in the same process: ``sdpa_prefix_forward_ms`` (model.model on the P shared tokens, sdpa) and
   ``sdpa_suffix_forward_ms`` (the B x S own tokens, sdpa, no past): the GEMM work the prefill cannot avoid.
@@ -53,18 +55,27 @@ def _union_ms(spans) -> float:
     return total / 1e3
 
 
+def _frames_at(py_events, t: float, keep=("hf_cascade", "transformers"), depth: int = 4) -> list[str]:
+    """The innermost ``depth`` Python frames from files under ``keep`` that were running at time ``t`` (us)."""
+    running = [e for e in py_events if e["ts"] <= t <= e["ts"] + e.get("dur", 0)]
+    running.sort(key=lambda e: e["ts"])  # outermost first
+    names = [e["name"] for e in running if any(k in e["name"] for k in keep)]
+    return [n.split("site-packages/")[-1][-110:] for n in names[-depth:]]
+
+
 def analyse_trace(path: str, top: int = 15) -> dict:
     """The prefill part of a chrome trace of one generate() call (see the module docstring)."""
     with open(path) as f:
         events = json.load(f)["traceEvents"]
-    runtime = [e for e in events if e.get("cat") == "cuda_runtime" and "ts" in e]
+    launches = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver") and "ts" in e]
     kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "ts" in e]
+    py_events = [e for e in events if e.get("cat") == "python_function" and "ts" in e]
     call = [e for e in events if e.get("name") == "profiled_generate_call"]
-    t_start = min(e["ts"] for e in call) if call else min(e["ts"] for e in runtime)
-    graph = [e["ts"] for e in runtime if e["name"].startswith("cudaGraphLaunch")]
-    t_replay = min(graph) if graph else max(e["ts"] + e.get("dur", 0) for e in runtime)
-    early = {e["args"].get("correlation") for e in runtime if e["ts"] < t_replay}
-    pre = [e for e in kernels if e["args"].get("correlation") in early]
+    t_start = min(e["ts"] for e in call) if call else min(e["ts"] for e in launches)
+    graph = [e["ts"] for e in launches if e["name"].startswith("cudaGraphLaunch")]
+    t_replay = min(graph) if graph else max(e["ts"] + e.get("dur", 0) for e in launches)
+    early = {e["args"].get("correlation") for e in launches if e["ts"] < t_replay}
+    pre = sorted((e for e in kernels if e["args"].get("correlation") in early), key=lambda e: e["ts"])
     spans = [(e["ts"], e["ts"] + e.get("dur", 0)) for e in pre]
     gpu_end = max((s[1] for s in spans), default=t_start)
     by_name: dict[str, list[float]] = {}
@@ -73,11 +84,20 @@ def analyse_trace(path: str, top: int = 15) -> dict:
         entry[0] += e.get("dur", 0) / 1e3
         entry[1] += 1
     syncs: dict[str, list[float]] = {}
-    for e in runtime:
+    waits = []
+    for e in launches:
         if e["ts"] < t_replay and any(k in e["name"] for k in _SYNC_CALLS):
             entry = syncs.setdefault(e["name"], [0.0, 0])
             entry[0] += e.get("dur", 0) / 1e3
             entry[1] += 1
+            if e.get("dur", 0) >= 200:
+                waits.append([round((e["ts"] - t_start) / 1e3, 2), round(e["dur"] / 1e3, 2), e["name"],
+                              _frames_at(py_events, e["ts"])])
+    gaps, end = [], t_start  # GPU idle stretches >= 0.3 ms from the call's start to the last prefill kernel
+    for s, e in spans:
+        if s - end >= 300:
+            gaps.append([round((end - t_start) / 1e3, 2), round((s - end) / 1e3, 2), _frames_at(py_events, end)])
+        end = max(end, e)
     busy = _union_ms(spans)
     return {
         "prefill_wall_ms": (t_replay - t_start) / 1e3,
@@ -85,8 +105,9 @@ def analyse_trace(path: str, top: int = 15) -> dict:
         "prefill_gpu_busy_ms": busy,
         "prefill_gpu_idle_ms": (gpu_end - t_start) / 1e3 - busy,
         "prefill_kernels": len(pre),
-        "prefill_launch_calls": sum(1 for e in runtime if e["ts"] < t_replay and "Launch" in e["name"]),
         "prefill_syncs": {k: [round(v[0], 3), v[1]] for k, v in sorted(syncs.items(), key=lambda kv: -kv[1][0])},
+        "prefill_waits": waits,  # [at ms, ms, call, python frames] for host waits >= 0.2 ms
+        "prefill_gpu_gaps": gaps,  # [at ms, idle ms, python frames when the GPU ran dry]
         "prefill_top_kernels": [[k, round(v[0], 3), v[1]] for k, v in
                                 sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]],
     }
@@ -115,16 +136,22 @@ def main(argv=None):
     record["one_token_calls_s"] = [round(wall_time(lambda: model.generate(ids, attention_mask=mask, **one))[0], 4)
                                    for _ in range(3)]
 
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
-        with torch.profiler.record_function("profiled_generate_call"):
-            call()
+    for with_stack in (False, True):  # the Python frames cost host time: timings from the first, places from both
         torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        trace = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(trace)
-        record.update(analyse_trace(trace))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA], with_stack=with_stack) as prof:
+            with torch.profiler.record_function("profiled_generate_call"):
+                call()
+            torch.cuda.synchronize()
+        with tempfile.TemporaryDirectory() as tmp:
+            trace = os.path.join(tmp, "trace.json")
+            prof.export_chrome_trace(trace)
+            found = analyse_trace(trace)
+        if with_stack:
+            record["with_stack"] = {k: found[k] for k in ("prefill_wall_ms", "prefill_gpu_busy_ms",
+                                                          "prefill_waits", "prefill_gpu_gaps")}
+        else:
+            record.update(found)
 
     profiler = cProfile.Profile()
     torch.cuda.synchronize()
