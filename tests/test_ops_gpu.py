@@ -260,3 +260,20 @@ def test_gpu_import_warms_the_triton_key():
     env = {k: v for k, v in __import__("os").environ.items() if k not in drop}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
+
+
+def test_gpu_prefix_schedule_is_queued_without_waiting_for_the_gpu():
+    """A plan's kernel schedule is built at a layer's first call, while the prefill of the prefix nodes still runs:
+    its index tensors are copied like kernels, never with a wait for the queued work (seen on an H100: a 52 ms host
+    wait in a B=32, P=4K generate() call, after which the GPU waited for the host's suffix prefill launches)."""
+    plan = plan_shared_prefix(torch.tensor([0, 1, 0, -1, 1]), torch.tensor([0, 700, 900]), device="cuda")
+    busy = torch.randn(2048, 2048, device="cuda")
+    for _ in range(20):  # work in flight
+        busy = busy @ busy / 45.0
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        sched = plan.schedule(4, 64)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert sched.tile_node.device.type == "cuda" and sched.num_tiles == len(sched.tile_node)
+    assert sched.rows.tolist() == [0, 2, 1, 4, 3]

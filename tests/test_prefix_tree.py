@@ -20,6 +20,22 @@ def test_nested_levels_and_row_chains():
     assert tree.saved_tokens == 16 * 4 - (10 + 6 + 6)
 
 
+def test_rows_as_lists_tuples_arrays_and_tensors_give_one_tree():
+    import numpy as np
+    import torch
+
+    system, a, b = list(range(10, 20)), list(range(30, 36)), list(range(40, 46))
+    rows = [system + a + [1, 2], system + b + [3], system + a + [4, 5, 6], system + b + [7, 8], [99, 98, 97]]
+    want = find_shared_prefixes(rows, min_shared_tokens=3)
+    for as_row in (tuple, np.array, torch.tensor, lambda r: [torch.tensor(t) for t in r],
+                   lambda r: [np.int64(r[0]), *r[1:]]):
+        tree = find_shared_prefixes([as_row(r) for r in rows], min_shared_tokens=3)
+        assert tree.row_nodes == want.row_nodes and tree.row_prefix_len == want.row_prefix_len
+        assert [[(n.tokens, n.rows) for n in level] for level in tree.levels] == \
+            [[(n.tokens, n.rows) for n in level] for level in want.levels]
+        assert all(type(t) is int for level in tree.levels for n in level for t in n.tokens)
+
+
 def test_short_common_run_folds_into_children():
     # Rows share 2 tokens, then two groups share 6 more each: with min_shared_tokens=4 the 2-token run
     # cannot be a node; each child node carries it (8 tokens), at level 0.

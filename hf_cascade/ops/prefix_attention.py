@@ -100,7 +100,9 @@ def _build_schedule(plan: PrefixPlan, m_per_row: int, block_m: int) -> _Schedule
             tile_node.append(n)
             tile_m0.append(m0)
     dev = plan.device
-    as_dev = lambda x, dt: torch.tensor(x, dtype=dt, device=dev)  # noqa: E731
+    # Queued like a kernel (no wait for the work in flight: a schedule is built at a layer's first call, while the
+    # prefill of the prefix nodes still runs on the GPU).
+    as_dev = lambda x, dt: host_to_device(torch.tensor(x, dtype=dt), dev)  # noqa: E731
     return _Schedule(
         rows=as_dev(rows, torch.int32),
         row_start=as_dev(row_start, torch.int32),
