@@ -113,6 +113,30 @@ def analyse_trace(path: str, top: int = 15) -> dict:
     }
 
 
+def ab_schedule_copy(call, rounds: int = 4) -> dict:
+    """Warm calls alternating between the default (a prefix plan's schedule copied to the GPU as queued work) and the
+    behaviour before 7a1428c (a pageable copy, which waits until the work queued on the stream is done: reproduced
+    by a stream synchronisation after the schedule is built). Every generate() call plans its batch anew."""
+    import hf_cascade.ops.prefix_attention as prefix_attention
+
+    queued = prefix_attention._build_schedule
+
+    def waiting(*args, **kwargs):
+        schedule = queued(*args, **kwargs)
+        torch.cuda.current_stream().synchronize()
+        return schedule
+
+    times = {"queued_s": [], "waiting_s": []}
+    try:
+        for _ in range(rounds):
+            for name, build in (("waiting_s", waiting), ("queued_s", queued)):
+                prefix_attention._build_schedule = build
+                times[name].append(round(wall_time(call)[0], 4))
+    finally:
+        prefix_attention._build_schedule = queued
+    return times
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--layers", type=int, default=32)
@@ -120,6 +144,9 @@ def main(argv=None):
     parser.add_argument("--prefix", type=int, default=4096)
     parser.add_argument("--suffix", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--ab-schedule-copy", action="store_true",
+                        help="also time warm calls that wait for the GPU when the prefix schedule is built (as before "
+                             "7a1428c), alternating with the default in this process")
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
     writer = ResultWriter("profile_prefill.jsonl", args.output)
@@ -132,6 +159,8 @@ def main(argv=None):
               "prefix": args.prefix, "suffix": args.suffix, "new_tokens": args.new_tokens}
     record["first_call_s"], _ = wall_time(call)
     record["warm_calls_s"] = [round(wall_time(call)[0], 4) for _ in range(3)]
+    if args.ab_schedule_copy:
+        record["ab_schedule_copy"] = ab_schedule_copy(call)
     one = dict(gen, max_new_tokens=1, min_new_tokens=1)
     record["one_token_calls_s"] = [round(wall_time(lambda: model.generate(ids, attention_mask=mask, **one))[0], 4)
                                    for _ in range(3)]
