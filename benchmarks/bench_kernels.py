@@ -390,7 +390,7 @@ def tune_decode(args, writer, copy_gbs):
         mask = torch.ones(b, 1, s, dtype=torch.bool, device="cuda")
         mask[:, :, s - s // 4:] = False  # the step's unwritten columns
         plan = plan_shared_prefix(torch.zeros(b, dtype=torch.int64), torch.tensor([0, p]), device=q.device)
-        ref_rows = 4
+        ref_rows = min(4, b)
         k_ref = torch.cat([sets[0][0].expand(ref_rows, -1, -1, -1), sets[0][2][:ref_rows, :, : s - s // 4]], dim=2)
         v_ref = torch.cat([sets[0][1].expand(ref_rows, -1, -1, -1), sets[0][3][:ref_rows, :, : s - s // 4]], dim=2)
         ref = F.scaled_dot_product_attention(q[:ref_rows].double(), k_ref.double().repeat_interleave(g, dim=1),
