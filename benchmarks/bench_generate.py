@@ -3,7 +3,8 @@ transformers' static cache compiled) vs generate_batch (continuous batching).
 
 Workload (issue 3): a Llama-3-8B-shaped random bf16 model, B rows sharing a P-token prompt, each with its own
 S-token suffix, N new tokens, greedy. Reports total time, prefill time, decode ms/step, tokens/s and peak memory
-for each peer in the same run, and checks that cascade's first-step logits match sdpa's.
+for each peer in the same run. Before any timing, a check gates the run: hf_cascade's first-step logits must be
+no further from sdpa's than transformers' eager attention's are (``bf16_logits_gate``).
 
     python benchmarks/bench_generate.py                       # the issue's grid (needs an 80 GB GPU)
     python benchmarks/bench_generate.py --layers 4 --batches 8 --prefix 1024   # a quick look
@@ -222,19 +223,51 @@ def run_generate_batch(model, ids, mask, new_tokens):
     return {"total_s": t_all, "peak_gib": peak_gib()}
 
 
-def first_logits_check(model, ids, mask, batch_rows: int = 4) -> dict:
-    """Cascade vs sdpa: max |logit difference| of the first generated position (bf16 model)."""
-    ids, mask = ids[:batch_rows], mask[:batch_rows]
-    gen = dict(max_new_tokens=1, do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    model.set_attn_implementation("sdpa")
-    want = model.generate(ids, attention_mask=mask, **gen).logits[0].float()
+def bf16_logits_gate(model, generate_kwargs: dict, cascade_kwargs: dict) -> dict:
+    """The verification that gates timing: the first generated position's logits of one generate() call with sdpa,
+    with transformers' eager attention and with hf_cascade (bf16 model).
+
+    Passes (``check_ok``) when cascade is no further from sdpa than eager is: the relative L2 norm of the logit
+    difference over all rows, the project's bf16 bar (exactness itself is tested in fp32, where the tokens are
+    identical). ``generate_kwargs`` is the call (ids, mask, ``max_new_tokens=1``, ``output_logits=True``, ...);
+    ``cascade_kwargs`` what hf_cascade's call adds. Logits: [rows, vocab] fp32.
+    """
+    logits = {}
+    for impl in ("sdpa", "eager"):
+        model.set_attn_implementation(impl)
+        logits[impl] = model.generate(**generate_kwargs).logits[0].float()
     model.set_attn_implementation("cascade")
-    got = model.generate(**hf_cascade.shared_prefix_inputs(model, ids, mask, cost_model=None), **gen).logits[0].float()
+    logits["cascade"] = model.generate(**generate_kwargs, **cascade_kwargs).logits[0].float()
+    want = logits["sdpa"]
+    rel = {k: ((logits[k] - want).norm() / want.norm()).item() for k in ("eager", "cascade")}
     return {
-        "first_logits_max_abs_diff": (got - want).abs().max().item(),
+        "first_logits_max_abs_diff": (logits["cascade"] - want).abs().max().item(),
+        "eager_first_logits_max_abs_diff": (logits["eager"] - want).abs().max().item(),
         "first_logits_scale": want.abs().max().item(),
-        "first_token_match": bool((got.argmax(-1) == want.argmax(-1)).all()),
+        "first_logits_rel_diff": rel["cascade"],
+        "eager_first_logits_rel_diff": rel["eager"],
+        "first_token_match": bool((logits["cascade"].argmax(-1) == want.argmax(-1)).all()),
+        "eager_first_token_match": bool((logits["eager"].argmax(-1) == want.argmax(-1)).all()),
+        "check_ok": rel["cascade"] <= rel["eager"],
     }
+
+
+def gate(check: dict, what: str) -> None:
+    """Stop before any timing when the check failed (the record is written first)."""
+    print(f"check ({what}):", check, flush=True)
+    if not check["check_ok"]:
+        raise SystemExit(
+            f"{what}: hf_cascade's first logits are further from sdpa than transformers' eager is (relative "
+            f"difference {check['first_logits_rel_diff']:.3g} against {check['eager_first_logits_rel_diff']:.3g}); "
+            "not timing a wrong answer.")
+
+
+def first_logits_check(model, ids, mask, batch_rows: int = 4) -> dict:
+    """Shared workload: ``batch_rows`` rows, the default one-argument call with sharing forced (no cost model)."""
+    gen = dict(input_ids=ids[:batch_rows], attention_mask=mask[:batch_rows], max_new_tokens=1, do_sample=False,
+               output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    return bf16_logits_gate(model, gen, dict(custom_generate=hf_cascade.generate,
+                                             cascade_options=dict(cost_model=None)))
 
 
 SAMPLING_WORKLOADS = {
@@ -306,19 +339,12 @@ def run_sampling(model, peer: str, ids, mask, samples: int, new_tokens: int) -> 
 
 
 def sampling_logits_check(model, ids, mask, samples: int) -> dict:
-    """First generated position, num_return_sequences rows: cascade vs sdpa logits (bf16 model)."""
-    gen = dict(max_new_tokens=1, do_sample=True, top_k=1, output_logits=True, return_dict_in_generate=True,
-               pad_token_id=0, num_return_sequences=min(samples, 4))  # raw logits; top_k=1 is greedy
-    ids, mask = ids[:2], mask[:2]
-    model.set_attn_implementation("sdpa")
-    want = model.generate(ids, attention_mask=mask, **gen).logits[0].float()
-    model.set_attn_implementation("cascade")
-    got = model.generate(ids, attention_mask=mask, custom_generate=hf_cascade.generate, **gen).logits[0].float()
-    return {
-        "first_logits_max_abs_diff": (got - want).abs().max().item(),
-        "first_logits_scale": want.abs().max().item(),
-        "first_token_match": bool((got.argmax(-1) == want.argmax(-1)).all()),
-    }
+    """Sampling workloads: the first 2 prompts x min(samples, 4) rows (``top_k=1``: raw logits, greedy)."""
+    gen = dict(input_ids=ids[:2], attention_mask=mask[:2], max_new_tokens=1, do_sample=True, top_k=1,
+               output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+               num_return_sequences=min(samples, 4))
+    return bf16_logits_gate(model, gen, dict(custom_generate=hf_cascade.generate,
+                                             cascade_options=dict(cost_model=None)))
 
 
 def main_sampling(args, writer, model) -> None:
@@ -333,7 +359,7 @@ def main_sampling(args, writer, model) -> None:
                         new_tokens=new_tokens, unique_kv_gib=unique_tokens * bytes_per_token / 2**30)
         check = sampling_logits_check(model, ids, mask, samples)
         writer.write({"bench": "generate_sampling_check", **workload, **check})
-        print("check:", name, check, flush=True)
+        gate(check, name)
         # A warm-up run of the eager peers first, untimed (cascade's own first call, untimed, compiles and warms
         # it at the timed batch size; a small warm-up batch would compile a graph for its own size).
         for peer in ("sdpa", "hf_prefix_reuse"):
@@ -607,7 +633,7 @@ def main(argv=None):
     reset_memory()
     check = first_logits_check(model, *make_batch(4, args.prefix, args.suffix, vocab))
     writer.write({"bench": "generate_check", **workload, **check})
-    print("check:", check, flush=True)
+    gate(check, "shared")
 
     from torch._dynamo.utils import counters as dynamo_counters
 

@@ -398,7 +398,10 @@ def tune_decode(args, writer, copy_gbs):
         bf16_err = ((ref.to(DTYPE).float() - ref).norm() / ref.norm()).item()
         heur_fused, heur_cfgs = launch_configs(q, sets[0][2], [(sets[0][0], sets[0][1], plan)], shape_only=True)
         results = []
-        for fused, bm, bn, w, st, splits in DECODE_VARIANTS:
+        heur_variant = (heur_fused, *heur_cfgs[0][2:], heur_cfgs[0][1])  # always timed, listed or not
+        variants = DECODE_VARIANTS + [heur_variant] * (not any(
+            v[:5] == heur_variant[:5] and v[5] in (None, heur_variant[5]) for v in DECODE_VARIANTS))
+        for fused, bm, bn, w, st, splits in variants:
             sched = plan.schedule(g, bm)
             ns = splits or launch_configs(q, sets[0][2], [(sets[0][0], sets[0][1], plan)], fuse_suffix=fused,
                                           shape_only=True)[1][0][1]
