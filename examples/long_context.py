@@ -61,7 +61,7 @@ def main():
     start = time.perf_counter()
     inputs = hf_cascade.context_parallel_inputs(model, input_ids, combine=args.combine)
     prefill_s = time.perf_counter() - start
-    cache = inputs["past_key_values"]
+    cache = inputs[hf_cascade.CACHE_KWARG]
     start = time.perf_counter()
     out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
                          pad_token_id=tokenizer.pad_token_id)

@@ -18,7 +18,7 @@ import argparse
 
 import torch
 
-from hf_cascade import CascadeCache, shared_prefix_inputs
+from hf_cascade import CACHE_KWARG, CascadeCache, shared_prefix_inputs
 from hf_cascade.tiny import load_model_and_tokenizer, reference_attn_implementation
 
 SYSTEM = (
@@ -71,7 +71,7 @@ def main():
     inputs = shared_prefix_inputs(model, batch.input_ids, batch.attention_mask)
     out = model.generate(**inputs, **gen)
     completions = tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
-    print(f"\nshared_prefix_inputs found: {inputs['past_key_values'].prefix_tree.describe()}")
+    print(f"\nshared_prefix_inputs found: {inputs[CACHE_KWARG].prefix_tree.describe()}")
 
     # Same weights, stock attention: the greedy tokens are the same (exactly so in float32).
     model.set_attn_implementation(reference_attn_implementation(model))  # "sdpa" ("eager" for Gemma2)

@@ -17,11 +17,13 @@ from hf_cascade.generation import generate, write_custom_generate  # noqa: E402
 from hf_cascade.dataset_generation import GenerationInterrupted, GenerationStats, generate_dataset  # noqa: E402
 from hf_cascade.inputs import shared_prefix_inputs  # noqa: E402
 from hf_cascade.prefix_tree import PrefixTree, find_shared_prefixes  # noqa: E402
+from hf_cascade.transformers_compat import CACHE_KWARG  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
     "ATTENTION_NAME",
+    "CACHE_KWARG",
     "CascadeCache",
     "ContextParallelCache",
     "context_parallel_inputs",

@@ -38,6 +38,7 @@ from transformers.utils import logging
 
 from hf_cascade.compiled_layers import compiled_layers
 from hf_cascade.step_buffers import model_state
+from hf_cascade.transformers_compat import CACHE_KWARG
 
 logger = logging.get_logger(__name__)
 
@@ -123,7 +124,7 @@ class CapturedDecodeStep:
         self._cache_key: tuple | None = None  # the cache's and the model's tensors: fixed for one call
 
     def __call__(self, **inputs):
-        if inputs.get("past_key_values") is not self.cache:
+        if inputs.get(CACHE_KWARG) is not self.cache:
             raise ValueError("CapturedDecodeStep serves the cache it was built for; got another cache.")
         key, tensors = self._key(inputs)
         if key is None:  # an argument that cannot be compared between steps: not recorded
@@ -171,7 +172,7 @@ class CapturedDecodeStep:
                 if isinstance(leaf, torch.Tensor):
                     tensors[path] = leaf
                     others.append((path, tuple(leaf.shape), leaf.stride(), leaf.dtype, leaf.device))
-                elif name != "past_key_values":
+                elif name != CACHE_KWARG:
                     others.append((path, leaf))
         key = (self._cache_key, tuple(others))
         try:
@@ -258,8 +259,8 @@ class CapturedDecodeStep:
         finally:
             torch.cuda.current_stream().wait_stream(stream)
         # The cache is this call's: the graph keeps the output's tensors, not the cache object.
-        entry.output = (type(output), {k: v for k, v in output.items() if k != "past_key_values"},
-                        "past_key_values" in output)
+        entry.output = (type(output), {k: v for k, v in output.items() if k != CACHE_KWARG},
+                        CACHE_KWARG in output)
         with store.lock:
             store.warm.discard((key, stream.cuda_stream))
             store.graphs[key] = entry
@@ -272,4 +273,4 @@ class CapturedDecodeStep:
     def _output(self, entry: _Graph):
         """The recorded output (its tensors the graph's), with this call's cache."""
         cls, fields, has_cache = entry.output
-        return cls(**fields, past_key_values=self.cache) if has_cache else cls(**fields)
+        return cls(**fields, **{CACHE_KWARG: self.cache}) if has_cache else cls(**fields)

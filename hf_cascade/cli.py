@@ -469,8 +469,10 @@ def run_demo(
         return out[:, width:]
 
     def run_reference():
+        from hf_cascade.transformers_compat import output_cache
+
         out = model.generate(**enc, **gen, return_dict_in_generate=True)
-        return out.sequences[:, width:], out.past_key_values
+        return out.sequences[:, width:], output_cache(out)
 
     warm_up = str(device).startswith("cuda")
     with torch.inference_mode():

@@ -39,11 +39,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from hf_cascade.transformers_compat import CACHE_KWARG, CACHE_KWARG_NAMES
+
 logger = logging.getLogger(__name__)
 
 CHECKPOINT_VERSION = 2  # 2: the header records the model and the tokenizer (1 did not)
 # generate() arguments that generate_dataset builds itself.
-_RESERVED_KWARGS = ("input_ids", "attention_mask", "past_key_values", "inputs", "position_ids", "cache_implementation")
+_RESERVED_KWARGS = ("input_ids", "attention_mask", *CACHE_KWARG_NAMES, "inputs", "position_ids", "cache_implementation")
 
 
 @dataclass
@@ -645,7 +647,7 @@ def _run_batch(
     prefix_cache, carried_len = carried.for_batch(batch_rows, next_rows, stats)
     ids, mask = _pad_left(batch_rows, gen_kwargs["pad_token_id"], model.device)
     caches = []
-    extra = {} if prefix_cache is None else {"past_key_values": prefix_cache}
+    extra = {} if prefix_cache is None else {CACHE_KWARG: prefix_cache}
     out = model.generate(
         ids, attention_mask=mask, custom_generate=hf_cascade.generate, cascade_caches=caches,
         cascade_options=dict(min_shared_tokens=min_shared_tokens, max_levels=max_levels, batch_buckets=True),

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from hf_cascade.attention import ALWAYS_BUILD_DECODE_MASK
+from hf_cascade.transformers_compat import CACHE_KWARG
 
 
 class _StopFlag:
@@ -83,7 +84,7 @@ def sample(
             :mod:`hf_cascade.compiled_layers`), ``"graphs"`` (the eager step recorded, no compilation:
             :mod:`hf_cascade.captured_step`) or ``"eager"``. Other caches and devices: transformers' choice
             (``"layers"`` and ``"graphs"`` are ``"compile"`` there).
-        model_kwargs: generate()'s model kwargs (``past_key_values``, ``attention_mask``, ``use_cache``, ...).
+        model_kwargs: generate()'s model kwargs (the cache, ``attention_mask``, ``use_cache``, ...).
     Returns:
         ``[B, L + new]`` int64, or a ``GenerateDecoderOnlyOutput`` when ``return_dict_in_generate``; as ``_sample``.
     Calls that this loop does not cover (an encoder-decoder, ``synced_gpus``, a streamer, attentions or hidden
@@ -149,7 +150,7 @@ def sample(
                 del outputs
     finally:
         ALWAYS_BUILD_DECODE_MASK.reset(mask_token)
-    cache = model_kwargs.get("past_key_values")
+    cache = model_kwargs.get(CACHE_KWARG)
     if stop.extra_steps:  # the step after every row had finished: undone
         input_ids = input_ids[:, : -stop.extra_steps]
         scores = None if scores is None else scores[: -stop.extra_steps]
@@ -159,7 +160,7 @@ def sample(
     if return_dict:
         return GenerateDecoderOnlyOutput(
             sequences=input_ids, scores=scores, logits=raw_logits, attentions=None, hidden_states=None,
-            past_key_values=cache,
+            **{CACHE_KWARG: cache},
         )
     return input_ids
 
@@ -171,7 +172,7 @@ def _decode_forward(model, model_kwargs: dict, generation_config, decode_step: s
 
     if decode_step not in ("compile", "layers", "graphs", "eager"):
         raise ValueError(f"`decode_step` must be 'compile', 'layers', 'graphs' or 'eager'; got {decode_step!r}.")
-    cache = model_kwargs.get("past_key_values")
+    cache = model_kwargs.get(CACHE_KWARG)
     fixed_cascade = (
         isinstance(cache, CascadeCache) and cache.max_suffix_length is not None and model.device.type == "cuda"
     )

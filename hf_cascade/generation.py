@@ -32,6 +32,7 @@ from hf_cascade.attention import IN_CASCADE_GENERATE, check_model_uses_cascade
 from hf_cascade.cache import CascadeCache
 from hf_cascade.decoding import sample
 from hf_cascade.step_buffers import step_buffers
+from hf_cascade.transformers_compat import CACHE_KWARG
 
 logger = logging.get_logger(__name__)
 
@@ -85,7 +86,7 @@ def generate(
             ``"compile"`` (transformers' compiled step: as fast as ``"layers"`` after a compilation of about a
             minute for an 8B model), ``"eager"``, or ``"auto"`` (default): ``"layers"``.
         model_kwargs: generate()'s model kwargs (``attention_mask`` ``[B * n, L]``, ``position_ids``,
-            ``past_key_values``, ...).
+            the cache (``past_key_values``, ``cache`` from transformers 5.24), ...).
     Returns:
         What generate() returns for the mode (a ``[B * n, L + new]`` tensor, or a ``GenerateOutput``).
     """
@@ -110,7 +111,7 @@ def generate(
             "`custom_generate` for it."
         )
     decode = getattr(type(model), method_name)
-    user_cache = model_kwargs.get("past_key_values")
+    user_cache = model_kwargs.get(CACHE_KWARG)
     real_rows = None  # set when rows are added up to a batch bucket (cut from the output)
     if not getattr(user_cache, "_is_user_defined", False):
         user_cache = None  # the empty DynamicCache generate() made: replaced by the cascade cache below
@@ -166,7 +167,7 @@ def generate(
         if model_kwargs.get("position_ids") is not None:  # right padding moved: positions count real tokens
             position_ids = attention_mask.long().cumsum(-1) - 1
             model_kwargs["position_ids"] = position_ids.masked_fill(attention_mask == 0, 1)
-    model_kwargs["past_key_values"] = cache
+    model_kwargs[CACHE_KWARG] = cache
     if cache is not user_cache:
         # Padding levels let one compiled graph serve trees of 1-4 levels; a recorded step (CUDA) is recorded per
         # tree and launches for its real levels only.
@@ -221,7 +222,7 @@ def _first_rows(value, rows: int, total: int):
         return [_first_rows(v, rows, total) for v in value]
     if hasattr(value, "keys") and hasattr(value, "__setitem__") and not isinstance(value, CascadeCache):
         for key in list(value.keys()):
-            if key != "past_key_values":
+            if key != CACHE_KWARG:
                 value[key] = _first_rows(value[key], rows, total)
     return value
 
@@ -244,7 +245,7 @@ def _compiles_decode(model, input_ids, generation_config, method_name: str) -> b
 def _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs):
     token = IN_CASCADE_GENERATE.set(True)
     try:
-        with _layout_independent_shapes(model_kwargs.get("past_key_values")):
+        with _layout_independent_shapes(model_kwargs.get(CACHE_KWARG)):
             return decode(
                 model, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
                 generation_config=generation_config, **model_kwargs,

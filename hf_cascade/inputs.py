@@ -9,6 +9,7 @@ from hf_cascade.cache import CascadeCache
 from hf_cascade.cost_model import CascadeCostModel
 from hf_cascade.prefill import prefill_levels, validate_token_ids
 from hf_cascade.prefix_tree import find_shared_prefixes
+from hf_cascade.transformers_compat import CACHE_KWARG
 
 
 def _left_aligned(input_ids: torch.Tensor, attention_mask: torch.Tensor):
@@ -208,7 +209,8 @@ def shared_prefix_inputs(
             graphs on a GPU (transformers' auto-compile for static caches; pass ``disable_compile=True`` to
             generate() to opt out). Pass at least generate()'s ``max_new_tokens``.
     Returns:
-        ``{"input_ids", "attention_mask", "past_key_values"}`` for ``model.generate(**inputs, ...)``; rows keep
+        ``{"input_ids", "attention_mask", <cache>}`` for ``model.generate(**inputs, ...)`` (the cache under
+        ``"past_key_values"``, or ``"cache"`` from transformers 5.24: ``CACHE_KWARG``); rows keep
         their order. When the model's generation config sets ``cache_implementation``, the dict also holds
         ``cache_implementation=None`` so generate() accepts the cache.
 
@@ -260,7 +262,7 @@ def shared_prefix_inputs(
     new_ids, new_mask = input_ids, attention_mask
     if layout == "suffix":
         new_ids = new_ids[:, prefix_length:]
-    inputs = {"input_ids": new_ids, "attention_mask": new_mask, "past_key_values": cache}
+    inputs = {"input_ids": new_ids, "attention_mask": new_mask, CACHE_KWARG: cache}
     if getattr(getattr(model, "generation_config", None), "cache_implementation", None) is not None:
         inputs["cache_implementation"] = None
     return inputs

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hf_cascade.ops._backend import host_to_device
+from hf_cascade.transformers_compat import CACHE_KWARG
 
 
 @dataclass
@@ -126,8 +127,8 @@ def prefill_levels(
             input_ids=host_to_device(input_ids, device),
             attention_mask=host_to_device(attention_mask, device),
             position_ids=host_to_device(position_ids, device),
-            past_key_values=cache,
             use_cache=True,
+            **{CACHE_KWARG: cache},
         )
         keys, values = _pack_layers([layer.keys for layer in cache.layers], lengths), \
             _pack_layers([layer.values for layer in cache.layers], lengths)

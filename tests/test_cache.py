@@ -11,6 +11,7 @@ from hf_cascade import CascadeCache
 from hf_cascade.model_zoo import tiny_model
 
 from test_generate import assert_logits_close, model_pair, pad_batch
+from hf_cascade.transformers_compat import CACHE_KWARG
 
 P = 13
 GEN = dict(max_new_tokens=5, pad_token_id=0, do_sample=False, return_dict_in_generate=True, output_logits=True)
@@ -76,7 +77,7 @@ def test_shared_prefix_inputs_on_top_of_prefix_cache():
     rows = [system + blocks[i // 2] + random_tokens(2 + i, 8 + i) for i in range(4)]
     cache = CascadeCache.from_prefix(cas, system)
     inputs = hf_cascade.shared_prefix_inputs(cas, *pad_batch(rows), prefix_cache=cache, min_shared_tokens=2)
-    new_cache = inputs["past_key_values"]
+    new_cache = inputs[CACHE_KWARG]
     assert new_cache.levels[0] is cache.levels[0]  # the system prompt is reused, not prefilled again
     assert new_cache.num_levels == 2
     got = cas.generate(**inputs, **GEN)
@@ -90,7 +91,7 @@ def test_cache_reorder_select_and_crop():
     _, cas = model_pair("llama")
     rows = [random_tokens(8, 1) + random_tokens(3 + i, 20 + i) for i in range(3)]
     inputs = hf_cascade.shared_prefix_inputs(cas, *pad_batch(rows), min_shared_tokens=2)
-    cache = inputs["past_key_values"]
+    cache = inputs[CACHE_KWARG]
     cas.generate(**inputs, max_new_tokens=1, pad_token_id=0)  # prefill of the suffixes only
     length = cache.get_seq_length()
     assert length == inputs["input_ids"].shape[1]
@@ -125,12 +126,13 @@ def test_model_not_loaded_with_cascade():
         hf_cascade.shared_prefix_inputs(sdpa, torch.tensor([[3, 4, 5]]))
 
 
-@pytest.mark.parametrize("name", ["gptj", "falcon"])
+@pytest.mark.parametrize("name", ["bloom", "falcon"])
 def test_model_without_attention_interface(name):
-    from transformers import AutoModelForCausalLM, FalconConfig, GPTJConfig
+    # Families whose attention does not go through AttentionInterface (GPT-J did until transformers 5.24).
+    from transformers import AutoModelForCausalLM, BloomConfig, FalconConfig
 
-    if name == "gptj":
-        cfg = GPTJConfig(n_embd=32, n_layer=1, n_head=2, vocab_size=64, n_positions=64, rotary_dim=8)
+    if name == "bloom":
+        cfg = BloomConfig(hidden_size=32, n_layer=1, n_head=2, vocab_size=64)
     else:
         cfg = FalconConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=64)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager")
@@ -209,7 +211,7 @@ def test_batch_not_matching_the_planned_rows(cascade_model):
     ids = torch.cat([inputs["input_ids"]] * 1 + [inputs["input_ids"][:1]])
     mask = torch.cat([inputs["attention_mask"]] * 1 + [inputs["attention_mask"][:1]])
     with pytest.raises(ValueError, match="planned for 2 rows"):
-        cascade_model.generate(ids, attention_mask=mask, past_key_values=inputs["past_key_values"], max_new_tokens=2)
+        cascade_model.generate(ids, attention_mask=mask, past_key_values=inputs[CACHE_KWARG], max_new_tokens=2)
 
 
 def test_sliding_window_exceeded_is_a_clear_error():

@@ -15,6 +15,7 @@ import hf_cascade
 from hf_cascade.captured_step import CapturedDecodeStep
 
 from test_generate import make_prompts, model_pair, pad_batch, tree_prompts
+from hf_cascade.transformers_compat import CACHE_KWARG
 
 
 def _call(cas, ids, mask):
@@ -31,7 +32,7 @@ def _step_inputs(cache, batch, token=3, width=None):
     return dict(
         input_ids=torch.full((batch, 1), token), position_ids=torch.full((batch, 1), 40 + token),
         attention_mask={"full_attention": torch.ones(batch, 1, 1, width, dtype=torch.bool), "sliding_attention": None},
-        past_key_values=cache, use_cache=True, return_dict=True,
+        use_cache=True, return_dict=True, **{CACHE_KWARG: cache},
     )
 
 
@@ -143,7 +144,7 @@ def test_compiled_layers_path_matches_reference_and_compiles_once(family):
     gen = dict(max_new_tokens=9, min_new_tokens=9, pad_token_id=0, do_sample=False)
     graphs, frames = [], []
     def layers_compiled(inputs):
-        return compiled_layers(cas, inputs["past_key_values"])
+        return compiled_layers(cas, inputs[CACHE_KWARG])
 
     layers_compiled.takes_inputs = True
     with _in_decode_steps(cas, static_step_mode, layers_compiled):

@@ -13,6 +13,7 @@ import hf_cascade
 from hf_cascade import CascadeCache
 from hf_cascade.attention import _TRACED
 from test_generate import assert_logits_close, make_prompts, model_pair, pad_batch, run_pair, tree_prompts
+from hf_cascade.transformers_compat import CACHE_KWARG
 
 MAX_NEW = 6
 
@@ -30,7 +31,7 @@ def test_fixed_buffers_eager_match_reference(family):
     want, got, want_new, got_new, inputs = run_pair(
         ref, cas, rows, dict(do_sample=False), max_new_tokens=MAX_NEW
     )
-    cache = inputs["past_key_values"]
+    cache = inputs[CACHE_KWARG]
     assert cache.is_compileable and cache.max_suffix_length == inputs["input_ids"].shape[1] - cache.prefix_length + MAX_NEW
     assert torch.equal(got_new, want_new)
     assert_logits_close(want, got)
@@ -138,7 +139,7 @@ def test_bad_buffer_sizes(bad):
 def test_growing_cache_is_not_compileable():
     _, cas = model_pair("llama")
     ids, mask = pad_batch(make_prompts(seed=39))
-    assert not hf_cascade.shared_prefix_inputs(cas, ids, mask)["past_key_values"].is_compileable
+    assert not hf_cascade.shared_prefix_inputs(cas, ids, mask)[CACHE_KWARG].is_compileable
 
 
 def test_fixed_buffers_crop_both_conventions():
@@ -146,7 +147,7 @@ def test_fixed_buffers_crop_both_conventions():
     ids, mask = pad_batch(make_prompts(seed=40))
     inputs = hf_cascade.shared_prefix_inputs(cas, ids, mask, min_shared_tokens=2, max_new_tokens=MAX_NEW)
     cas.generate(**inputs, max_new_tokens=MAX_NEW, pad_token_id=0, do_sample=False)
-    cache = inputs["past_key_values"]
+    cache = inputs[CACHE_KWARG]
     length = cache.suffix_length
     cache.crop(-2)  # transformers >= 5.18: drop 2 tokens
     assert cache.suffix_length == length - 2

@@ -15,6 +15,7 @@ import hf_cascade
 from hf_cascade.tiny import tiny_model, tiny_tokenizer
 
 from test_generate import assert_logits_close, make_prompts, model_pair, pad_batch
+from hf_cascade.transformers_compat import output_cache
 
 NEW = 5
 BASE = dict(max_new_tokens=NEW, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
@@ -60,7 +61,7 @@ def test_greedy_one_argument_matches_reference(family):
     assert_logits_close(want, got)
     (cache,) = caches
     assert [level.num_nodes for level in cache.levels] == [1, 2]  # system prompt -> few-shot blocks
-    assert got.past_key_values is cache
+    assert output_cache(got) is cache
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -141,8 +142,8 @@ def test_stop_check_read_a_step_late_changes_nothing(defer, do_sample):
     assert_logits_close(want, got)
     for w, g in zip(want.scores, got.scores):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=0)
-    assert got.past_key_values is caches[0]
-    assert got.past_key_values.get_seq_length() == want.past_key_values.get_seq_length()
+    assert output_cache(got) is caches[0]
+    assert output_cache(got).get_seq_length() == output_cache(want).get_seq_length()
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
@@ -171,7 +172,7 @@ def test_user_cache_and_no_sharing_are_plain_generate():
     g = torch.Generator().manual_seed(8)
     rows = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (5, 9, 2)]
     want, got, caches = run_both(ref, cas, rows, do_sample=False)
-    assert caches == [] and isinstance(got.past_key_values, DynamicCache)
+    assert caches == [] and isinstance(output_cache(got), DynamicCache)
     assert torch.equal(got.sequences, want.sequences)
     assert_logits_close(want, got)
     # A user's own pre-filled DynamicCache (transformers' prefix-reuse recipe) is used as given.
@@ -187,7 +188,7 @@ def test_user_cache_and_no_sharing_are_plain_generate():
     caches = []
     got = cas.generate(ids, past_key_values=cas._test_cache, custom_generate=hf_cascade.generate,
                        cascade_caches=caches, **BASE)
-    assert caches == [] and got.past_key_values is cas._test_cache
+    assert caches == [] and output_cache(got) is cas._test_cache
     assert torch.equal(got.sequences, want.sequences)
 
 
@@ -256,8 +257,8 @@ def test_zero_argument_checkpoint(tmp_path):
     prompts = [system + f"Q: what is {w}?\nA:" for w in ("red", "a cat", "rain", "tea")]
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
     got = model.generate(**batch, max_new_tokens=NEW, do_sample=False, return_dict_in_generate=True)
-    assert isinstance(got.past_key_values, hf_cascade.CascadeCache)  # the shared system prompt was stored once
-    assert got.past_key_values.num_levels >= 1
+    assert isinstance(output_cache(got), hf_cascade.CascadeCache)  # the shared system prompt was stored once
+    assert output_cache(got).num_levels >= 1
     assert torch.equal(got.sequences, ref.generate(**batch, max_new_tokens=NEW, do_sample=False))
     gen = dict(max_new_tokens=NEW, do_sample=False, return_full_text=False)
     texts = pipeline("text-generation", model=model, tokenizer=tokenizer, batch_size=4)(prompts, **gen)

@@ -11,6 +11,7 @@ import transformers
 
 import hf_cascade
 from hf_cascade.model_zoo import FAMILIES, reference_attention, tiny_model
+from hf_cascade.transformers_compat import CACHE_KWARG
 
 MAX_NEW = 6
 
@@ -92,7 +93,7 @@ def test_greedy_multilevel_matches_reference(family):
     ref, cas = model_pair(family)
     rows = make_prompts(seed=1)
     want, got, want_new, got_new, inputs = run_pair(ref, cas, rows, dict(do_sample=False))
-    cache = inputs["past_key_values"]
+    cache = inputs[CACHE_KWARG]
     assert cache.num_levels == 2, cache  # system prompt -> few-shot block
     assert [level.num_nodes for level in cache.levels] == [1, 2]
     assert torch.equal(got_new, want_new)
@@ -129,7 +130,7 @@ def test_num_return_sequences_keeps_prefix_once(family):
     want, got, want_new, got_new, inputs = run_pair(ref, cas, rows, gen, seed=7)
     assert got_new.shape[0] == 6
     assert torch.equal(got_new, want_new)
-    cache = inputs["past_key_values"]
+    cache = inputs[CACHE_KWARG]
     # The prefix is stored once (no batch dimension) although 6 rows decoded from it.
     assert all(k.dim() == 3 for level in cache.levels for k in level.keys)
     assert cache.layers[0].keys.shape[0] == 6
@@ -175,7 +176,7 @@ def test_rows_sharing_nothing_degrade_to_plain_attention():
     g = torch.Generator().manual_seed(8)
     rows = [torch.randint(3, 128, (n,), generator=g).tolist() for n in (5, 9, 2)]
     want, got, want_new, got_new, inputs = run_pair(ref, cas, rows, dict(do_sample=False))
-    assert inputs["past_key_values"].num_levels == 0
+    assert inputs[CACHE_KWARG].num_levels == 0
     assert torch.equal(got_new, want_new)
     assert_logits_close(want, got)
 

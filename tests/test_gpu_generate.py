@@ -10,6 +10,7 @@ import hf_cascade
 from hf_cascade.model_zoo import reference_attention, tiny_model
 
 from test_generate import make_prompts, pad_batch, tree_prompts
+from hf_cascade.transformers_compat import CACHE_KWARG, output_cache
 
 pytestmark = [
     pytest.mark.gpu,
@@ -31,7 +32,7 @@ def test_gpu_generate_matches_reference(family, mode):
     torch.manual_seed(0)
     want = ref.generate(ids, attention_mask=mask, **gen)
     inputs = hf_cascade.shared_prefix_inputs(cas, ids, mask, min_shared_tokens=2, cost_model=None)
-    assert inputs["past_key_values"].num_levels == 2
+    assert inputs[CACHE_KWARG].num_levels == 2
     torch.manual_seed(0)
     got = cas.generate(**inputs, **gen)
     assert torch.equal(got.sequences[:, inputs["input_ids"].shape[1] :], want.sequences[:, ids.shape[1] :])
@@ -66,7 +67,7 @@ def test_gpu_compiled_generate_matches_reference(family, mode):
         ids, mask = (t.cuda() for t in pad_batch(rows))
         want = ref.generate(ids, attention_mask=mask, **gen)
         inputs = hf_cascade.shared_prefix_inputs(cas, ids, mask, min_shared_tokens=2, cost_model=None, max_new_tokens=8)
-        assert inputs["past_key_values"].is_compileable
+        assert inputs[CACHE_KWARG].is_compileable
         got = cas.generate(**inputs, **gen)
         if mode == "greedy":  # transformers compiles greedy/sampling decoding, not beam search (eager, fixed buffers)
             assert hasattr(cas, "_compiled_call"), "generate() did not compile the decode step"
@@ -172,7 +173,7 @@ def test_gpu_stop_flag_read_a_step_late(do_sample, decode_step):
     assert caches[0].is_compileable
     assert torch.equal(got.sequences, want.sequences)
     assert len(got.scores) == len(want.scores) == 6
-    assert got.past_key_values.get_seq_length() == want.past_key_values.get_seq_length()
+    assert output_cache(got).get_seq_length() == output_cache(want).get_seq_length()
 
 
 @pytest.mark.parametrize("decode_step", ["eager", "compile", "graphs"])

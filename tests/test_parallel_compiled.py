@@ -18,6 +18,7 @@ import hf_cascade
 from hf_cascade.model_zoo import tiny_model
 from hf_cascade.parallel._testing import run_on_gloo
 from test_parallel_generate import MAX_NEW, _generate_kwargs, _left_pad, _rows
+from hf_cascade.transformers_compat import CACHE_KWARG
 
 LOGIT_TOL = 1e-4
 WORLD = 2
@@ -52,7 +53,7 @@ def _compiled_worker(rank, world):
         model = models.setdefault(family, tiny_model(family, "cascade", seed=0))
         ids, mask = _left_pad(_rows(lengths, seed=sum(lengths), shared=shared))
         inputs = hf_cascade.context_parallel_inputs(model, ids, mask, max_new_tokens=MAX_NEW, **options)
-        cache = inputs["past_key_values"]
+        cache = inputs[CACHE_KWARG]
         start = inputs["input_ids"].shape[1]
         eager = model.generate(**inputs, disable_compile=True, **_generate_kwargs(extra))
         torch._dynamo.reset()  # each scenario traces its own graph (else an earlier dynamic one may serve it)
@@ -84,7 +85,7 @@ def _compiled_worker(rank, world):
     except ValueError as err:
         results["too_small"] = str(err)
     results["growing_compileable"] = hf_cascade.context_parallel_inputs(model, ids, mask)[
-        "past_key_values"].is_compileable
+        CACHE_KWARG].is_compileable
     return results
 
 

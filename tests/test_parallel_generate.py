@@ -15,6 +15,7 @@ import torch
 import hf_cascade
 from hf_cascade.model_zoo import tiny_model
 from hf_cascade.parallel._testing import run_on_gloo
+from hf_cascade.transformers_compat import CACHE_KWARG
 
 LOGIT_TOL = 1e-4
 MAX_NEW = 6
@@ -81,7 +82,7 @@ def _generate_worker(rank, world):
         if name.startswith("sampling"):
             torch.manual_seed(100 + rank)  # different seeds: context_parallel_inputs must sync them
         inputs = hf_cascade.context_parallel_inputs(model, ids, mask, **options)
-        cache = inputs["past_key_values"]
+        cache = inputs[CACHE_KWARG]
         prompt_nbytes = cache.nbytes
         out = model.generate(**inputs, **_generate_kwargs(extra))
         again = model.generate(**inputs, **_generate_kwargs(extra)) if name == "llama_tree_odd_length" else None

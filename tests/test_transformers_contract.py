@@ -15,6 +15,7 @@ import hf_cascade
 from hf_cascade import CascadeCache
 
 from test_generate import make_prompts, model_pair, pad_batch
+from hf_cascade.transformers_compat import CACHE_KWARG
 
 
 def test_generate_marks_a_user_cache_with_is_user_defined():
@@ -48,7 +49,7 @@ def test_custom_generate_routes_extra_keyword_arguments():
 
     def probe(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None,
               cascade_probe=None, **model_kwargs):
-        seen.update(rows=input_ids.shape[0], probe=cascade_probe, cache=type(model_kwargs["past_key_values"]).__name__,
+        seen.update(rows=input_ids.shape[0], probe=cascade_probe, cache=type(model_kwargs[CACHE_KWARG]).__name__,
                     max_new=generation_config.max_new_tokens)
         return input_ids
 

@@ -36,6 +36,7 @@ from hf_cascade.parallel.cache import ContextParallelCache
 from hf_cascade.parallel.combine import check_combine
 from hf_cascade.parallel.fixed import check_max_new_tokens
 from hf_cascade.parallel.layout import ZigzagLayout
+from hf_cascade.transformers_compat import CACHE_KWARG
 
 _OPTIONS = ("placement", "shared_prefix", "min_shared_tokens", "pad_token_id", "sync_rng", "check_inputs",
             "max_new_tokens")
@@ -135,7 +136,7 @@ def _ring_prefill(model, cache, ids, positions, key_valid, *, shared: bool) -> N
     local_ids = layout.shard(ids, info.rank, dim=1, pad_value=0)
     local_positions = layout.shard(positions, info.rank, dim=1, pad_value=0)
     cache.begin_ring_prefill(layout, key_valid, shared=shared)
-    model.base_model(input_ids=local_ids, position_ids=local_positions, past_key_values=cache, use_cache=True)
+    model.base_model(input_ids=local_ids, position_ids=local_positions, use_cache=True, **{CACHE_KWARG: cache})
     cache.end_ring_prefill()
 
 
@@ -182,7 +183,7 @@ def context_parallel_inputs(
                 default; ``CompileConfig._compile_all_devices`` elsewhere). Not with ``combine="all_gather_kv"``.
                 The cache records the prompt's padding: pass generate() the returned ``attention_mask``.
     Returns:
-        ``{"input_ids", "attention_mask", "past_key_values"}`` for ``model.generate(**inputs, ...)``; the cache is a
+        ``{"input_ids", "attention_mask", CACHE_KWARG}`` for ``model.generate(**inputs, ...)``; the cache is a
         :class:`~hf_cascade.parallel.cache.ContextParallelCache` holding this rank's shard (``.nbytes``). The
         same dict may be passed to several generate() calls: each starts again from the prompt.
     Raises:
@@ -233,11 +234,11 @@ def context_parallel_inputs(
         end = new_ids.shape[1] - 1
         if end > prefix:  # the rows' suffixes but their last token: an ordinary forward, placed on one rank
             model.base_model(input_ids=new_ids[:, prefix:end], attention_mask=new_mask[:, :end],
-                             position_ids=positions[:, prefix:end], past_key_values=cache, use_cache=True)
+                             position_ids=positions[:, prefix:end], use_cache=True, **{CACHE_KWARG: cache})
     cache.mark_prompt()
     if max_new_tokens is not None:
         cache.use_fixed_buffers(max_new_tokens, new_mask)
-    inputs = {"input_ids": new_ids, "attention_mask": new_mask, "past_key_values": cache}
+    inputs = {"input_ids": new_ids, "attention_mask": new_mask, CACHE_KWARG: cache}
     if getattr(getattr(model, "generation_config", None), "cache_implementation", None) is not None:
         inputs["cache_implementation"] = None
     return inputs
