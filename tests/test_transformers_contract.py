@@ -15,7 +15,7 @@ import hf_cascade
 from hf_cascade import CascadeCache
 
 from test_generate import make_prompts, model_pair, pad_batch
-from hf_cascade.transformers_compat import CACHE_KWARG
+from hf_cascade.transformers_compat import CACHE_KWARG, output_cache
 
 
 def test_generate_marks_a_user_cache_with_is_user_defined():
@@ -28,6 +28,22 @@ def test_generate_marks_a_user_cache_with_is_user_defined():
     cache._claim = lambda: (calls.append(1), original(cache))  # instance attribute, this test only
     cas.generate(torch.tensor([[5, 6, 7, 8, 9]]), past_key_values=cache, max_new_tokens=1, pad_token_id=0)
     assert calls == [1] and cache._user_defined
+
+
+def test_cache_travels_under_the_name_hf_cascade_uses():
+    """transformers 5.24 renamed generate()'s cache argument, its model kwarg and its output field from
+    ``past_key_values`` to ``cache``. hf_cascade reads and passes ``CACHE_KWARG``: the cache passed under that name
+    must be the one generate() fills and returns under it, and the decoding loop must see it in its model kwargs."""
+    from transformers import DynamicCache
+
+    sdpa, _ = model_pair("llama")
+    cache = DynamicCache(config=sdpa.config)
+    out = sdpa.generate(torch.tensor([[5, 6, 7, 8, 9]]), max_new_tokens=2, pad_token_id=0,
+                        return_dict_in_generate=True, **{CACHE_KWARG: cache})
+    assert CACHE_KWARG in out and out[CACHE_KWARG] is cache and output_cache(out) is cache
+    assert cache.get_seq_length() == 6  # 5 prompt tokens + the first new one (the last is never fed back)
+    assert CACHE_KWARG in inspect.signature(GenerationMixin.prepare_inputs_for_generation).parameters
+    assert CACHE_KWARG in inspect.signature(type(sdpa.model).forward).parameters
 
 
 def test_decoding_methods_hf_cascade_generate_delegates_to():
