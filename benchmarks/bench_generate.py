@@ -223,21 +223,22 @@ def run_generate_batch(model, ids, mask, new_tokens):
     return {"total_s": t_all, "peak_gib": peak_gib()}
 
 
-def bf16_logits_gate(model, generate_kwargs: dict, cascade_kwargs: dict) -> dict:
+def bf16_logits_gate(model, generate_kwargs: dict) -> dict:
     """The verification that gates timing: the first generated position's logits of one generate() call with sdpa,
     with transformers' eager attention and with hf_cascade (bf16 model).
 
     Passes (``check_ok``) when cascade is no further from sdpa than eager is: the relative L2 norm of the logit
     difference over all rows, the project's bf16 bar (exactness itself is tested in fp32, where the tokens are
     identical). ``generate_kwargs`` is the call (ids, mask, ``max_new_tokens=1``, ``output_logits=True``, ...);
-    ``cascade_kwargs`` what hf_cascade's call adds. Logits: [rows, vocab] fp32.
+    hf_cascade's is the default one-argument call with sharing forced (no cost model). Logits: [rows, vocab] fp32.
     """
     logits = {}
     for impl in ("sdpa", "eager"):
         model.set_attn_implementation(impl)
         logits[impl] = model.generate(**generate_kwargs).logits[0].float()
     model.set_attn_implementation("cascade")
-    logits["cascade"] = model.generate(**generate_kwargs, **cascade_kwargs).logits[0].float()
+    logits["cascade"] = model.generate(**generate_kwargs, custom_generate=hf_cascade.generate,
+                                       cascade_options=dict(cost_model=None)).logits[0].float()
     want = logits["sdpa"]
     rel = {k: ((logits[k] - want).norm() / want.norm()).item() for k in ("eager", "cascade")}
     return {
@@ -263,11 +264,10 @@ def gate(check: dict, what: str) -> None:
 
 
 def first_logits_check(model, ids, mask, batch_rows: int = 4) -> dict:
-    """Shared workload: ``batch_rows`` rows, the default one-argument call with sharing forced (no cost model)."""
-    gen = dict(input_ids=ids[:batch_rows], attention_mask=mask[:batch_rows], max_new_tokens=1, do_sample=False,
-               output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-    return bf16_logits_gate(model, gen, dict(custom_generate=hf_cascade.generate,
-                                             cascade_options=dict(cost_model=None)))
+    """Shared workload: the first ``batch_rows`` rows, greedy."""
+    return bf16_logits_gate(model, dict(input_ids=ids[:batch_rows], attention_mask=mask[:batch_rows], max_new_tokens=1,
+                                        do_sample=False, output_logits=True, return_dict_in_generate=True,
+                                        pad_token_id=0))
 
 
 SAMPLING_WORKLOADS = {
@@ -340,11 +340,9 @@ def run_sampling(model, peer: str, ids, mask, samples: int, new_tokens: int) -> 
 
 def sampling_logits_check(model, ids, mask, samples: int) -> dict:
     """Sampling workloads: the first 2 prompts x min(samples, 4) rows (``top_k=1``: raw logits, greedy)."""
-    gen = dict(input_ids=ids[:2], attention_mask=mask[:2], max_new_tokens=1, do_sample=True, top_k=1,
-               output_logits=True, return_dict_in_generate=True, pad_token_id=0,
-               num_return_sequences=min(samples, 4))
-    return bf16_logits_gate(model, gen, dict(custom_generate=hf_cascade.generate,
-                                             cascade_options=dict(cost_model=None)))
+    return bf16_logits_gate(model, dict(input_ids=ids[:2], attention_mask=mask[:2], max_new_tokens=1, do_sample=True,
+                                        top_k=1, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+                                        num_return_sequences=min(samples, 4)))
 
 
 def main_sampling(args, writer, model) -> None:

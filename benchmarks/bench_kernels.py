@@ -399,8 +399,9 @@ def tune_decode(args, writer, copy_gbs):
         heur_fused, heur_cfgs = launch_configs(q, sets[0][2], [(sets[0][0], sets[0][1], plan)], shape_only=True)
         results = []
         heur_variant = (heur_fused, *heur_cfgs[0][2:], heur_cfgs[0][1])  # always timed, listed or not
-        variants = DECODE_VARIANTS + [heur_variant] * (not any(
-            v[:5] == heur_variant[:5] and v[5] in (None, heur_variant[5]) for v in DECODE_VARIANTS))
+        variants = list(DECODE_VARIANTS)
+        if not any(v[:5] == heur_variant[:5] and v[5] in (None, heur_variant[5]) for v in variants):
+            variants.append(heur_variant)
         for fused, bm, bn, w, st, splits in variants:
             sched = plan.schedule(g, bm)
             ns = splits or launch_configs(q, sets[0][2], [(sets[0][0], sets[0][1], plan)], fuse_suffix=fused,

@@ -27,9 +27,6 @@ CACHE_KWARG_NAMES: tuple[str, ...] = ("cache", "past_key_values")
 
 
 def output_cache(output):
-    """The cache held by a model or generate() output (``ModelOutput``), under either name; None if it has none."""
-    for name in (CACHE_KWARG, *CACHE_KWARG_NAMES):
-        value = output.get(name) if hasattr(output, "get") else getattr(output, name, None)
-        if value is not None:
-            return value
-    return None
+    """The cache a model or generate() output (``ModelOutput``) holds, under the installed release's name; None if
+    it holds none."""
+    return getattr(output, CACHE_KWARG, None)

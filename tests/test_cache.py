@@ -9,9 +9,9 @@ from transformers import AttentionInterface, DynamicCache
 import hf_cascade
 from hf_cascade import CascadeCache
 from hf_cascade.model_zoo import tiny_model
+from hf_cascade.transformers_compat import CACHE_KWARG
 
 from test_generate import assert_logits_close, model_pair, pad_batch
-from hf_cascade.transformers_compat import CACHE_KWARG
 
 P = 13
 GEN = dict(max_new_tokens=5, pad_token_id=0, do_sample=False, return_dict_in_generate=True, output_logits=True)

@@ -13,9 +13,9 @@ import torch
 
 import hf_cascade
 from hf_cascade.captured_step import CapturedDecodeStep
+from hf_cascade.transformers_compat import CACHE_KWARG
 
 from test_generate import make_prompts, model_pair, pad_batch, tree_prompts
-from hf_cascade.transformers_compat import CACHE_KWARG
 
 
 def _call(cas, ids, mask):

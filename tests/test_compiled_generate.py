@@ -12,8 +12,8 @@ from transformers import CompileConfig
 import hf_cascade
 from hf_cascade import CascadeCache
 from hf_cascade.attention import _TRACED
-from test_generate import assert_logits_close, make_prompts, model_pair, pad_batch, run_pair, tree_prompts
 from hf_cascade.transformers_compat import CACHE_KWARG
+from test_generate import assert_logits_close, make_prompts, model_pair, pad_batch, run_pair, tree_prompts
 
 MAX_NEW = 6
 

@@ -13,9 +13,9 @@ from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList, p
 
 import hf_cascade
 from hf_cascade.tiny import tiny_model, tiny_tokenizer
+from hf_cascade.transformers_compat import output_cache
 
 from test_generate import assert_logits_close, make_prompts, model_pair, pad_batch
-from hf_cascade.transformers_compat import output_cache
 
 NEW = 5
 BASE = dict(max_new_tokens=NEW, pad_token_id=0, return_dict_in_generate=True, output_logits=True)

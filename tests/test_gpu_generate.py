@@ -8,9 +8,9 @@ import torch
 
 import hf_cascade
 from hf_cascade.model_zoo import reference_attention, tiny_model
+from hf_cascade.transformers_compat import CACHE_KWARG, output_cache
 
 from test_generate import make_prompts, pad_batch, tree_prompts
-from hf_cascade.transformers_compat import CACHE_KWARG, output_cache
 
 pytestmark = [
     pytest.mark.gpu,

@@ -17,8 +17,8 @@ from transformers import CompileConfig
 import hf_cascade
 from hf_cascade.model_zoo import tiny_model
 from hf_cascade.parallel._testing import run_on_gloo
-from test_parallel_generate import MAX_NEW, _generate_kwargs, _left_pad, _rows
 from hf_cascade.transformers_compat import CACHE_KWARG
+from test_parallel_generate import MAX_NEW, _generate_kwargs, _left_pad, _rows
 
 LOGIT_TOL = 1e-4
 WORLD = 2

@@ -13,9 +13,9 @@ from transformers.generation.utils import GENERATION_MODES_MAPPING, GenerationMi
 
 import hf_cascade
 from hf_cascade import CascadeCache
+from hf_cascade.transformers_compat import CACHE_KWARG, output_cache
 
 from test_generate import make_prompts, model_pair, pad_batch
-from hf_cascade.transformers_compat import CACHE_KWARG, output_cache
 
 
 def test_generate_marks_a_user_cache_with_is_user_defined():
