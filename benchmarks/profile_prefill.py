@@ -11,6 +11,10 @@ step. Written per run (``profile_prefill.jsonl``):
   cudaEventSynchronize, ...) with their milliseconds; ``prefill_waits`` / ``prefill_gpu_gaps``: each long wait
   and each stretch the GPU ran dry, with the Python frames running then (``with_stack``: a second profile with
   Python frames, which slow the host);
+* ``prefill_idle_by_phase``: {phase: [GPU idle ms, GPU busy ms, kernels, host ms]}, each kernel's idle-before and
+  time charged to the host phase that launched it (``plan``: hf_cascade's planning; ``prefix_forward``: the shared
+  nodes' prefill; ``forward``: generate()'s forwards, the first being the suffix prefill; ``other``);
+  ``host_phases``: cProfile of the planning and of generate()'s first forward (another warm call);
 * ``prefill_top_kernels``: [name, ms, count] by total time; ``host_top``: cProfile of another warm call, by own time;
 * floors in the same process: ``sdpa_prefix_forward_ms`` (model.model on the P shared tokens, sdpa) and
   ``sdpa_suffix_forward_ms`` (the B x S own tokens, sdpa, no past): the GEMM work the prefill cannot avoid.
@@ -98,6 +102,7 @@ def analyse_trace(path: str, top: int = 15) -> dict:
         if s - end >= 300:
             gaps.append([round((end - t_start) / 1e3, 2), round((s - end) / 1e3, 2), _frames_at(py_events, end)])
         end = max(end, e)
+    idle_by_phase = _idle_by_phase(events, launches, pre, t_start)
     busy = _union_ms(spans)
     return {
         "prefill_wall_ms": (t_replay - t_start) / 1e3,
@@ -108,9 +113,122 @@ def analyse_trace(path: str, top: int = 15) -> dict:
         "prefill_syncs": {k: [round(v[0], 3), v[1]] for k, v in sorted(syncs.items(), key=lambda kv: -kv[1][0])},
         "prefill_waits": waits,  # [at ms, ms, call, python frames] for host waits >= 0.2 ms
         "prefill_gpu_gaps": gaps,  # [at ms, idle ms, python frames when the GPU ran dry]
+        "prefill_idle_by_phase": idle_by_phase,
         "prefill_top_kernels": [[k, round(v[0], 3), v[1]] for k, v in
                                 sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]],
     }
+
+
+def _idle_by_phase(events, launches, kernels, t_start) -> dict:
+    """GPU idle before each prefill kernel (from the end of the previous one, or the call's start), summed by the
+    phase its launch was made in (``phase:*`` ranges of :func:`mark_phases`; innermost wins; ``other`` outside them):
+    {phase: [idle ms, busy ms, kernels, host ms in the phase]}. Idle charged to a phase is the GPU waiting for that
+    phase's host work."""
+    phases = sorted(((e["ts"], e["ts"] + e.get("dur", 0), e["name"][6:]) for e in events
+                     if e.get("cat") == "user_annotation" and e.get("name", "").startswith("phase:")),
+                    key=lambda p: p[0])
+    launch_ts = {e["args"].get("correlation"): e["ts"] for e in launches}
+
+    def phase_of(t):
+        inside = [p for p in phases if p[0] <= t <= p[1]]
+        return min(inside, key=lambda p: p[1] - p[0])[2] if inside else "other"
+
+    out: dict[str, list[float]] = {}
+    for name in {p[2] for p in phases}:
+        host = sum(p[1] - p[0] for p in phases if p[2] == name) / 1e3
+        out[name] = [0.0, 0.0, 0, round(host, 2)]
+    out.setdefault("other", [0.0, 0.0, 0, 0.0])
+    end = t_start
+    for k in kernels:
+        entry = out[phase_of(launch_ts.get(k["args"].get("correlation"), k["ts"]))]
+        entry[0] += max(k["ts"] - end, 0) / 1e3
+        entry[1] += k.get("dur", 0) / 1e3
+        entry[2] += 1
+        end = max(end, k["ts"] + k.get("dur", 0))
+    return {k: [round(v[0], 2), round(v[1], 2), v[2], v[3]] for k, v in out.items()}
+
+
+def mark_phases(model):
+    """Name the host phases of a generate() call in the profiler trace: ``phase:plan`` (hf_cascade's planning, its
+    prefill included), ``phase:prefix_forward`` (the base model run over shared nodes), ``phase:forward`` (each
+    forward of the whole model: generate()'s first forward is the suffix prefill). Returns a function removing them."""
+    import hf_cascade.inputs as inputs
+
+    plan = inputs.plan_cascade_batch
+    open_ranges = []
+
+    def planned(*args, **kwargs):
+        with torch.profiler.record_function("phase:plan"):
+            return plan(*args, **kwargs)
+
+    def enter(module, args, kwargs=None):
+        # The whole model's forward is generate()'s; the base model's own, outside it, is the prefill of shared nodes.
+        whole = module is model
+        inside = any(name == "phase:forward" for name, _ in open_ranges)
+        name = "phase:forward" if whole else (None if inside else "phase:prefix_forward")
+        rf = torch.profiler.record_function(name) if name else None
+        if rf is not None:
+            rf.__enter__()
+        open_ranges.append((name, rf))
+
+    def leave(module, args, output):
+        _, rf = open_ranges.pop()
+        if rf is not None:
+            rf.__exit__(None, None, None)
+
+    inputs.plan_cascade_batch = planned
+    handles = [model.register_forward_pre_hook(enter), model.register_forward_hook(leave),
+               model.model.register_forward_pre_hook(enter), model.model.register_forward_hook(leave)]
+
+    def remove():
+        inputs.plan_cascade_batch = plan
+        for h in handles:
+            h.remove()
+    return remove
+
+
+def profile_host_phases(model, call) -> dict:
+    """cProfile (by own time, top 20) of hf_cascade's planning and of generate()'s first forward, in one warm call."""
+    import hf_cascade.inputs as inputs
+
+    plan = inputs.plan_cascade_batch
+    profilers = {"plan": cProfile.Profile(), "first_forward": cProfile.Profile()}
+    state = {"forwards": 0}
+
+    def planned(*args, **kwargs):
+        profilers["plan"].enable()
+        try:
+            return plan(*args, **kwargs)
+        finally:
+            profilers["plan"].disable()
+
+    def pre(module, args):
+        state["forwards"] += 1
+        if state["forwards"] == 1:
+            profilers["first_forward"].enable()
+
+    def post(module, args, output):
+        if state["forwards"] == 1:
+            profilers["first_forward"].disable()
+
+    inputs.plan_cascade_batch = planned
+    handles = [model.register_forward_pre_hook(pre), model.register_forward_hook(post)]
+    try:
+        torch.cuda.synchronize()
+        call()
+        torch.cuda.synchronize()
+    finally:
+        inputs.plan_cascade_batch = plan
+        for h in handles:
+            h.remove()
+    out = {}
+    for name, profiler in profilers.items():
+        stats = pstats.Stats(profiler, stream=io.StringIO())
+        rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:20]
+        out[name] = {"total_ms": round(stats.total_tt * 1e3, 2),
+                     "top": [[f"{os.path.basename(f)}:{line}:{fn}", calls, round(tt * 1e3, 2), round(ct * 1e3, 2)]
+                             for (f, line, fn), (calls, _, tt, ct, _) in rows]}
+    return out
 
 
 def ab_schedule_copy(call, rounds: int = 4) -> dict:
@@ -167,21 +285,24 @@ def main(argv=None):
 
     for with_stack in (False, True):  # the Python frames cost host time: timings from the first, places from both
         torch.cuda.synchronize()
+        unmark = mark_phases(model)
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                                 torch.profiler.ProfilerActivity.CUDA], with_stack=with_stack) as prof:
             with torch.profiler.record_function("profiled_generate_call"):
                 call()
             torch.cuda.synchronize()
+        unmark()
         with tempfile.TemporaryDirectory() as tmp:
             trace = os.path.join(tmp, "trace.json")
             prof.export_chrome_trace(trace)
             found = analyse_trace(trace)
         if with_stack:
             record["with_stack"] = {k: found[k] for k in ("prefill_wall_ms", "prefill_gpu_busy_ms",
-                                                          "prefill_waits", "prefill_gpu_gaps")}
+                                                          "prefill_waits", "prefill_gpu_gaps", "prefill_idle_by_phase")}
         else:
             record.update(found)
 
+    record["host_phases"] = profile_host_phases(model, call)
     profiler = cProfile.Profile()
     torch.cuda.synchronize()
     profiler.enable()
