@@ -127,6 +127,12 @@ def _suffix_config(D: int, m_total: int, device: torch.device) -> tuple[int, int
         return min(block_m, 32), 32, 4, 1  # interpreter: small tiles keep numpy work per step low
     if padded_head_dim(D) >= 256:
         return block_m, 32, 4 if block_m <= 16 else 8, 2
+    if block_m >= 64:
+        # Many queries per row (a prefill's window): 32-key blocks. H100, generate()'s first forward of the shared
+        # workload (B=32 rows x 64 queries, GQA 32/8, d=128, 128 suffix columns, one prefix state per query;
+        # benchmarks/probe_decode_attention.py --sweep-prefill): 73 us against 172 us with 64-key blocks, which
+        # need 255 registers and spill.
+        return block_m, 32, 4, 3
     return block_m, 64, 4, 3
 
 
