@@ -34,6 +34,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from hf_cascade.attention import ATTENTION_NAME, bind_layer, check_model_uses_cascade, plain_attention
 from hf_cascade.captured_step import static_step
 from hf_cascade.compiled_layers import outside_layer_graphs
+from hf_cascade.model_scan import attention_modules
 from hf_cascade.ops._backend import host_to_device
 from hf_cascade.ops.kv_write import write_suffix_kv
 from hf_cascade.ops.plan import CascadePlan, cascade_attention_planned, padded_level_count, plan_cascade
@@ -357,12 +358,9 @@ class CascadeCache(Cache):
         # COMPILED_LEVELS levels (a recorded step, recorded per tree, launches for the real levels only).
         self.pad_levels = True
         self._step_buffers: StepBuffers | None = None
-        # The attention modules this cache may serve (reusing it with another model is an error).
-        self._modules: dict[int, weakref.WeakSet] = {}
-        for module in model.modules():
-            layer_idx = getattr(module, "layer_idx", None)
-            if isinstance(layer_idx, int):
-                self._modules.setdefault(layer_idx, weakref.WeakSet()).add(module)
+        # The attention modules this cache may serve (reusing it with another model is an error); the model's
+        # kept scan, shared with its other caches (read only).
+        self._modules: dict[int, weakref.WeakSet] = attention_modules(model)
         self._model_name = type(model).__name__
         self._config = model.config
         self._user_defined = False

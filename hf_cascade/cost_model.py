@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_cascade.model_scan import non_embedding_parameters
+
 # Measured for the reference model: Llama-3-8B shape (7.50e9 parameters besides the input embedding, as
 # transformers' ``num_parameters(exclude_embeddings=True)`` counts them; 32 layers), bf16, H100.
 _REFERENCE_PARAMETERS = 7.50e9
@@ -65,10 +67,7 @@ class CascadeCostModel:
         non-embedding parameters (its FLOPs per token), a level's time with the number of layers."""
         config = model.config.get_text_config()
         layers = getattr(config, "num_hidden_layers", None) or _REFERENCE_LAYERS
-        try:
-            parameters = model.num_parameters(exclude_embeddings=True)
-        except (AttributeError, TypeError):
-            parameters = sum(p.numel() for p in model.parameters())
+        parameters = non_embedding_parameters(model)
         scaled = dict(
             prefill_us_per_token=cls.prefill_us_per_token * parameters / _REFERENCE_PARAMETERS,
             level_us_per_step=cls.level_us_per_step * layers / _REFERENCE_LAYERS,

@@ -2,46 +2,98 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from hf_cascade.attention import check_model_uses_cascade
 from hf_cascade.cache import CascadeCache
 from hf_cascade.cost_model import CascadeCostModel
+from hf_cascade.model_scan import attention_modules
+from hf_cascade.ops._backend import host_to_device
 from hf_cascade.prefill import prefill_levels, validate_token_ids
 from hf_cascade.prefix_tree import find_shared_prefixes
 from hf_cascade.transformers_compat import CACHE_KWARG
 
 
 def _left_aligned(input_ids: torch.Tensor, attention_mask: torch.Tensor):
-    """The batch with each row's trailing padding moved to its front (same width), its real tokens (lists of ints),
-    and the column of each real token (a list, or a range for a row without padding). Padding anywhere else (left
-    padding, masked tokens inside a row) stays where it is and is honoured exactly: a masked column is never
-    attended, and positions count only real tokens, as in sdpa."""
-    mask_bool = attention_mask.bool()
-    if not bool(mask_bool.any(dim=1).all()):
-        row = int((~mask_bool.any(dim=1)).nonzero()[0])
+    """The batch with each row's trailing padding moved to its front (same width), and its real tokens on the host.
+    Padding anywhere else (left padding, masked tokens inside a row) stays where it is and is honoured exactly: a
+    masked column is never attended, and positions count only real tokens, as in sdpa.
+
+    The host side is numpy, single-threaded: torch's CPU kernels split a [32, 4K] batch over their thread pool, and
+    on a GPU host busy with other threads (after torch.compile, say) waking it took 16 ms per op instead of 0.3 (H100
+    machine, 16 cores).
+
+    Args:
+        input_ids, attention_mask: ``[B, L]`` on the model's device (mask: nonzero for real tokens).
+    Returns:
+        ``(input_ids, attention_mask, real_ids, real_columns, lengths, mask_host)``: the ``[B, L]`` ids and mask with
+        the trailing padding moved, on their device; then numpy arrays: ``real_ids`` ``[B, L]`` int64, each row's
+        real tokens first, then -1 (the form :func:`find_shared_prefixes` takes, as a tensor); ``real_columns``
+        ``[B, L]`` int64, the column of each of those tokens (-1 after a row's last; a read-only broadcast view when
+        no row has padding); ``lengths`` ``[B]`` int64, each row's real tokens; ``mask_host`` ``[B, L]`` bool, the
+        moved mask.
+    """
+    ids = input_ids.cpu().numpy().astype(np.int64, copy=False)  # one copy each, before the prefill is queued
+    try:
+        mask = attention_mask.cpu().numpy() != 0
+    except TypeError:  # a dtype numpy lacks (bfloat16)
+        mask = attention_mask.bool().cpu().numpy()
+    has_real = mask.any(axis=1)
+    if not has_real.all():
         raise ValueError(
-            f"Row {row} of `attention_mask` is all zeros: every row needs at least one real token to generate from."
+            f"Row {int(np.flatnonzero(~has_real)[0])} of `attention_mask` is all zeros: every row needs at least one "
+            "real token to generate from."
         )
-    width = input_ids.shape[1]
-    columns = torch.arange(width, device=input_ids.device)
-    last_real = torch.where(mask_bool, columns, -1).max(dim=1).values
-    shift = (width - 1 - last_real).tolist()
-    if any(shift):  # right padding: generate() appends after the last column, so move the pads to the front
-        input_ids = torch.stack([row.roll(k) for row, k in zip(input_ids, shift)])
-        attention_mask = torch.stack([row.roll(k) for row, k in zip(attention_mask, shift)])
-        mask_bool = attention_mask.bool()
-    ids, full = input_ids.tolist(), mask_bool.all(dim=1).tolist()
-    rows, row_columns = [], []
-    for r, row_ids in enumerate(ids):
-        if full[r]:  # no padding (the common case): the row as it is
-            row_columns.append(range(width))
-            rows.append(row_ids)
-        else:
-            kept = mask_bool[r].nonzero().flatten().tolist()
-            row_columns.append(kept)
-            rows.append([row_ids[c] for c in kept])
-    return input_ids, attention_mask, rows, row_columns
+    batch, width = ids.shape
+    columns = np.arange(width, dtype=np.int64)
+    shift = width - 1 - np.where(mask, columns, -1).max(axis=1)
+    if shift.any():  # right padding: generate() appends after the last column, so move the pads to the front
+        index = (columns - shift[:, None]) % width  # row r rolled by shift[r]: column i takes column i - shift[r]
+        ids, mask = np.take_along_axis(ids, index, 1), np.take_along_axis(mask, index, 1)
+        index = host_to_device(torch.from_numpy(index), input_ids.device)
+        input_ids, attention_mask = input_ids.gather(1, index), attention_mask.gather(1, index)
+    lengths = mask.sum(axis=1)
+    if (lengths == width).all():  # no padding (the common case): the rows as they are
+        return input_ids, attention_mask, ids, np.broadcast_to(columns, (batch, width)), lengths, mask
+    first = width - lengths  # a row without masked tokens inside holds its real tokens in columns [first, L)
+    real_columns = columns + first[:, None]
+    with_holes = np.where(mask, columns, width).min(axis=1) != first
+    for r in np.flatnonzero(with_holes):
+        kept = np.flatnonzero(mask[r])
+        real_columns[r, : kept.size] = kept
+    past_end = columns >= lengths[:, None]
+    real_columns[past_end] = 0
+    real_ids = np.take_along_axis(ids, real_columns, 1)
+    real_ids[past_end] = real_columns[past_end] = -1
+    return input_ids, attention_mask, real_ids, real_columns, lengths, mask
+
+
+def _check_rows_start_with(
+    base_tokens: tuple[int, ...], real_ids: np.ndarray, real_columns: np.ndarray, lengths: np.ndarray
+) -> None:
+    """Raise a ValueError naming the first row whose real tokens are not ``base_tokens`` followed by at least one
+    more token (the arguments as :func:`_left_aligned` returns them)."""
+    n = len(base_tokens)
+    if n < real_ids.shape[1]:
+        starts_right = (real_ids[:, :n] == np.fromiter(base_tokens, np.int64, n)).all(axis=1) & (lengths > n)
+    else:
+        starts_right = np.zeros(real_ids.shape[0], dtype=bool)
+    wrong = np.flatnonzero(~starts_right)
+    if not wrong.size:
+        return
+    r = int(wrong[0])
+    row, row_columns = real_ids[r, : lengths[r]].tolist(), real_columns[r, : lengths[r]].tolist()
+    first = next((i for i, (a, b) in enumerate(zip(row, base_tokens)) if a != b), len(row) - 1)
+    column = row_columns[min(first, len(row) - 1)]
+    real = set(row_columns)
+    masked = [c for c in range(column) if c not in real]
+    raise ValueError(
+        f"Row {r}'s real tokens do not start with the {n}-token prefix stored in the cache "
+        f"followed by at least one more token: the first difference is its real token {first} (column "
+        f"{column}; masked columns before it: {_ranges(masked)}). Prepend the same prefix_ids to every "
+        "prompt with attention_mask 1 over all of it, or build the cache from the prefix these rows share."
+    )
 
 
 def _ranges(columns: list[int]) -> str:
@@ -89,33 +141,22 @@ def plan_cascade_batch(
         ``(cache, input_ids, attention_mask)``: ``cache`` is None when no segment is worth sharing (the caller then
         runs plain attention); the ids and mask are the user's, right padding moved to the front of each row.
     """
-    input_ids, attention_mask, rows, row_columns = _left_aligned(input_ids, attention_mask)
-    attention_mask_host = attention_mask.cpu()  # now, before the prefill is queued (later it would wait for it)
+    input_ids, attention_mask, real_ids, real_columns, lengths, mask_host = _left_aligned(input_ids, attention_mask)
+    batch, width = input_ids.shape
     base_levels, base_parents, base_tokens = [], [], ()
     if prefix_cache is not None:
         base_levels, base_parents, base_tokens = _base_chain(prefix_cache, model)
-        for r, row in enumerate(rows):
-            if tuple(row[: len(base_tokens)]) != base_tokens or len(row) <= len(base_tokens):
-                first = next((i for i, (a, b) in enumerate(zip(row, base_tokens)) if a != b), len(row) - 1)
-                column = row_columns[r][min(first, len(row) - 1)]
-                real = set(row_columns[r])
-                masked = [c for c in range(column) if c not in real]
-                raise ValueError(
-                    f"Row {r}'s real tokens do not start with the {len(base_tokens)}-token prefix stored in the cache "
-                    f"followed by at least one more token: the first difference is its real token {first} (column "
-                    f"{column}; masked columns before it: {_ranges(masked)}). Prepend the same prefix_ids to every "
-                    "prompt with attention_mask 1 over all of it, or build the cache from the prefix these rows share."
-                )
+        _check_rows_start_with(base_tokens, real_ids, real_columns, lengths)
     offset = len(base_tokens)
     if cost_model == "auto":
         cost_model = (
-            CascadeCostModel.for_model(model, new_tokens=max_new_tokens, batch_rows=len(rows))
+            CascadeCostModel.for_model(model, new_tokens=max_new_tokens, batch_rows=batch)
             if input_ids.device.type == "cuda" else None
         )
     elif cost_model is not None and not isinstance(cost_model, CascadeCostModel):
         raise ValueError(f"`cost_model` must be 'auto', None or a CascadeCostModel; got {cost_model!r}.")
     tree = find_shared_prefixes(
-        [row[offset:] for row in rows],
+        torch.from_numpy(real_ids[:, offset:]),
         min_shared_tokens=min_shared_tokens,
         min_rows=min_rows,
         max_levels=max_levels,
@@ -129,17 +170,16 @@ def plan_cascade_batch(
     ]
     levels = prefill_levels(model, node_levels, base_levels, base_parents, cache_class=CascadeCache)
 
-    batch, width = input_ids.shape
     num_base = len(base_levels)
     row_nodes = torch.full((len(levels), batch), -1, dtype=torch.int64)
     row_nodes[:num_base] = 0
     for level, nodes in enumerate(tree.row_nodes):
         row_nodes[num_base + level] = torch.tensor(nodes, dtype=torch.int64)
     # Column of each row's first own token (the last real token is never shared, so there always is one).
-    own_start = [columns[offset + n] for columns, n in zip(row_columns, tree.row_prefix_len)]
-    suffix_width = width - min(own_start)
+    own_start = real_columns[np.arange(batch), offset + np.asarray(tree.row_prefix_len, dtype=np.int64)]
+    suffix_width = width - int(own_start.min())
     prefix_length = width - suffix_width
-    suffix_start = torch.tensor([c - prefix_length for c in own_start], dtype=torch.int64)
+    suffix_start = torch.from_numpy(own_start - prefix_length)
     if fixed_buffers and max_new_tokens is None:
         raise ValueError("`fixed_buffers=True` needs `max_new_tokens` to size the buffers.")
     cache = CascadeCache(
@@ -148,7 +188,7 @@ def plan_cascade_batch(
             # The last new token is sampled and never fed back: sw + max_new_tokens - 1 columns are written.
             suffix_capacity(suffix_width + max_new_tokens - 1) if bucket_buffers else suffix_width + max_new_tokens
         ),
-        suffix_start=suffix_start, prefix_tree=tree, window_mask=attention_mask_host[:, prefix_length:],
+        suffix_start=suffix_start, prefix_tree=tree, window_mask=torch.from_numpy(mask_host[:, prefix_length:]),
     )
     return cache, input_ids, attention_mask
 
@@ -276,7 +316,7 @@ def _base_chain(prefix_cache: CascadeCache, model) -> tuple[list, list, tuple[in
             "`prefix_cache` must hold a single prefix shared by every row (built with CascadeCache.from_prefix)."
         )
     served = prefix_cache._modules.get(0, ())
-    if not any(getattr(m, "layer_idx", None) == 0 and m in served for m in model.modules()):
+    if not any(m in served for m in attention_modules(model).get(0, ())):
         raise ValueError(
             "`prefix_cache` was built with a different model; build it with CascadeCache.from_prefix(model, ...)."
         )

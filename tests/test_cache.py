@@ -220,3 +220,35 @@ def test_sliding_window_exceeded_is_a_clear_error():
     ids, mask = prefix_batch(random_tokens(6, 1), [random_tokens(5, 2)])
     with pytest.raises(NotImplementedError, match="sliding window of 8"):
         model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2, pad_token_id=0)
+
+
+def test_model_scan_is_kept_per_model_and_redone_after_a_module_is_replaced():
+    from hf_cascade.model_scan import attention_modules, non_embedding_parameters
+
+    model, other = tiny_model("llama", "cascade", seed=0), tiny_model("llama", "cascade", seed=1)
+    ids, mask = prefix_batch([3, 4, 5, 6], [[7, 8]])
+    kept = attention_modules(model)
+    cache = CascadeCache.from_prefix(model, [3, 4, 5, 6])
+    # Kept across caches and forwards (Llama's forward builds a new ModuleList, self.layers[:n], every call).
+    model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2, pad_token_id=0)
+    assert attention_modules(model) is kept and cache._modules is kept
+    assert attention_modules(other) is not kept
+    with pytest.raises(ValueError, match="`prefix_cache` was built with a different model"):
+        hf_cascade.shared_prefix_inputs(other, ids, mask, prefix_cache=cache)
+
+    # A replaced attention module: found by the next scan; the cache built before still serves only the modules
+    # it was built with.
+    layer = model.model.layers[1]
+    replaced, count = layer.self_attn, non_embedding_parameters(model)
+    layer.self_attn = copy.deepcopy(replaced)
+    fresh = attention_modules(model)
+    assert fresh is not kept and layer.self_attn in fresh[1] and replaced not in fresh[1]
+    with pytest.raises(ValueError, match="different model"):
+        model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2, pad_token_id=0)
+    new_cache = CascadeCache.from_prefix(model, [3, 4, 5, 6])
+    out = model.generate(ids, attention_mask=mask, past_key_values=new_cache, max_new_tokens=2, pad_token_id=0)
+    assert out.shape == (1, ids.shape[1] + 2)
+    # The kept parameter count follows a replaced module too (a registered parameter).
+    assert non_embedding_parameters(model) == count
+    model.lm_head = torch.nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=True)
+    assert non_embedding_parameters(model) == model.num_parameters(exclude_embeddings=True) != count

@@ -117,3 +117,56 @@ def test_cost_model_scales_its_prefill_constants_to_the_model():
     seen = []
     veto = find_shared_prefixes(rows, min_shared_tokens=1, keep_node=lambda r, t, s: seen.append((r, t, s)) or False)
     assert veto.levels == [] and seen[0] == (3, 20, 1.0)
+
+
+def test_tensor_rows_padded_with_minus_one_give_the_tree_of_lists(monkeypatch):
+    import random
+
+    import torch
+
+    from hf_cascade import prefix_tree
+
+    # Tiny comparison blocks: every common prefix spans several of them, on both paths.
+    monkeypatch.setattr(prefix_tree, "_TENSOR_BLOCK_ELEMENTS", 7)
+    monkeypatch.setattr(prefix_tree, "_BLOCK", 3)
+    rng = random.Random(0)
+    for case in range(150):
+        vocab = rng.choice([2, 3, 50])  # small vocabularies: accidental sharing everywhere
+        system = [rng.randrange(vocab) for _ in range(rng.randint(0, 30))]
+        groups = [[rng.randrange(vocab) for _ in range(rng.randint(0, 9))] for _ in range(rng.randint(1, 3))]
+        rows = [system + rng.choice(groups) + [rng.randrange(vocab) for _ in range(rng.randint(0, 6))]
+                for _ in range(rng.randint(0, 7))]
+        if rows and case % 10 == 0:
+            rows[0] = []  # an empty row shares nothing
+        width = max((len(r) for r in rows), default=0) + rng.randint(0, 2)
+        padded = torch.full((len(rows), width), -1, dtype=rng.choice([torch.int64, torch.int32]))
+        for r, row in enumerate(rows):
+            padded[r, : len(row)] = torch.tensor(row, dtype=torch.int64)
+        options = dict(min_shared_tokens=rng.choice([1, 2, 4]), min_rows=rng.choice([2, 3]),
+                       max_levels=rng.choice([0, 1, 2, 4]))
+        vetoes = ([], [])
+        trees = [
+            find_shared_prefixes(form, **options,
+                                 keep_node=lambda r, t, s, seen=seen: seen.append((r, t, s)) or (r + t) % 3 > 0)
+            for form, seen in zip((rows, padded), vetoes)
+        ]
+        want, got = trees
+        assert vetoes[0] == vetoes[1], case
+        assert got.row_nodes == want.row_nodes and got.row_prefix_len == want.row_prefix_len, case
+        assert [[(n.tokens, n.rows, n.parent, n.start) for n in level] for level in got.levels] == \
+            [[(n.tokens, n.rows, n.parent, n.start) for n in level] for level in want.levels], case
+        assert all(type(n.tokens) is tuple and all(type(t) is int for t in n.tokens)
+                   for level in got.levels for n in level)
+
+
+@pytest.mark.parametrize("rows, match", [
+    ([[1, 2, 3], [1, -1, 3]], "`rows` row 1 holds a negative entry"),  # padding before a token
+    ([[1, 2, 3], [1, 2, -2]], "`rows` row 1 holds a negative entry"),  # not the -1 padding
+    ([1, 2, 3], "2-D integer tensor"),
+    ([[1.0, 2.0]], "2-D integer tensor"),
+])
+def test_tensor_rows_bad_padding(rows, match):
+    import torch
+
+    with pytest.raises(ValueError, match=match):
+        find_shared_prefixes(torch.tensor(rows))

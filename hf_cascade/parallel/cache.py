@@ -43,6 +43,7 @@ from transformers.cache_utils import Cache
 
 from hf_cascade.attention import bind_layer, check_model_uses_cascade
 from hf_cascade.cache import _num_layers, _SuffixLayer
+from hf_cascade.model_scan import attention_modules
 from hf_cascade.ops.plan import CascadePlan, plan_cascade
 from hf_cascade.ops.prefix_attention import shared_prefix_attention
 from hf_cascade.ops.suffix_attention import suffix_attention
@@ -180,7 +181,7 @@ class ContextParallelCache(Cache):
         self._prefix_plan: CascadePlan | None = None  # one level, one node (the shared prefix shard); per batch
         self._prompt_length = 0  # what generate() starts from (see _is_user_defined)
         self._user_defined = False
-        self._modules = {id(m) for m in model.modules() if isinstance(getattr(m, "layer_idx", None), int)}
+        self._modules = {id(m) for modules in attention_modules(model).values() for m in modules}
         self.max_new_tokens: int | None = None  # set by use_fixed_buffers (fixed decode buffers)
 
     # ------------------------------------------------------------------ prefill (driven by context_parallel_inputs)
