@@ -236,6 +236,25 @@ def sweep(q, sets, mask, plan, hkv, g, p) -> list:
             t = repr(err)[:80]
         rows.append(["prefix", f"m{bm} n{bn} w{w} st{st} splits{ns}", t])
         print(rows[-1], flush=True)
+    slots = 9  # 8 KV splits + the suffix, as the step's combine merges
+    po = torch.randn((slots, hkv, m_total, D), dtype=torch.float32, device="cuda")
+    pl = torch.randn((slots, hkv, m_total), dtype=torch.float32, device="cuda")
+    out = torch.empty((b, 1, q.shape[1], D), dtype=q.dtype, device="cuda").transpose(1, 2)
+    lse = torch.empty((b, q.shape[1], 1), dtype=torch.float32, device="cuda")
+    launch_combine(out, lse, po, pl, g)
+    ref = out.float().clone()
+    for bm, sps, w in [(None, None, None), (16, 4, 4), (16, 8, 4), (8, 2, 4), (8, 4, 4), (8, 8, 4), (4, 4, 2),
+                       (4, 8, 2), (4, 8, 4), (2, 8, 1), (2, 8, 2), (8, 8, 2), (4, 16, 2)]:
+        call = lambda bm=bm, sps=sps, w=w: launch_combine(out, lse, po, pl, g, block_m=bm,  # noqa: E731
+                                                           slots_per_step=sps, num_warps=w)
+        try:
+            call()
+            err = ((out.float() - ref).norm() / ref.norm()).item()
+            t = time_us([call])
+        except Exception as e:  # noqa: BLE001
+            t, err = repr(e)[:80], None
+        rows.append(["combine", f"m{bm} slots/step{sps} w{w}" if bm else "heuristic", t, err])
+        print(rows[-1], flush=True)
     rows.append(["compiled_suffix", {str(k): v for k, v in _compiled(_suffix_kernel._suffix_fwd_kernel).items()}])
     rows.append(["compiled_prefix", {str(k): v for k, v in _compiled(_prefix_kernel._prefix_fwd_kernel).items()}])
     return rows

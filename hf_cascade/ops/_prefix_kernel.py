@@ -26,9 +26,6 @@ share_compiler_kernel_cache()  # before the first kernel is built
 
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): scores are kept in base 2 inside the loop
 LN2 = tl.constexpr(0.6931471805599453)  # ln(2): back to natural-log LSE on the way out
-# States merged per step by _merge_states: two [BLOCK_M, BLOCK_D] fp32 loads in flight (H100, B=32
-# decode, CUDA graph: the combine 6.9 -> 5.1 us).
-MERGE_SLOTS_PER_STEP = tl.constexpr(2)
 
 
 @triton.jit
@@ -177,22 +174,23 @@ def _prefix_fwd_kernel(
 
 
 @triton.jit
-def _merge_states(po_ptrs, pl_ptrs, stride_ps, stride_pls, num_slots, valid, o_mask):
+def _merge_states(po_ptrs, pl_ptrs, stride_ps, stride_pls, num_slots, valid, o_mask,
+                  SLOTS_PER_STEP: tl.constexpr):
     """Exact LSE-weighted merge of ``num_slots`` normalised fp32 states (out, natural-log lse) per entry.
 
     ``po_ptrs`` [BLOCK_M, BLOCK_D] / ``pl_ptrs`` [BLOCK_M]: the entries' out / lse in slot 0; slot s is
     ``stride_ps`` / ``stride_pls`` elements further. ``valid`` [BLOCK_M] / ``o_mask`` [BLOCK_M, BLOCK_D]
     (may broadcast over BLOCK_D): what to read. An lse of -inf is an empty state (its out is ignored).
-    ``MERGE_SLOTS_PER_STEP`` slots per step, their out loads independent of their lse: the loop is
-    bound by memory latency, not bandwidth.
+    ``SLOTS_PER_STEP`` slots per step, their out loads independent of their lse, all in flight at once: the
+    loop is bound by memory latency, not bandwidth.
 
     Returns (out fp32 [BLOCK_M, BLOCK_D], lse fp32 [BLOCK_M]): out 0 / lse -inf where every state is empty.
     """
     mx = tl.full(pl_ptrs.shape, float("-inf"), dtype=tl.float32)
     total = tl.zeros(pl_ptrs.shape, dtype=tl.float32)
     acc = tl.zeros(po_ptrs.shape, dtype=tl.float32)
-    for first in range(0, num_slots, MERGE_SLOTS_PER_STEP):
-        for j in tl.static_range(MERGE_SLOTS_PER_STEP):
+    for first in range(0, num_slots, SLOTS_PER_STEP):
+        for j in tl.static_range(SLOTS_PER_STEP):
             s = first + j
             in_range = s + tl.zeros(pl_ptrs.shape, dtype=tl.int32) < num_slots  # a block: the interpreter's masks
             ls = tl.load(pl_ptrs + s * stride_pls, mask=valid & in_range, other=float("-inf"))
@@ -220,6 +218,7 @@ def _state_combine_kernel(
     EVEN_D: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    SLOTS_PER_STEP: tl.constexpr,
 ):
     """Exact LSE-weighted merge of every slot's normalised state (KV splits, levels, the suffix)."""
     kvh = tl.program_id(1)
@@ -237,7 +236,7 @@ def _state_combine_kernel(
     m64 = m.to(tl.int64)
     o, lse = _merge_states(part_out_ptr + kvh.to(tl.int64) * stride_ph + m64[:, None] * D + d[None, :],
                            part_lse_ptr + kvh.to(tl.int64) * stride_plh + m64,
-                           stride_ps, stride_pls, num_slots, valid, o_mask)
+                           stride_ps, stride_pls, num_slots, valid, o_mask, SLOTS_PER_STEP)
     o_off = row * stride_ob + head * stride_oh + pos.to(tl.int64) * stride_ol
     tl.store(out_ptr + o_off[:, None] + d[None, :], o.to(out_ptr.dtype.element_ty), mask=o_mask)
     l_off = row * stride_lb + head * stride_lh + pos.to(tl.int64) * stride_ll

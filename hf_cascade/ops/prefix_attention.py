@@ -391,18 +391,30 @@ def _prefix_triton(
     return out, lse
 
 
-def launch_combine(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor, G: int) -> None:
-    """Merge every slot of the fp32 states [slots, Hkv, B*Lq*G, D] into out [B, Hq, Lq, D] / lse."""
+def launch_combine(out: Tensor, lse: Tensor, part_out: Tensor, part_lse: Tensor, G: int, *,
+                   block_m: int | None = None, slots_per_step: int | None = None,
+                   num_warps: int | None = None) -> None:
+    """Merge every slot of the fp32 states [slots, Hkv, B*Lq*G, D] into out [B, Hq, Lq, D] / lse.
+    ``block_m`` (rows per program), ``slots_per_step`` (state loads in flight together), ``num_warps``: override
+    the launch choice (tuning)."""
     from . import _prefix_kernel as kernels  # lazy: triton is optional
 
     B, Hq, Lq, D = out.shape
     slots, Hkv, m_total = part_lse.shape
     block_d = padded_head_dim(D)
-    block_c = 16 if out.device.type != "cuda" or -(-m_total // 32) * Hkv < num_programs_target(out.device) else 32
+    if block_m:
+        block_c = block_m
+    elif out.device.type != "cuda":
+        block_c = 16
+    else:  # the largest row block that still gives a program per SM: a few state loads per program, all in flight
+        # (H100, B=32 decode, 9 slots: 8 rows 3.5 us, 16 rows 4.1 us; probe_decode_attention.py --sweep)
+        sms = num_programs_target(out.device)
+        block_c = next((bc for bc in (32, 16) if -(-m_total // bc) * Hkv >= sms), 8)
     kernels._state_combine_kernel[(-(-m_total // block_c), Hkv)](
         out, lse, part_out, part_lse,
         m_total, Lq, G, D, slots,
         *out.stride()[:3], *lse.stride(),
         part_out.stride(0), part_out.stride(1), part_lse.stride(0), part_lse.stride(1),
-        EVEN_D=block_d == D, BLOCK_M=block_c, BLOCK_D=block_d, num_warps=4,
+        EVEN_D=block_d == D, BLOCK_M=block_c, BLOCK_D=block_d, SLOTS_PER_STEP=slots_per_step or 2,
+        num_warps=num_warps or 4,
     )
