@@ -150,14 +150,13 @@ def sweep_prefill(args, writer, hq, hkv):
         try:
             call = lambda: launch_suffix(q, k, v, scale=D**-0.5, mask=mask, causal=False, softcap=None,  # noqa: E731
                                          states=states, block_m=bm, block_n=bn, num_warps=w, num_stages=st)
-            err = ((call()[0].float() - ref).norm() / ref.norm()).item()
+            out, built = _built_during(_suffix_kernel._suffix_fwd_kernel, call)
+            err = ((out[0].float() - ref).norm() / ref.norm()).item()
             t = round(graph_time([call], repeat=10)["ms"] * 1e3, 2)
         except Exception as e:  # noqa: BLE001
-            t, err = repr(e)[:80], None
-        rows.append([f"m{bm} n{bn} w{w} st{st}" if bm else "heuristic", t, err])
+            t, err, built = repr(e)[:80], None, None
+        rows.append([f"m{bm} n{bn} w{w} st{st}" if bm else "heuristic", t, err, built])
         print(rows[-1], flush=True)
-    compiled = {str(kk): vv for kk, vv in _compiled(_suffix_kernel._suffix_fwd_kernel).items()}
-    print(compiled)
     # The prefix pass of the same forward: every query of the batch (one node) against the shared P keys.
     p = args.prefix
     kp, vp = rnd(hkv, p, D, gen=gen), rnd(hkv, p, D, gen=gen)
@@ -180,27 +179,36 @@ def sweep_prefill(args, writer, hq, hkv):
         rows.append([f"prefix m{bm} n{bn} w{w} st{st} splits{ns}", t, tflops])
         print(rows[-1], flush=True)
     writer.write({"bench": "probe_prefill_suffix", "heads": args.heads, "batch": b, "suffix": s, "window": lq,
-                  "us": rows, "compiled": compiled})
+                  "us": rows})
 
 
-def _compiled(jit_fn) -> dict:
-    """{(BLOCK sizes, warps, stages): (registers, spills, shared bytes)} of every variant Triton built."""
-    out = {}
+def _kernels(jit_fn) -> dict:
+    """{id: compiled kernel} of every variant Triton has built of ``jit_fn`` in this process ({} if its internals
+    moved)."""
     try:
-        for caches in jit_fn.device_caches.values():
-            for kernel in caches[0].values():
-                kernel._init_handles()
-                c = kernel.src.constants if hasattr(kernel, "src") else {}
-                blocks = tuple(sorted((str(k), v) for k, v in c.items() if "BLOCK" in str(k)))
-                out[(blocks, kernel.metadata.num_warps, kernel.metadata.num_stages)] = (
-                    kernel.n_regs, kernel.n_spills, kernel.metadata.shared)
-    except Exception as err:  # noqa: BLE001 (Triton internals move between versions: report, don't fail)
-        out["error"] = repr(err)
-    return out
+        return {id(k): k for caches in jit_fn.device_caches.values() for k in caches[0].values()}
+    except Exception:  # noqa: BLE001 (Triton internals move between versions: report nothing, don't fail)
+        return {}
+
+
+def _built_during(jit_fn, fn):
+    """``(fn(), [registers, spills, shared bytes] of the variant of jit_fn that fn built, or None)``: the launch
+    choices a row times are the variant it built, so its resources are read from that variant."""
+    before = _kernels(jit_fn)
+    result = fn()
+    new = [k for key, k in _kernels(jit_fn).items() if key not in before]
+    if len(new) != 1:
+        return result, None
+    try:
+        new[0]._init_handles()
+        return result, [new[0].n_regs, new[0].n_spills, new[0].metadata.shared]
+    except Exception:  # noqa: BLE001
+        return result, None
 
 
 def sweep(q, sets, mask, plan, hkv, g, p) -> list:
-    """Each pass alone over launch choices: [(pass, config, us, registers, spills, shared)]."""
+    """Each pass alone over launch choices: [pass, config, us, [registers, spills, shared bytes] of the variant the
+    row built (None when it built none or several)]; the combine rows: [pass, config, us, rel. difference]."""
     from hf_cascade.ops import _prefix_kernel, _suffix_kernel
 
     rows = []
@@ -213,12 +221,13 @@ def sweep(q, sets, mask, plan, hkv, g, p) -> list:
     for bn, w, st in [(16, 1, 2), (16, 2, 2), (32, 1, 2), (32, 2, 2), (32, 4, 2), (32, 2, 3), (32, 4, 3), (64, 2, 2),
                       (64, 4, 2), (64, 4, 3), (64, 4, 1), (128, 4, 1), (128, 4, 2), (128, 8, 2), (32, 1, 4)]:
         try:
-            t = time_us([lambda t=t: launch_suffix(q, t[2], t[3], scale=D**-0.5, mask=mask, causal=False,
-                                                   softcap=None, states=None, block_m=16, block_n=bn, num_warps=w,
-                                                   num_stages=st) for t in sets])
+            t, built = _built_during(_suffix_kernel._suffix_fwd_kernel, lambda bn=bn, w=w, st=st: time_us(
+                [lambda t=t: launch_suffix(q, t[2], t[3], scale=D**-0.5, mask=mask, causal=False, softcap=None,
+                                           states=None, block_m=16, block_n=bn, num_warps=w, num_stages=st)
+                 for t in sets]))
         except Exception as err:  # noqa: BLE001
-            t = repr(err)[:80]
-        rows.append(["suffix", f"m16 n{bn} w{w} st{st}", t])
+            t, built = repr(err)[:80], None
+        rows.append(["suffix", f"m16 n{bn} w{w} st{st}", t, built])
         print(rows[-1], flush=True)
     for bm, bn, w, st, ns in [(64, 64, 4, 3, 8), (64, 32, 4, 3, 8), (64, 32, 4, 2, 8), (64, 64, 4, 2, 8),
                               (64, 32, 4, 3, 16), (128, 64, 8, 3, 16), (128, 32, 8, 3, 16), (128, 64, 8, 2, 16),
@@ -230,11 +239,13 @@ def sweep(q, sets, mask, plan, hkv, g, p) -> list:
         os_, ls_ = partial_strides(po, pl, 1, g, D)
         cfg = (sch, ns, bm, bn, w, st)
         try:
-            t = time_us([lambda t=t, cfg=cfg, po=po, pl=pl, os_=os_, ls_=ls_: launch_prefix(
-                q, t[0], t[1], None, cfg, po, pl, os_, ls_, 0, scale=D**-0.5, softcap=None) for t in sets])
+            t, built = _built_during(_prefix_kernel._prefix_fwd_kernel, lambda cfg=cfg, po=po, pl=pl, os_=os_,
+                                     ls_=ls_: time_us([lambda t=t: launch_prefix(
+                                         q, t[0], t[1], None, cfg, po, pl, os_, ls_, 0, scale=D**-0.5, softcap=None)
+                                         for t in sets]))
         except Exception as err:  # noqa: BLE001
-            t = repr(err)[:80]
-        rows.append(["prefix", f"m{bm} n{bn} w{w} st{st} splits{ns}", t])
+            t, built = repr(err)[:80], None
+        rows.append(["prefix", f"m{bm} n{bn} w{w} st{st} splits{ns}", t, built])
         print(rows[-1], flush=True)
     slots = 9  # 8 KV splits + the suffix, as the step's combine merges
     po = torch.randn((slots, hkv, m_total, D), dtype=torch.float32, device="cuda")
@@ -255,8 +266,6 @@ def sweep(q, sets, mask, plan, hkv, g, p) -> list:
             t, err = repr(e)[:80], None
         rows.append(["combine", f"m{bm} slots/step{sps} w{w}" if bm else "heuristic", t, err])
         print(rows[-1], flush=True)
-    rows.append(["compiled_suffix", {str(k): v for k, v in _compiled(_suffix_kernel._suffix_fwd_kernel).items()}])
-    rows.append(["compiled_prefix", {str(k): v for k, v in _compiled(_prefix_kernel._prefix_fwd_kernel).items()}])
     return rows
 
 

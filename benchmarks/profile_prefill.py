@@ -25,6 +25,7 @@ step. Written per run (``profile_prefill.jsonl``):
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -148,10 +149,26 @@ def _idle_by_phase(events, launches, kernels, t_start) -> dict:
     return {k: [round(v[0], 2), round(v[1], 2), v[2], v[3]] for k, v in out.items()}
 
 
-def mark_phases(model):
-    """Name the host phases of a generate() call in the profiler trace: ``phase:plan`` (hf_cascade's planning, its
-    prefill included), ``phase:prefix_forward`` (the base model run over shared nodes), ``phase:forward`` (each
-    forward of the whole model: generate()'s first forward is the suffix prefill). Returns a function removing them."""
+@contextlib.contextmanager
+def _replaced(owner, name: str, value, hooks=()):
+    """``owner.name`` is ``value`` inside the block (and the forward hooks ``(module, pre, post)`` in ``hooks`` are
+    registered); both undone on the way out."""
+    old = getattr(owner, name)
+    setattr(owner, name, value)
+    handles = [h for module, pre, post in hooks
+               for h in (module.register_forward_pre_hook(pre), module.register_forward_hook(post))]
+    try:
+        yield
+    finally:
+        setattr(owner, name, old)
+        for h in handles:
+            h.remove()
+
+
+def marked_phases(model):
+    """Inside the block, the host phases of a generate() call are named in the profiler trace: ``phase:plan``
+    (hf_cascade's planning, its prefill included), ``phase:prefix_forward`` (the base model run over shared nodes),
+    ``phase:forward`` (each forward of the whole model: generate()'s first forward is the suffix prefill)."""
     import hf_cascade.inputs as inputs
 
     plan = inputs.plan_cascade_batch
@@ -176,15 +193,7 @@ def mark_phases(model):
         if rf is not None:
             rf.__exit__(None, None, None)
 
-    inputs.plan_cascade_batch = planned
-    handles = [model.register_forward_pre_hook(enter), model.register_forward_hook(leave),
-               model.model.register_forward_pre_hook(enter), model.model.register_forward_hook(leave)]
-
-    def remove():
-        inputs.plan_cascade_batch = plan
-        for h in handles:
-            h.remove()
-    return remove
+    return _replaced(inputs, "plan_cascade_batch", planned, [(model, enter, leave), (model.model, enter, leave)])
 
 
 def profile_host_phases(model, call) -> dict:
@@ -211,16 +220,10 @@ def profile_host_phases(model, call) -> dict:
         if state["forwards"] == 1:
             profilers["first_forward"].disable()
 
-    inputs.plan_cascade_batch = planned
-    handles = [model.register_forward_pre_hook(pre), model.register_forward_hook(post)]
-    try:
+    with _replaced(inputs, "plan_cascade_batch", planned, [(model, pre, post)]):
         torch.cuda.synchronize()
         call()
         torch.cuda.synchronize()
-    finally:
-        inputs.plan_cascade_batch = plan
-        for h in handles:
-            h.remove()
     out = {}
     for name, profiler in profilers.items():
         stats = pstats.Stats(profiler, stream=io.StringIO())
@@ -245,13 +248,10 @@ def ab_schedule_copy(call, rounds: int = 4) -> dict:
         return schedule
 
     times = {"queued_s": [], "waiting_s": []}
-    try:
-        for _ in range(rounds):
-            for name, build in (("waiting_s", waiting), ("queued_s", queued)):
-                prefix_attention._build_schedule = build
+    for _ in range(rounds):
+        for name, build in (("waiting_s", waiting), ("queued_s", queued)):
+            with _replaced(prefix_attention, "_build_schedule", build):
                 times[name].append(round(wall_time(call)[0], 4))
-    finally:
-        prefix_attention._build_schedule = queued
     return times
 
 
@@ -285,13 +285,11 @@ def main(argv=None):
 
     for with_stack in (False, True):  # the Python frames cost host time: timings from the first, places from both
         torch.cuda.synchronize()
-        unmark = mark_phases(model)
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA], with_stack=with_stack) as prof:
+        activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+        with marked_phases(model), torch.profiler.profile(activities=activities, with_stack=with_stack) as prof:
             with torch.profiler.record_function("profiled_generate_call"):
                 call()
             torch.cuda.synchronize()
-        unmark()
         with tempfile.TemporaryDirectory() as tmp:
             trace = os.path.join(tmp, "trace.json")
             prof.export_chrome_trace(trace)

@@ -241,4 +241,4 @@ def _token_tuple(row: Sequence[int]) -> tuple[int, ...]:
 
 
 _BLOCK = 256  # tokens per tuple-slice comparison (_TupleRows)
-_TENSOR_BLOCK_ELEMENTS = 1 << 18  # tokens of a group's rows compared per torch comparison (_TensorRows): 2 MiB
+_TENSOR_BLOCK_ELEMENTS = 1 << 18  # tokens of a group's rows compared per numpy comparison (_TensorRows): 2 MiB
