@@ -24,7 +24,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.utils import logging
 
-from hf_cascade.compiled_layers import layer_step_cache, outside_layer_graphs
+from hf_cascade.compiled_layers import layer_step_cache, note_layer_written, outside_layer_graphs
 
 logger = logging.get_logger(__name__)
 
@@ -222,23 +222,25 @@ def cascade_attention_forward(
 def layer_step_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask: torch.Tensor | None, layer_idx: int, scaling: float,
                          softcap: float | None) -> torch.Tensor:
-    """One decoder layer's step inside :func:`~hf_cascade.compiled_layers.compiled_layers`: the new column's KV
-    written into the step's cache (``CascadeCache.update``) and the cascade attention over it, as the eager layer
-    runs them. One op in the layer's graph (no graph break), ``layer_idx`` a symbol, so one compiled graph serves
-    every layer. The cache is the one :func:`compiled_layers` was entered with (the op only runs inside it; its
-    writes are the cache's, which nothing else in the graph reads).
+    """One decoder layer's attention inside :func:`~hf_cascade.compiled_layers.compiled_layers` (a decode step or a
+    prefill forward): the new columns' KV written into the cache (``CascadeCache.update``) and the cascade attention
+    over it, as the eager layer runs them. One op in the layer's graph (no graph break), ``layer_idx`` a symbol, so
+    one compiled graph serves every layer. The cache is the one :func:`compiled_layers` was entered with (the op only
+    runs inside it; its writes are the cache's, which nothing else in the graph reads).
 
     Args:
-        query: ``[batch, num_heads, 1, head_dim]``; key, value: the step's ``[batch, num_kv_heads, 1, head_dim]``.
-        attention_mask: the model's mask for the step, or None.
+        query: ``[batch, num_heads, q_len, head_dim]``; key, value: the new ``[batch, num_kv_heads, q_len, head_dim]``
+            (``q_len`` 1 in a decode step).
+        attention_mask: the model's mask for the forward, or None.
     Returns:
-        ``[batch, 1, num_heads, head_dim]``, contiguous.
+        ``[batch, q_len, num_heads, head_dim]``, contiguous.
     """
     cache = layer_step_cache()
     if cache is None:
         raise RuntimeError("hf_cascade::layer_step_attention runs only inside compiled_layers(model, cache).")
     module = cache.attention_module(layer_idx)  # (the cache checked at prefill that it serves this model)
     keys, values = cache.update(key, value, layer_idx)
+    note_layer_written(layer_idx, key.shape[2])
     out, _ = cascade_attention_forward(module, query, keys, values, attention_mask, scaling=scaling, softcap=softcap)
     return out.contiguous()
 

@@ -28,9 +28,14 @@ import threading
 
 import torch
 
+from transformers.utils import logging
+
 from hf_cascade.step_buffers import model_state
 
-__all__ = ["compiled_layers", "decoder_layers", "layer_compilations", "layer_step_cache", "outside_layer_graphs"]
+logger = logging.get_logger(__name__)
+
+__all__ = ["compiled_forward", "compiled_layers", "compiled_prefills", "decoder_layers", "layer_compilations",
+           "layer_step_cache", "note_layer_written", "outside_layer_graphs"]
 
 
 class _Tracing:
@@ -67,17 +72,27 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
 
 
 class _LayerCalls:
-    """A model's compiled layer calls (one ``torch.compile`` wrapper per layer; dynamo's code cache is shared)."""
+    """A model's compiled layer calls (one ``torch.compile`` wrapper per layer; dynamo's code cache is shared):
+    ``calls`` for the decode step (shapes static), ``dynamic_calls`` for the prefill forwards (batch and length
+    symbolic: every layout's prefix and first forward run one graph)."""
 
     def __init__(self):
         self.calls: list | None = None
+        self.dynamic_calls: list | None = None
         self.lock = threading.Lock()
         self.entered = 0  # steps run or recorded with the compiled layers
+        self.prefills = 0  # prefill forwards run with the compiled layers
+        self.prefill_failed = False  # compiling the prefill's layers failed once: they run eagerly from then on
 
 
 def layer_compilations(model: torch.nn.Module) -> int:
     """How many steps of ``model`` ran (or were recorded) with its decoder layers compiled, in this process."""
     return model_state(model, _LayerCalls).entered
+
+
+def compiled_prefills(model: torch.nn.Module) -> int:
+    """How many prefill forwards of ``model`` ran with its decoder layers compiled (:func:`compiled_forward`)."""
+    return model_state(model, _LayerCalls).prefills
 
 
 # The layer index as dynamo names it (``L['self']._modules['self_attn'].layer_idx`` for Llama), a regex.
@@ -94,30 +109,86 @@ def _layer_index_symbolic():
     return config.patch(dynamic_sources=_LAYER_INDEX_SOURCES)
 
 
+def _recompile_limit():
+    """Room for the graphs one model's layers compile (the decode step per batch bucket, the prefill's few shape
+    specialisations): dynamo counts them per code object, and every layer's call is ``Module._call_impl``."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    if getattr(config, name, 0) >= 64:
+        return contextlib.nullcontext()
+    return config.patch(**{name: 64})
+
+
 @contextlib.contextmanager
-def compiled_layers(model: torch.nn.Module, cache):
-    """Run the forwards inside with ``model``'s decoder layers compiled (see the module docstring), for decode steps
-    on ``cache`` (the :class:`~hf_cascade.cache.CascadeCache` the attention op writes and reads). Does nothing for a
-    model without a ``layers`` list. One thread at a time (a second thread waits): the layers' compiled calls are
-    set on the model's modules."""
+def compiled_layers(model: torch.nn.Module, cache, dynamic: bool = False):
+    """Run the forwards inside with ``model``'s decoder layers compiled (see the module docstring), for forwards on
+    ``cache`` (the :class:`~hf_cascade.cache.CascadeCache` the attention op writes and reads). ``dynamic=False``:
+    the decode step (shapes specialised, recorded into a CUDA graph by the caller); ``dynamic=True``: the prefill
+    forwards (batch and length symbolic, one graph for every layout's lengths). Does nothing for a model without a
+    ``layers`` list. One thread at a time (a second thread waits): the layers' compiled calls are set on the model's
+    modules."""
     layers = decoder_layers(model)
     if layers is None:
         yield False
         return
     state = model_state(model, _LayerCalls)
     with state.lock:
-        if state.calls is None:
-            state.calls = [torch.compile(layer._call_impl) for layer in layers]
-        calls = state.calls
-        state.entered += 1
-    with _ACTIVE_LOCK, torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True), _layer_index_symbolic():
+        if dynamic:
+            if state.dynamic_calls is None:
+                state.dynamic_calls = [torch.compile(layer._call_impl, dynamic=True) for layer in layers]
+            calls = state.dynamic_calls
+        else:
+            if state.calls is None:
+                state.calls = [torch.compile(layer._call_impl) for layer in layers]
+            calls = state.calls
+            state.entered += 1
+    with _ACTIVE_LOCK, torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True), _layer_index_symbolic(), \
+            _recompile_limit():
         previous = [layer._compiled_call_impl for layer in layers], _TRACING.active, layer_step_cache()
+        previous_written = getattr(_STEP, "written", None)
         for layer, call in zip(layers, calls):  # (entered again: all restored on the way out)
             layer._compiled_call_impl = call
-        _TRACING.active, _STEP.cache = True, cache
+        _TRACING.active, _STEP.cache, _STEP.written = True, cache, []
         try:
             yield True
         finally:
-            _TRACING.active, _STEP.cache = previous[1], previous[2]
+            _TRACING.active, _STEP.cache, _STEP.written = previous[1], previous[2], previous_written
             for layer, impl in zip(layers, previous[0]):
                 layer._compiled_call_impl = impl
+
+
+def note_layer_written(layer_idx: int, tokens: int) -> None:
+    """Called by the attention op of a compiled layer after it wrote ``tokens`` new columns of the layer's KV into the
+    cache (so that a forward that fails part-way can take exactly those writes back, see :func:`compiled_forward`)."""
+    written = getattr(_STEP, "written", None)
+    if written is not None:
+        written.append((layer_idx, tokens))
+
+
+def compiled_forward(model: torch.nn.Module, cache, forward):
+    """``forward()`` (a prefill forward of ``model`` on ``cache``: one model call) with the
+    decoder layers compiled with symbolic shapes: the model's own small kernels (norms, rotary, activations,
+    residual adds) fused, as in the decode step; one compilation per model serves every layout's prefix and first
+    forward. If compiling fails, the layers that already wrote this forward's KV take it back (``crop``), a
+    warning says why, and the forward runs eagerly (and does from then on for this model: a compiler error stays
+    one). Returns what ``forward()`` returns."""
+    state = model_state(model, _LayerCalls)
+    if state.prefill_failed or decoder_layers(model) is None:
+        return forward()
+    written: list[tuple[int, int]] = []
+    try:
+        with compiled_layers(model, cache, dynamic=True):
+            written = _STEP.written
+            out = forward()
+        with state.lock:
+            state.prefills += 1
+        return out
+    except Exception as err:  # noqa: BLE001 (a compiler error: the eager layers compute the same forward)
+        for layer_idx, tokens in written:
+            cache.layers[layer_idx].crop(tokens)
+        if isinstance(err, torch._dynamo.exc.TorchDynamoException):
+            with state.lock:
+                state.prefill_failed = True
+            logger.warning_once(f"hf_cascade: compiling this model's decoder layers for the prefill failed "
+                                f"({type(err).__name__}: {str(err)[:300]}); the prefill runs them eagerly.")
+        return forward()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from hf_cascade.attention import ALWAYS_BUILD_DECODE_MASK
+from hf_cascade.compiled_layers import compiled_forward
 from hf_cascade.transformers_compat import CACHE_KWARG
 
 
@@ -67,6 +68,7 @@ def sample(
     streamer=None,
     defer_stop_check: bool | None = None,
     decode_step: str = "compile",
+    compile_prefill: bool = False,
     **model_kwargs,
 ):
     """transformers' ``_sample`` (greedy search or multinomial sampling) with the stop check deferred on CUDA.
@@ -84,6 +86,9 @@ def sample(
             :mod:`hf_cascade.compiled_layers`), ``"graphs"`` (the eager step recorded, no compilation:
             :mod:`hf_cascade.captured_step`) or ``"eager"``. Other caches and devices: transformers' choice
             (``"layers"`` and ``"graphs"`` are ``"compile"`` there).
+        compile_prefill: run the first forward with the decoder layers compiled for any batch and length
+            (:func:`~hf_cascade.compiled_layers.compiled_forward`) when the cache is a
+            :class:`~hf_cascade.cache.CascadeCache` and the prefill is not chunked.
         model_kwargs: generate()'s model kwargs (the cache, ``attention_mask``, ``use_cache``, ...).
     Returns:
         ``[B, L + new]`` int64, or a ``GenerateDecoderOnlyOutput`` when ``return_dict_in_generate``; as ``_sample``.
@@ -110,7 +115,7 @@ def sample(
     if pad_token_id is not None:
         pad_token_id = pad_token_id.to(input_ids.device)
     model_forward = _decode_forward(model, model_kwargs, generation_config, decode_step)
-    outputs = model._prefill(input_ids, generation_config, model_kwargs, is_first_iteration=True)
+    outputs = _first_forward(model, input_ids, generation_config, model_kwargs, compile_prefill)
     if defer_stop_check is None:
         defer_stop_check = input_ids.device.type == "cuda"
     stop = _StopFlag(input_ids.device, defer_stop_check)
@@ -163,6 +168,20 @@ def sample(
             **{CACHE_KWARG: cache},
         )
     return input_ids
+
+
+def _first_forward(model, input_ids, generation_config, model_kwargs: dict, compile_prefill: bool):
+    """generate()'s first forward (``model._prefill``), with the decoder layers compiled where asked and possible."""
+    from hf_cascade.cache import CascadeCache
+
+    def forward():
+        return model._prefill(input_ids, generation_config, model_kwargs, is_first_iteration=True)
+
+    cache = model_kwargs.get(CACHE_KWARG)
+    if (not compile_prefill or not isinstance(cache, CascadeCache)
+            or getattr(generation_config, "prefill_chunk_size", None) is not None):  # (chunks: one forward each)
+        return forward()
+    return compiled_forward(model, cache, forward)
 
 
 def _decode_forward(model, model_kwargs: dict, generation_config, decode_step: str):

@@ -45,7 +45,7 @@ DEFAULT_DECODE_STEP = "auto"
 # 52-66 s.
 _OPTIONS = {
     "min_shared_tokens", "min_rows", "max_levels", "cost_model", "fixed_buffers", "batch_buckets", "defer_stop_check",
-    "decode_step",
+    "decode_step", "compile_prefill",
 }
 _DECODE_STEPS = ("auto", "compile", "layers", "graphs", "eager")
 
@@ -84,7 +84,11 @@ def generate(
             decoder layers compiled once per model for all layers and layouts: :mod:`hf_cascade.compiled_layers`),
             ``"graphs"`` (the eager step recorded, no compilation: :mod:`hf_cascade.captured_step`),
             ``"compile"`` (transformers' compiled step: as fast as ``"layers"`` after a compilation of about a
-            minute for an 8B model), ``"eager"``, or ``"auto"`` (default): ``"layers"``.
+            minute for an 8B model), ``"eager"``, or ``"auto"`` (default): ``"layers"``. ``compile_prefill``: run
+            the prefill forwards (each shared segment's, then the rows' first forward) with the decoder layers
+            compiled for any batch and length (:func:`~hf_cascade.compiled_layers.compiled_forward`: one
+            compilation per model fuses the model's norms, rotary and activations). None (default): where the
+            decode step is ``"layers"``; True (any device); False.
         model_kwargs: generate()'s model kwargs (``attention_mask`` ``[B * n, L]``, ``position_ids``,
             the cache (``past_key_values``, ``cache`` from transformers 5.24), ...).
     Returns:
@@ -124,10 +128,18 @@ def generate(
 
     defer = options.pop("defer_stop_check", None)
     decode_step = options.pop("decode_step", DEFAULT_DECODE_STEP)
-    if method_name == "_sample":  # transformers' loop, without a wait for the GPU at every step
-        if decode_step == "auto":
-            decode_step = "layers"
-        decode = functools.partial(sample, defer_stop_check=defer, decode_step=decode_step)
+    compile_prefill = options.pop("compile_prefill", None)
+    if compile_prefill not in (None, True, False):
+        raise ValueError(f"`cascade_options['compile_prefill']` must be None, True or False; got {compile_prefill!r}.")
+    compiles = _compiles_decode(model, input_ids, generation_config, method_name)
+    if method_name == "_sample" and decode_step == "auto":
+        decode_step = "layers"
+
+    def prefill_compiled(fixed: bool) -> bool:  # by default with the compiled decode step: its prefill graph alongside
+        if compile_prefill is not None:
+            return compile_prefill
+        return bool(fixed and decode_step == "layers" and compiles and not _offloaded(model))
+
     attention_mask = model_kwargs.get("attention_mask")
     if attention_mask is None:  # transformers >= 5.18 drops an all-ones mask
         attention_mask = torch.ones_like(input_ids)
@@ -141,7 +153,6 @@ def generate(
 
         fixed = options.pop("fixed_buffers", None)
         buckets = options.pop("batch_buckets", None)
-        compiles = _compiles_decode(model, input_ids, generation_config, method_name)
         if fixed is None:  # compiled decode by default where transformers compiles it (CUDA, greedy/sampling)
             fixed = compiles or (user_cache is not None and user_cache.max_suffix_length is not None)
         rows, bucket = input_ids.shape[0], batch_bucket(input_ids.shape[0])
@@ -154,7 +165,7 @@ def generate(
             plan_ids, plan_mask = (_add_rows(t, bucket, rows) for t in (input_ids, attention_mask))
         cache, planned_ids, attention_mask = plan_cascade_batch(
             model, plan_ids, plan_mask, prefix_cache=user_cache, max_new_tokens=max_new_tokens,
-            fixed_buffers=fixed, bucket_buffers=fixed, **options,
+            fixed_buffers=fixed, bucket_buffers=fixed, compile_layers=prefill_compiled(fixed), **options,
         )
         if cache is None:  # nothing worth sharing: generate()'s own cache and rows, untouched
             return _run(getattr(type(model), method_name), model, input_ids, logits_processor, stopping_criteria,
@@ -168,6 +179,9 @@ def generate(
             position_ids = attention_mask.long().cumsum(-1) - 1
             model_kwargs["position_ids"] = position_ids.masked_fill(attention_mask == 0, 1)
     model_kwargs[CACHE_KWARG] = cache
+    if method_name == "_sample":  # transformers' loop, without a wait for the GPU at every step
+        decode = functools.partial(sample, defer_stop_check=defer, decode_step=decode_step,
+                                   compile_prefill=prefill_compiled(cache.max_suffix_length is not None))
     if cache is not user_cache:
         # Padding levels let one compiled graph serve trees of 1-4 levels; a recorded step (CUDA) is recorded per
         # tree and launches for its real levels only.
@@ -240,6 +254,12 @@ def _compiles_decode(model, input_ids, generation_config, method_name: str) -> b
     compile_config = getattr(generation_config, "compile_config", None)
     all_devices = bool(getattr(compile_config, "_compile_all_devices", False))
     return model.device.type == "cuda" or all_devices
+
+
+def _offloaded(model) -> bool:
+    """Part of the model offloaded to the CPU or disk (transformers does not compile such a model's step)."""
+    devices = set(getattr(model, "hf_device_map", {}).values())
+    return "disk" in devices or ("cpu" in devices and len(devices) > 1)
 
 
 def _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs):

@@ -121,6 +121,7 @@ def plan_cascade_batch(
     max_new_tokens: int | None = None,
     fixed_buffers: bool = False,
     bucket_buffers: bool = False,
+    compile_layers: bool = False,
 ) -> tuple[CascadeCache | None, torch.Tensor, torch.Tensor]:
     """Find what the rows share, prefill each shared segment once, and build the cache for the user's own rows.
 
@@ -137,6 +138,8 @@ def plan_cascade_batch(
         max_new_tokens: the new tokens generate() will add (sizes fixed buffers; informs the cost model).
         fixed_buffers: keep suffixes in fixed buffers of ``sw + max_new_tokens`` columns (compileable).
         bucket_buffers: round that up (:func:`suffix_capacity`), so that calls of one bucket reuse buffers.
+        compile_layers: prefill the shared segments with the decoder layers compiled for any length (see
+            :func:`~hf_cascade.compiled_layers.compiled_forward`).
     Returns:
         ``(cache, input_ids, attention_mask)``: ``cache`` is None when no segment is worth sharing (the caller then
         runs plain attention); the ids and mask are the user's, right padding moved to the front of each row.
@@ -168,7 +171,8 @@ def plan_cascade_batch(
         [(node.tokens, node.parent if level else (0 if base_levels else None), offset + node.start) for node in nodes]
         for level, nodes in enumerate(tree.levels)
     ]
-    levels = prefill_levels(model, node_levels, base_levels, base_parents, cache_class=CascadeCache)
+    levels = prefill_levels(model, node_levels, base_levels, base_parents, cache_class=CascadeCache,
+                            compile_layers=compile_layers)
 
     num_base = len(base_levels)
     row_nodes = torch.full((len(levels), batch), -1, dtype=torch.int64)

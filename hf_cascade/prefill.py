@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from hf_cascade.compiled_layers import compiled_forward
 from hf_cascade.ops._backend import host_to_device
 from hf_cascade.transformers_compat import CACHE_KWARG
 
@@ -92,6 +93,7 @@ def prefill_levels(
     base_parents: Sequence[Sequence[int | None]] = (),
     *,
     cache_class,
+    compile_layers: bool = False,
 ) -> list:
     """Run the model over every node once and return the packed :class:`PrefixLevel` list.
 
@@ -101,6 +103,8 @@ def prefill_levels(
         base_levels: already-prefilled levels the new ones hang below (their parents index into them).
         base_parents: the parent index of each node of ``base_levels``.
         cache_class: :class:`~hf_cascade.cache.CascadeCache` (passed in: the cache imports this module).
+        compile_layers: run each level's forward with the decoder layers compiled for any length
+            (:func:`~hf_cascade.compiled_layers.compiled_forward`; eager where compiling fails).
     Returns:
         ``base_levels`` followed by the new levels.
     """
@@ -134,13 +138,14 @@ def prefill_levels(
         input_ids, attention_mask, position_ids = (
             part.view(rows, -1) for part in host_to_device(torch.from_numpy(packed), device).split(sizes)
         )
-        base_model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            use_cache=True,
-            **{CACHE_KWARG: cache},
-        )
+        def forward(cache=cache, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids):
+            return base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                              use_cache=True, **{CACHE_KWARG: cache})
+
+        if compile_layers:
+            compiled_forward(model, cache, forward)
+        else:
+            forward()
         keys, values = _pack_layers([layer.keys for layer in cache.layers], lengths), \
             _pack_layers([layer.values for layer in cache.layers], lengths)
         starts = [0]

@@ -166,6 +166,72 @@ def test_compiled_layers_path_matches_reference_and_compiles_once(family):
     assert 0 < frames[0] <= 2 and frames[1:] == [0, 0, 0], frames
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_compiled_prefill_matches_reference_and_compiles_per_model(family):
+    """cascade_options compile_prefill=True (the CUDA default with the compiled decode step; forced here on CPU):
+    every shared segment's forward and the rows' first forward run with the decoder layers compiled for any batch
+    and length (hf_cascade.compiled_layers.compiled_forward). fp32 tokens and logits equal the reference for trees of
+    1-3 levels, padded rows included; the graphs compiled for the first layouts serve the last ones."""
+    from torch._dynamo.utils import counters
+
+    from hf_cascade.compiled_layers import compiled_prefills
+    from test_compiled_generate import LAYOUT_STREAM
+
+    ref, cas = model_pair(family, num_hidden_layers=3)
+    gen = dict(max_new_tokens=4, min_new_tokens=4, pad_token_id=0, do_sample=False, return_dict_in_generate=True,
+               output_logits=True)
+    graphs, prefills = [], []
+    for seed, (levels, own) in enumerate(LAYOUT_STREAM[:4] + LAYOUT_STREAM[:2]):
+        ids, mask = pad_batch(tree_prompts(levels, own, rows=6, seed=110 + seed))
+        before = compiled_prefills(cas)
+        caches = []
+        got = cas.generate(ids, attention_mask=mask, custom_generate=hf_cascade.generate, cascade_caches=caches,
+                           disable_compile=True, cascade_options=dict(min_shared_tokens=2, cost_model=None,
+                                                                      fixed_buffers=True, compile_prefill=True), **gen)
+        want = ref.generate(ids, attention_mask=mask, **gen)
+        assert torch.equal(got.sequences, want.sequences), seed
+        for w, g in zip(want.logits, got.logits):
+            torch.testing.assert_close(g, w, atol=1e-4, rtol=0)
+        prefills.append(compiled_prefills(cas) - before)
+        assert prefills[-1] == caches[0].num_levels + 1, (seed, prefills)  # each level's forward + the first forward
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[-2:] == [graphs[3]] * 2, f"layouts seen before compiled again: {graphs}"
+
+
+def test_compiled_prefill_failure_loses_nothing(monkeypatch):
+    """A compiler error at the last layer of a compiled prefill forward (after the other layers wrote their KV): those
+    writes are taken back, the forward runs eagerly, the tokens are exact, and this model's prefill stays eager."""
+    import torch._dynamo.exc
+
+    import hf_cascade.compiled_layers as compiled
+
+    ref, cas = model_pair("llama", num_hidden_layers=3)
+    real = compiled.compiled_layers
+    calls = []
+
+    @contextlib.contextmanager
+    def failing_at_the_last_layer(model, cache, dynamic=False):
+        with real(model, cache, dynamic) as entered:
+            calls.append(dynamic)
+            if len(calls) == 2:  # the second prefill forward (the first is the first level's)
+                def fail(*args, **kwargs):
+                    raise torch._dynamo.exc.InternalTorchDynamoError("injected compiler error")
+
+                model.model.layers[-1]._compiled_call_impl = fail
+            yield entered
+
+    monkeypatch.setattr(compiled, "compiled_layers", failing_at_the_last_layer)
+    ids, mask = pad_batch(make_prompts(seed=56, system=37, block=19, groups=2, per_group=3))
+    gen = dict(max_new_tokens=5, min_new_tokens=5, pad_token_id=0, do_sample=False)
+    options = dict(min_shared_tokens=2, cost_model=None, fixed_buffers=True, compile_prefill=True)
+    for _ in range(2):
+        got = cas.generate(ids, attention_mask=mask, custom_generate=hf_cascade.generate, disable_compile=True,
+                           cascade_options=options, **gen)
+        assert torch.equal(got, ref.generate(ids, attention_mask=mask, **gen))
+    assert calls == [True, True], calls  # the second call's prefill ran eagerly (no compiled_layers entered)
+    assert compiled.model_state(cas, compiled._LayerCalls).prefill_failed
+
+
 def test_host_length_follows_steps_that_ran_no_python():
     """A replayed step writes its column on the device only (each layer's device count goes up by one, and no
     Python runs): begin_static_step, called before every recorded or replayed step, makes the host count read the

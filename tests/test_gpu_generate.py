@@ -343,15 +343,15 @@ def test_gpu_compiled_layers_failure_loses_nothing(monkeypatch):
     real = captured_step.compiled_layers
 
     @contextlib.contextmanager
-    def failing_at_the_last_layer(model):
+    def failing_at_the_last_layer(model, cache, dynamic=False):
         last = model.model.layers[-1]
 
         def fail(*args, **kwargs):
             raise RuntimeError("injected compiler error")
 
-        with real(model):
+        with real(model, cache, dynamic) as entered:
             last._compiled_call_impl = fail
-            yield True
+            yield entered
 
     monkeypatch.setattr(captured_step, "compiled_layers", failing_at_the_last_layer)
     ids, mask = (t.cuda() for t in pad_batch(make_prompts(seed=55, system=37, block=19, groups=2, per_group=3)))
