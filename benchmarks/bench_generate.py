@@ -13,7 +13,9 @@ no further from sdpa's than transformers' eager attention's are (``bf16_logits_g
     python benchmarks/bench_generate.py --workload stream --stream-process-per-peer  # each peer in a new process
 
 hf_cascade's one-argument peers: ``cascade_generate`` (the default, ``decode_step="auto"``: decode steps replayed
-from recorded CUDA graphs), ``cascade_generate_graphs`` and ``cascade_generate_compile`` (``decode_step`` named).
+from recorded CUDA graphs, the prefill forwards with compiled layers), ``cascade_generate_graphs`` and
+``cascade_generate_compile`` (``decode_step`` named), ``cascade_generate_eager_prefill`` (the default with
+``compile_prefill=False``: the prefill forwards eager).
 
 Sampling workloads (``--workload nsamples grpo``): ``nsamples`` is 1 prompt of 4096 tokens x 32 samples, 64 new
 tokens; ``grpo`` is 16 prompts (a shared 256-token system prompt + 512 own tokens) x 8 samples, 128 new tokens. The
@@ -30,6 +32,7 @@ import time
 PROCESS_STARTED = time.perf_counter()  # before torch's import: a stream record's process_s counts everything
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import gc  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
@@ -134,21 +137,24 @@ def run_cascade(model, ids, mask, new_tokens, compiled=False):
 
 
 # hf_cascade.generate peers: the default, and each decode step (cascade_options["decode_step"]) named
-CASCADE_GENERATE_PEERS = {"cascade_generate": None, "cascade_generate_compile": "compile",
-                          "cascade_generate_graphs": "graphs", "cascade_generate_layers": "layers"}
+# peer -> cascade_options (None: the default path)
+CASCADE_GENERATE_PEERS = {"cascade_generate": None, "cascade_generate_compile": {"decode_step": "compile"},
+                          "cascade_generate_graphs": {"decode_step": "graphs"},
+                          "cascade_generate_layers": {"decode_step": "layers"},
+                          "cascade_generate_eager_prefill": {"compile_prefill": False}}
 
 
-def _decode_step_options(decode_step):
-    return None if decode_step is None else {"decode_step": decode_step}
+def _options_name(options: dict | None) -> str:
+    return "default" if not options else ",".join(f"{k}={v}" for k, v in sorted(options.items()))
 
 
-def run_cascade_generate(model, ids, mask, new_tokens, decode_step=None):
+def run_cascade_generate(model, ids, mask, new_tokens, options=None):
     """The user's own generate() call + ``custom_generate=hf_cascade.generate`` (planning and prefill included);
-    ``decode_step``: ``cascade_options["decode_step"]`` (None: the default)."""
+    ``options``: its ``cascade_options`` (None: the default)."""
     model.set_attn_implementation("cascade")
     caches = []
     gen = dict(do_sample=False, pad_token_id=0, custom_generate=hf_cascade.generate, cascade_caches=caches,
-               cascade_options=_decode_step_options(decode_step))
+               cascade_options=options)
     reset_memory()
     t_first, _ = wall_time(lambda: model.generate(ids, attention_mask=mask, max_new_tokens=1, **gen))
     t_all, out = wall_time(lambda: model.generate(
@@ -156,7 +162,8 @@ def run_cascade_generate(model, ids, mask, new_tokens, decode_step=None):
     ))
     return {
         **step_timings(t_first, t_all, new_tokens),
-        "decode_step": decode_step or "default",
+        "decode_step": (options or {}).get("decode_step", "default"),
+        "cascade_options": _options_name(options),
         "kv_gib": caches[-1].nbytes / 2**30,
         "new_tokens": out[:, ids.shape[1] :],
     }
@@ -477,7 +484,7 @@ def _stream_pass(args, writer, model, batches, stream_pass: int, counters) -> No
                     t, compile_s, _ = timed_with_compile_breakdown(lambda: model.generate(
                         ids, attention_mask=mask, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
                         do_sample=False, pad_token_id=0, custom_generate=hf_cascade.generate, cascade_caches=caches,
-                        cascade_options=_decode_step_options(CASCADE_GENERATE_PEERS[peer]),
+                        cascade_options=CASCADE_GENERATE_PEERS[peer],
                     ))
                     compile_per_batch.append(compile_s)
                     variants.append(triton_variants())
@@ -501,7 +508,8 @@ def _stream_pass(args, writer, model, batches, stream_pass: int, counters) -> No
         if split:
             record["sdpa_parts_per_batch"] = split
         if peer in CASCADE_GENERATE_PEERS:
-            record["decode_step"] = CASCADE_GENERATE_PEERS[peer] or "default"
+            record["decode_step"] = (CASCADE_GENERATE_PEERS[peer] or {}).get("decode_step", "default")
+            record["cascade_options"] = _options_name(CASCADE_GENERATE_PEERS[peer])
         if compile_per_batch:  # torch.compile phases per batch (the rest of a compiling batch: Triton, cudagraphs)
             record["compile_s_per_batch"] = compile_per_batch
             record["triton_variants_after_batch"] = variants  # hf_cascade's Triton kernels built so far
@@ -593,10 +601,8 @@ def main(argv=None):
 
     runners = {
         "cascade": run_cascade,
-        "cascade_generate": run_cascade_generate,
-        "cascade_generate_compile": lambda *a: run_cascade_generate(*a, decode_step="compile"),
-        "cascade_generate_graphs": lambda *a: run_cascade_generate(*a, decode_step="graphs"),
-        "cascade_generate_layers": lambda *a: run_cascade_generate(*a, decode_step="layers"),
+        **{peer: functools.partial(run_cascade_generate, options=options)
+           for peer, options in CASCADE_GENERATE_PEERS.items()},
         "cascade_compiled": lambda *a: run_cascade(*a, compiled=True),
         "sdpa": run_sdpa,
         "sdpa_compiled": lambda *a: run_sdpa(*a, compiled=True),
