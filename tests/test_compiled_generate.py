@@ -172,7 +172,9 @@ MAX_NEW_STREAM = 60
 def test_one_argument_path_compiles_once_for_new_layouts():
     """custom_generate=hf_cascade.generate with fixed buffers (the CUDA default; here forced on CPU): batches with
     other sharing trees (1-3 levels, other lengths and nodes, another buffer bucket) reuse the compiled step; only
-    the batch size makes another graph (as transformers' static cache does for a new size)."""
+    the batch size makes another graph (as transformers' static cache does for a new size). The prefill forwards
+    (compiled with the compiled step) compile once per kind of forward (one row or several, with or without a
+    padding mask), which the first two layouts show: the later ones compile nothing."""
     from torch._dynamo.utils import counters
 
     ref, cas = model_pair("llama")
@@ -189,7 +191,7 @@ def test_one_argument_path_compiles_once_for_new_layouts():
         assert torch.equal(got, ref.generate(ids, attention_mask=mask, **gen)), seed
         graphs.append(counters["stats"]["unique_graphs"])
     assert {levels for levels, _ in shapes} == {1, 2, 3} and len({cap for _, cap in shapes}) == 2, shapes
-    assert graphs[-1] == graphs[0], f"a new layout recompiled: unique graphs after each batch {graphs}"
+    assert len(set(graphs[1:])) == 1, f"a new layout recompiled: unique graphs after each batch {graphs}"
 
 
 def test_one_argument_path_reuses_its_buffers_across_calls():

@@ -312,7 +312,9 @@ def test_gpu_compiled_layers_decode_step_matches_reference(family, mode):
 
 def test_gpu_compiled_layers_compile_once_for_a_stream_of_layouts():
     """decode_step="layers" over batches with other sharing trees (1-3 levels, another buffer bucket): exact tokens;
-    the layers compile for the first batch only (one layer's code serves every layer and every layout)."""
+    the decode step's layers compile for the first batch only (one layer's code serves every layer and every
+    layout), the prefill's once per kind of forward (one row or several, with or without a padding mask: the first
+    two layouts show them all); later layouts compile nothing."""
     from torch._dynamo.utils import counters
 
     from test_compiled_generate import LAYOUT_STREAM, MAX_NEW_STREAM
@@ -327,7 +329,7 @@ def test_gpu_compiled_layers_compile_once_for_a_stream_of_layouts():
                            cascade_options=_layers_options(), **gen)
         assert torch.equal(got, ref.generate(ids, attention_mask=mask, **gen)), seed
         graphs.append(counters["stats"]["unique_graphs"])
-    assert len(set(graphs)) == 1, f"graphs compiled after the first batch: {graphs}"
+    assert len(set(graphs[1:])) == 1, f"graphs compiled after the second batch: {graphs}"
 
 
 def test_gpu_compiled_layers_failure_loses_nothing(monkeypatch):
