@@ -119,6 +119,40 @@ def _recompile_limit():
     return config.patch(**{name: 64})
 
 
+# A decoder layer's tensor inputs in a prefill forward, by keyword, and their dims that change between forwards (the
+# batch, the new tokens, the keys): every other size (hidden size, head dim, heads) stays a constant of the graph.
+_VARYING_DIMS = {"hidden_states": (0, 1), "position_embeddings": (0, 1), "position_ids": (0, 1),
+                 "attention_mask": (0, 2, 3), "cache_position": (0,)}
+
+
+def _mark_varying(value, dims) -> None:
+    if isinstance(value, torch.Tensor):
+        for dim in dims:
+            if dim < value.dim():
+                torch._dynamo.maybe_mark_dynamic(value, dim)
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            _mark_varying(item, dims)
+
+
+def _with_symbolic_lengths(compiled):
+    """``compiled`` (a decoder layer's compiled call) with its inputs' batch and length dims marked dynamic before
+    each call: one prefill graph for every batch, length and prefix size. Not ``torch.compile(dynamic=True)``, which
+    makes every size symbolic, the module's int attributes too (the head dim, with ``allow_unspec_int_on_nn_module``):
+    its kernels then index with divisions by runtime values (the rotary kernel ran 4x slower, H100)."""
+
+    def call(*args, **kwargs):
+        if args:
+            _mark_varying(args[0], _VARYING_DIMS["hidden_states"])
+        for name, value in kwargs.items():
+            dims = _VARYING_DIMS.get(name)
+            if dims is not None:
+                _mark_varying(value, dims)
+        return compiled(*args, **kwargs)
+
+    return call
+
+
 @contextlib.contextmanager
 def compiled_layers(model: torch.nn.Module, cache, dynamic: bool = False):
     """Run the forwards inside with ``model``'s decoder layers compiled (see the module docstring), for forwards on
@@ -135,7 +169,7 @@ def compiled_layers(model: torch.nn.Module, cache, dynamic: bool = False):
     with state.lock:
         if dynamic:
             if state.dynamic_calls is None:
-                state.dynamic_calls = [torch.compile(layer._call_impl, dynamic=True) for layer in layers]
+                state.dynamic_calls = [_with_symbolic_lengths(torch.compile(layer._call_impl)) for layer in layers]
             calls = state.dynamic_calls
         else:
             if state.calls is None:
