@@ -806,7 +806,9 @@ class CascadeCache(Cache):
             self._op_inputs = self._plan.op_inputs(query[:, :, -1:], key,
                                                    [slot[layer_idx] for slot in self._compiled_prefix[0]],
                                                    buffers=self._step_buffers)
+        # Fixed buffers: the kernels read the suffix only as far as it is written (the mask hides the rest anyway).
+        written = layer.cumulative_length if isinstance(layer, _StaticSuffixLayer) and layer.is_initialized else None
         return cascade_attention_planned(
             query, key, value, prefix_keys, prefix_values, self._plan, scale=scaling, mask=attention_mask,
-            softcap=softcap,
+            softcap=softcap, key_length=written,
         )

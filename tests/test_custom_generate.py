@@ -305,3 +305,24 @@ def test_decode_step_option_is_checked():
     with pytest.raises(ValueError, match=r"decode_step.*'layers'.*'graphs'.*'fast'"):
         cas.generate(ids, attention_mask=mask, max_new_tokens=2, custom_generate=hf_cascade.generate,
                      cascade_options=dict(decode_step="fast"))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("chunks", [4, 16])
+def test_greedy_tokens_equal_argmax_of_the_fp32_copy(dtype, chunks):
+    """hf_cascade's greedy loop reads the token from the logits as they are, in two reductions (chunk maxima, then
+    the first chunk holding the row's maximum): the same index as ``argmax`` of the fp32 copy, ties (the first
+    index) and NaN (the maximum) included."""
+    from hf_cascade.decoding import greedy_tokens
+
+    g = torch.Generator().manual_seed(5)
+    for trial in range(50):
+        logits = (torch.randn(7, 1024, generator=g) * 2).round().to(dtype)  # few distinct values: many ties
+        if trial % 5 == 0:
+            logits[trial % 7, 700] = float("nan")
+            logits[trial % 7, 900] = float("nan")
+        if trial % 7 == 0:
+            logits[3] = 1.0  # a row of equal values
+        want = torch.argmax(logits.float(), dim=-1)
+        assert torch.equal(greedy_tokens(logits, chunks), want), trial
+    assert torch.equal(greedy_tokens(logits), want)  # the default on this device

@@ -362,3 +362,19 @@ def test_gpu_compiled_layers_failure_loses_nothing(monkeypatch):
                        cascade_options=_layers_options(), **gen)
     assert torch.equal(got, ref.generate(ids, attention_mask=mask, **gen))
     assert captured_step._model_graphs(cas).layers_failed
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_greedy_tokens_equal_argmax(dtype):
+    """On CUDA the greedy loop's two-reduction argmax (hf_cascade.decoding.greedy_tokens) picks the index argmax of
+    the fp32 copy picks: Llama-3's vocabulary (128256 = 16 chunks), ties and NaN included."""
+    from hf_cascade.decoding import greedy_tokens
+
+    g = torch.Generator(device="cuda").manual_seed(6)
+    for trial in range(20):
+        logits = (torch.randn(32, 128256, device="cuda", generator=g) * 3).round().to(dtype)
+        if trial % 4 == 0:
+            logits[trial % 32, 100_000] = float("nan")
+            logits[trial % 32, 5] = float("nan")
+        want = torch.argmax(logits.float(), dim=-1)
+        assert torch.equal(greedy_tokens(logits), want), trial

@@ -187,6 +187,50 @@ def test_fused_twice_same_bits():
     torch.testing.assert_close(again_out, ref_out, atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("backend", [*BACKENDS, pytest.param("two-pass", marks=needs_triton)])
+@pytest.mark.parametrize("lq", [1, 3])
+@pytest.mark.parametrize("masked", [False, True])
+def test_key_length_hides_unwritten_keys(backend, lq, masked):
+    """Fixed buffers: the first ``key_length`` suffix keys are written, the rest of the capacity is not; those are
+    invisible as if masked, and the Triton kernels do not read them (NaN there changes nothing). GQA, a row without
+    a prefix, a row whose mask leaves it no suffix key."""
+    B, hq, hkv, d, S, written = 4, 6, 2, 32, 13, 8
+    torch.manual_seed(3)
+    levels = [make_level(hkv, d, torch.float32, (40,), (0, 0, 0, -1))]
+    q = torch.randn(B, hq, lq, d, device=DEVICE)
+    ks = torch.randn(B, hkv, S, d, device=DEVICE)
+    vs = torch.randn(B, hkv, S, d, device=DEVICE)
+    garbage = float("nan") if backend != "torch" else 1e4  # (the torch path masks, so it reads them: finite)
+    ks[:, :, written:] = garbage
+    vs[:, :, written:] = garbage
+    i, j = torch.arange(lq)[:, None], torch.arange(S)[None, :]
+    visible = (j <= S - lq + i).expand(B, lq, S).clone()  # causal, bottom-right over the capacity
+    mask = None
+    if masked:  # causal over the written keys, left padding, row 2 sees no suffix key
+        visible = ((j <= written - lq + i)[None] & (j >= torch.tensor([0, 2, S, 1])[:, None, None])).clone()
+        mask = visible.to(DEVICE)
+    length = torch.tensor(written, device=DEVICE)
+    prefixes = [(k, v, plan_shared_prefix(rows, starts, device=DEVICE)) for k, v, rows, starts in levels]
+    if backend == "two-pass":
+        out, lse = _cascade_triton(q, ks, vs, prefixes, scale=0.125, mask=mask, causal=True, softcap=None,
+                                   fuse_suffix=False, key_length=length)
+    else:
+        out, lse = cascade_attention(q, ks, vs, prefixes, scale=0.125, mask=mask, causal=True, backend=backend,
+                                     key_length=length)
+    check(out, lse, q, *cascade_f64(q, ks[:, :, :written], vs[:, :, :written], levels, 0.125,
+                                    visible[:, :, :written]))
+
+
+def test_key_length_must_be_one_integer_on_the_device():
+    k, v, rows, starts = make_level(2, 64, torch.float32, (10,), (0, 0))
+    prefixes = [(k, v, plan_shared_prefix(rows, starts, device=DEVICE))]
+    q = torch.randn(2, 4, 1, 64, device=DEVICE)
+    ks = torch.randn(2, 2, 3, 64, device=DEVICE)
+    for bad in (2, torch.tensor([1, 2], device=DEVICE), torch.tensor(1.0, device=DEVICE)):
+        with pytest.raises(ValueError, match="key_length"):
+            cascade_attention(q, ks, ks, prefixes, scale=0.1, key_length=bad)
+
+
 def test_cascade_rejects_bad_inputs():
     k, v, rows, starts = make_level(2, 64, torch.float32, (10,), (0, 0))
     plan = plan_shared_prefix(rows, starts, device=DEVICE)

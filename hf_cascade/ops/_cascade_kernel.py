@@ -28,7 +28,7 @@ def _cascade_fwd_kernel(
     q_ptr,
     pk_ptr, pv_ptr,  # prefix level KV [Hkv, T, D]
     rows_ptr, row_start_ptr, node_starts_ptr, tile_node_ptr, tile_m0_ptr,  # its schedule
-    sk_ptr, sv_ptr, mask_ptr,  # suffix KV [B, Hkv, S, D], bool mask as uint8 (MASK_MODE 2)
+    sk_ptr, sv_ptr, mask_ptr, key_len_ptr,  # suffix KV [B, Hkv, S, D], bool mask as uint8 (MASK_MODE 2), written
     so_ptr, sl_ptr,  # fp32 state slots [slots, Hkv, B*Lq*G, D] / [slots, Hkv, B*Lq*G]
     Lq, S, G, D, Hkv, num_splits, slot0, suffix_slot, n_prefix, tiles, s_mtiles,
     sm_scale, softcap,
@@ -41,6 +41,7 @@ def _cascade_fwd_kernel(
     l_s, l_b, l_kvh, l_g, l_l,
     MASK_MODE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
+    HAS_KEY_LEN: tl.constexpr,  # key_len_ptr: int64 count of written suffix keys (the rest are never visible)
     EVEN_D: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_MP: tl.constexpr,  # prefix tile rows
@@ -62,7 +63,8 @@ def _cascade_fwd_kernel(
         sp = pid - n_prefix
         rest = sp // s_mtiles
         slot = tl.zeros([], dtype=tl.int64) + suffix_slot  # int64 even when suffix_slot is specialised to 1
-        _suffix_tile(q_ptr, sk_ptr, sv_ptr, mask_ptr, so_ptr, sl_ptr, so_ptr + slot * o_s, sl_ptr + slot * l_s,
+        _suffix_tile(q_ptr, sk_ptr, sv_ptr, mask_ptr, key_len_ptr, so_ptr, sl_ptr,
+                     so_ptr + slot * o_s, sl_ptr + slot * l_s,
                      sp % s_mtiles, rest % Hkv, rest // Hkv,
                      Lq, S, G, D, 0, sm_scale, softcap,
                      stride_qb, stride_qh, stride_ql, stride_qd,
@@ -70,4 +72,5 @@ def _cascade_fwd_kernel(
                      stride_mb, stride_mq, stride_ms,
                      0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,  # no prefix states to seed
                      o_b, o_kvh, o_g, o_l, 1, l_b, l_kvh, l_g, l_l,
-                     MASK_MODE, HAS_SOFTCAP, False, EVEN_D, INPUT_PRECISION, BLOCK_MS, BLOCK_N, BLOCK_D)
+                     MASK_MODE, HAS_SOFTCAP, False, HAS_KEY_LEN, EVEN_D, INPUT_PRECISION, BLOCK_MS, BLOCK_N,
+                     BLOCK_D)

@@ -29,7 +29,7 @@ MASK_TENSOR = tl.constexpr(2)  # bool mask [B, Lq, S] (read as uint8), True = at
 
 @triton.jit
 def _suffix_tile(
-    q_ptr, k_ptr, v_ptr, mask_ptr,
+    q_ptr, k_ptr, v_ptr, mask_ptr, key_len_ptr,
     po_ptr, pl_ptr,  # prefix states, fp32 (see module docstring); unused when HAS_PREFIX is False
     out_ptr, lse_ptr,  # output state (query dtype or fp32) / lse (fp32), already offset to its slot
     pid_m, kvh, b,
@@ -46,13 +46,15 @@ def _suffix_tile(
     MASK_MODE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
+    HAS_KEY_LEN: tl.constexpr,
     EVEN_D: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """One program of the suffix pass: BLOCK_M folded (position, group) rows of batch row b, KV head kvh."""
+    """One program of the suffix pass: BLOCK_M folded (position, group) rows of batch row b, KV head kvh.
+    ``HAS_KEY_LEN``: the keys from ``*key_len_ptr`` (int64) on are unwritten (invisible): the loop stops there."""
     b = b.to(tl.int64)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     valid = m < Lq * G
@@ -96,6 +98,9 @@ def _suffix_tile(
     if MASK_MODE == 1:
         last_pos = tl.minimum(pid_m * BLOCK_M + BLOCK_M - 1, Lq * G - 1) // G
         hi = tl.maximum(tl.minimum(S, S - Lq + last_pos + 1), 0)
+    if HAS_KEY_LEN:
+        written = tl.load(key_len_ptr).to(tl.int32)
+        hi = tl.minimum(hi, written)
 
     offs_n = tl.arange(0, BLOCK_N)
     k_ptrs = k_ptr + b * stride_kb + kvh.to(tl.int64) * stride_kh + (offs_n * stride_ks)[:, None] + d[None, :]
@@ -103,6 +108,8 @@ def _suffix_tile(
     for start in range(0, hi, BLOCK_N):
         n = start + offs_n
         n_ok = n < S
+        if HAS_KEY_LEN:
+            n_ok = n_ok & (n < written)
         if EVEN_D:
             kv_mask = n_ok[:, None]
         else:
@@ -149,7 +156,7 @@ def _suffix_tile(
 # them (== 1, divisible by 16), several per new sharing tree (seconds each, in a stream of layouts).
 @triton.jit(do_not_specialize=["S", "num_prefix", "stride_mb", "stride_mq"])
 def _suffix_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr,
+    q_ptr, k_ptr, v_ptr, mask_ptr, key_len_ptr,
     po_ptr, pl_ptr,  # prefix states, fp32 (see module docstring); unused when NUM_PREFIX == 0
     out_ptr, lse_ptr,  # [B, Hq, Lq, D] query dtype / [B, Hq, Lq] fp32
     Lq, S, G, D, num_prefix,
@@ -165,6 +172,7 @@ def _suffix_fwd_kernel(
     MASK_MODE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
+    HAS_KEY_LEN: tl.constexpr,  # key_len_ptr: int64 count of written keys (the rest are never visible)
     EVEN_D: tl.constexpr,  # D == BLOCK_D: no head_dim mask
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -172,7 +180,7 @@ def _suffix_fwd_kernel(
     BLOCK_D: tl.constexpr,
 ):
     # grid = (M tiles, Hkv, B)
-    _suffix_tile(q_ptr, k_ptr, v_ptr, mask_ptr, po_ptr, pl_ptr, out_ptr, lse_ptr,
+    _suffix_tile(q_ptr, k_ptr, v_ptr, mask_ptr, key_len_ptr, po_ptr, pl_ptr, out_ptr, lse_ptr,
                  tl.program_id(0), tl.program_id(1), tl.program_id(2),
                  Lq, S, G, D, num_prefix, sm_scale, softcap,
                  stride_qb, stride_qh, stride_ql, stride_qd,
@@ -181,4 +189,5 @@ def _suffix_fwd_kernel(
                  po_s, po_b, po_kvh, po_g, po_l, po_d, pl_s, pl_b, pl_kvh, pl_g, pl_l,
                  stride_ob, G * stride_oh, stride_oh, stride_ol, stride_od,
                  stride_lb, G * stride_lh, stride_lh, stride_ll,
-                 MASK_MODE, HAS_SOFTCAP, HAS_PREFIX, EVEN_D, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_D)
+                 MASK_MODE, HAS_SOFTCAP, HAS_PREFIX, HAS_KEY_LEN, EVEN_D, INPUT_PRECISION, BLOCK_M, BLOCK_N,
+                 BLOCK_D)

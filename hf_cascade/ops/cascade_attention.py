@@ -22,7 +22,7 @@ from .prefix_attention import (
 )
 from .prefix_attention import _validate as _validate_prefix
 from .suffix_attention import _validate as _validate_suffix
-from .suffix_attention import launch_suffix, suffix_attention
+from .suffix_attention import check_key_length, launch_suffix, mask_with_key_length, suffix_attention
 
 __all__ = ["cascade_attention"]
 
@@ -40,6 +40,7 @@ def cascade_attention(
     causal: bool = True,
     softcap: float | None = None,
     backend: str = "auto",
+    key_length: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention of every row over its shared-prefix levels and its own suffix, merged exactly.
 
@@ -56,6 +57,9 @@ def cascade_attention(
         scale, mask, causal, softcap: as in :func:`suffix_attention` (mask and causal apply to the
             suffix keys only; every query sees all keys of its prefix nodes).
         backend: "auto" (Triton on CUDA when available, else torch), "triton" or "torch".
+        key_length: None, or an int64 tensor of one element on the device: the suffix keys from this index on
+            are not written yet (fixed buffers) and never visible, as if masked; the Triton kernels stop reading
+            there (a decode step's buffers are read only as far as they are written).
 
     Returns:
         (out [B, Hq, Lq, D] in query.dtype, memory laid out [B, Lq, Hq, D] so ``out.transpose(1, 2)``
@@ -67,6 +71,7 @@ def cascade_attention(
         ...                            scale=q.shape[-1] ** -0.5)
     """
     mask = _validate_suffix(query, key, value, scale, mask, softcap, None, None)
+    check_key_length(key_length, key, _OP)
     for k_pre, v_pre, plan in prefixes:
         _validate_prefix(query, k_pre, v_pre, scale, softcap)
         if k_pre.shape[0] != key.shape[1]:
@@ -78,9 +83,11 @@ def cascade_attention(
             raise ValueError(f"{_OP}: each prefix level needs a PrefixPlan (plan_shared_prefix); got {type(plan)}.")
         _check_plan(plan, query, k_pre)
     if resolve_backend(backend, query.device, _OP) == "torch" or not prefixes:
+        mask = mask_with_key_length(mask, key_length, query.shape[2], key.shape[2], causal, key.device)
         return _cascade_unfused(query, key, value, prefixes, scale=scale, mask=mask, causal=causal,
                                 softcap=softcap, backend=backend)
-    return _cascade_triton(query, key, value, prefixes, scale=scale, mask=mask, causal=causal, softcap=softcap)
+    return _cascade_triton(query, key, value, prefixes, scale=scale, mask=mask, causal=causal, softcap=softcap,
+                           key_length=key_length)
 
 
 _FUSE_MIN_ROWS = 64  # prefix query rows per KV head and node (rows x G x Lq) below which fusing never paid
@@ -144,19 +151,22 @@ def launch_configs(query: Tensor, key: Tensor, prefixes, fuse_suffix: bool | Non
     return fuse_suffix, configs
 
 
-def _cascade_triton(query, key, value, prefixes, *, scale, mask, causal, softcap, fuse_suffix: bool | None = None):
+def _cascade_triton(query, key, value, prefixes, *, scale, mask, causal, softcap, fuse_suffix: bool | None = None,
+                    key_length: Tensor | None = None):
     """Triton launches with the launch choices of this layout (see :func:`launch_cascade`)."""
     fuse_suffix, configs = launch_configs(query, key, prefixes, fuse_suffix)
     return launch_cascade(query, key, value, [(k, v) for k, v, _ in prefixes], configs, fuse_suffix,
-                          scale=scale, mask=mask, causal=causal, softcap=softcap)
+                          scale=scale, mask=mask, causal=causal, softcap=softcap, key_length=key_length)
 
 
-def launch_cascade(query, key, value, prefix_kv, configs, fuse_suffix, *, scale, mask, causal, softcap):
+def launch_cascade(query, key, value, prefix_kv, configs, fuse_suffix, *, scale, mask, causal, softcap,
+                   key_length: Tensor | None = None):
     """Triton launches of one cascade attention call. ``fuse_suffix``: the last level's prefix programs and the
     suffix programs share one launch and a combine kernel merges all states (L + 1 launches); else the suffix
     kernel merges the prefix states in its prologue (also L + 1 launches, no overlap of the two passes).
 
-    ``prefix_kv``: per level ``(prefix_key, prefix_value)``; ``configs``: per level from :func:`launch_configs`.
+    ``prefix_kv``: per level ``(prefix_key, prefix_value)``; ``configs``: per level from :func:`launch_configs`;
+    ``key_length``: as in :func:`cascade_attention` (validated).
     """
     B, Hq, Lq, D = query.shape
     Hkv = key.shape[1]
@@ -175,7 +185,7 @@ def launch_cascade(query, key, value, prefix_kv, configs, fuse_suffix, *, scale,
                               scale=scale, softcap=softcap)
             slot0 += cfg[1]
         return launch_suffix(query, key, value, scale=scale, mask=mask, causal=causal, softcap=softcap,
-                             states=(part_out, part_lse, slots, (*o_strides, 1), l_strides))
+                             states=(part_out, part_lse, slots, (*o_strides, 1), l_strides), key_length=key_length)
     # [B, Lq, Hq, D] memory so that transformers' out.transpose(1, 2) is free.
     out = torch.empty((B, Lq, Hq, D), dtype=query.dtype, device=dev).transpose(1, 2)
     lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=dev)
@@ -188,13 +198,13 @@ def launch_cascade(query, key, value, prefix_kv, configs, fuse_suffix, *, scale,
         slot0 += cfg[1]
     k_pre, v_pre = prefix_kv[-1]
     _launch_fused(query, k_pre, v_pre, configs[-1], key, value, mask, causal, part_out, part_lse,
-                  o_strides, l_strides, slot0, slots - 1, scale=scale, softcap=softcap)
+                  o_strides, l_strides, slot0, slots - 1, scale=scale, softcap=softcap, key_length=key_length)
     launch_combine(out, lse, part_out, part_lse, G)
     return out, lse
 
 
 def _launch_fused(query, k_pre, v_pre, config, key, value, mask, causal, part_out, part_lse, o_strides,
-                  l_strides, slot0, suffix_slot, *, scale, softcap):
+                  l_strides, slot0, suffix_slot, *, scale, softcap, key_length=None):
     """One launch: the prefix programs of one level (slots slot0...) + the suffix programs (suffix_slot)."""
     from . import _cascade_kernel as kernels  # lazy: triton is optional
     from ._suffix_kernel import MASK_CAUSAL, MASK_FULL, MASK_TENSOR
@@ -223,7 +233,7 @@ def _launch_fused(query, k_pre, v_pre, config, key, value, mask, causal, part_ou
     kernels._cascade_fwd_kernel[(n_prefix + B * Hkv * s_mtiles,)](
         query, k_pre, v_pre,
         sched.rows, sched.row_start, sched.node_starts, sched.tile_node, sched.tile_m0,
-        key, value, mask_arg, part_out, part_lse,
+        key, value, mask_arg, key if key_length is None else key_length, part_out, part_lse,
         Lq, S, G, D, Hkv, splits, slot0, suffix_slot, n_prefix, sched.num_tiles, s_mtiles,
         float(scale), float(softcap) if softcap is not None else 1.0,
         *query.stride(), *k_pre.stride()[:2], *v_pre.stride()[:2],
@@ -231,6 +241,7 @@ def _launch_fused(query, k_pre, v_pre, config, key, value, mask, causal, part_ou
         *o_strides, *l_strides,
         MASK_MODE=mode,
         HAS_SOFTCAP=softcap is not None,
+        HAS_KEY_LEN=key_length is not None,
         EVEN_D=block_d == D,
         INPUT_PRECISION=dot_precision(query.dtype),
         BLOCK_MP=block_mp, BLOCK_MS=block_ms, BLOCK_N=block_n, BLOCK_D=block_d,

@@ -217,6 +217,7 @@ def cascade_attention_planned(
     mask: Tensor | None = None,
     softcap: float | None = None,
     compiled: bool = False,
+    key_length: Tensor | None = None,
 ) -> Tensor:
     """Cascade attention of one layer on a :class:`CascadePlan`; causal suffix.
 
@@ -225,6 +226,8 @@ def cascade_attention_planned(
         prefix_keys, prefix_values: per level ``[Hkv, T_l, D]``.
         mask: None (causal, bottom-right) or bool ``[B or 1, Lq, S]`` over the suffix keys.
         compiled: go through the custom op with the plan's index tensors (inside ``torch.compile``).
+        key_length: the written suffix keys (int64 device scalar; fixed buffers), as in ``cascade_attention``
+            (not with ``compiled``).
     Returns:
         ``[B, Lq, Hq, D]`` contiguous, in ``query.dtype``.
     """
@@ -240,5 +243,5 @@ def cascade_attention_planned(
         )
         return out
     out, _ = cascade_attention(query, key, value, plan.prefixes(prefix_keys, prefix_values), scale=scale, mask=mask,
-                               causal=True, softcap=softcap)
+                               causal=True, softcap=softcap, key_length=key_length)
     return out.transpose(1, 2).contiguous()

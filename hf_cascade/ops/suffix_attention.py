@@ -63,6 +63,36 @@ def suffix_attention(
                           softcap=softcap, prefix_out=prefix_out, prefix_lse=prefix_lse)
 
 
+def check_key_length(key_length: Tensor | None, key: Tensor, op: str) -> None:
+    """``key_length`` must be None or an integer tensor of one element on ``key``'s device (a count of written
+    suffix keys, read by the kernels on the device)."""
+    if key_length is None:
+        return
+    if (not isinstance(key_length, Tensor) or key_length.numel() != 1 or key_length.dtype.is_floating_point
+            or key_length.dtype == torch.bool or key_length.device != key.device):
+        shape = tuple(key_length.shape) if isinstance(key_length, Tensor) else type(key_length).__name__
+        raise ValueError(
+            f"{op}: `key_length` must be an integer tensor of one element on the keys' device ({key.device}), the "
+            f"number of suffix keys written; got {shape}"
+            f"{f' {key_length.dtype} on {key_length.device}' if isinstance(key_length, Tensor) else ''}."
+        )
+
+
+def mask_with_key_length(mask: Tensor | None, key_length: Tensor | None, Lq: int, S: int, causal: bool,
+                         device) -> Tensor | None:
+    """The bool mask ``[B or 1, Lq, S]`` that ``mask`` / ``causal`` and ``key_length`` describe together (the
+    reference's reading of ``key_length``: keys at or after it are not visible)."""
+    if key_length is None:
+        return mask
+    written = torch.arange(S, device=device) < key_length.reshape(())
+    if mask is None:
+        mask = torch.ones(Lq, S, dtype=torch.bool, device=device)
+        if causal:
+            mask = mask.tril(S - Lq)
+        mask = mask[None]
+    return mask & written
+
+
 def _validate(query, key, value, scale, mask, softcap, prefix_out, prefix_lse) -> Tensor | None:
     """Check shapes, dtypes and devices; return the mask as bool [B or 1, Lq, S] (or None)."""
     if query.dim() != 4:
@@ -184,8 +214,10 @@ def launch_suffix(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    key_length: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Launch the suffix kernel (inputs already validated); ``states`` seeds it with prefix states.
+    """Launch the suffix kernel (inputs already validated); ``states`` seeds it with prefix states;
+    ``key_length``: int64 device scalar, the keys from it on unwritten (the kernel stops reading there).
 
     ``states = (out fp32, lse fp32, num_states, out strides (slot, b, kvh, group, q, d),
     lse strides (slot, b, kvh, group, q))``: every state slot is merged exactly into the result.
@@ -228,7 +260,7 @@ def launch_suffix(
     block_d = padded_head_dim(D)
     grid = (-(-(G * Lq) // block_m), Hkv, B)
     kernels._suffix_fwd_kernel[grid](
-        query, key, value, mask_arg, po, pl, out, lse,
+        query, key, value, mask_arg, key if key_length is None else key_length, po, pl, out, lse,
         Lq, S, G, D, n_states,
         float(scale), float(softcap) if softcap is not None else 1.0,
         *query.stride(), *key.stride()[:3], *value.stride()[:3], *mask_strides,
@@ -236,6 +268,7 @@ def launch_suffix(
         MASK_MODE=mode,
         HAS_SOFTCAP=softcap is not None,
         HAS_PREFIX=states is not None,
+        HAS_KEY_LEN=key_length is not None,
         EVEN_D=block_d == D,
         INPUT_PRECISION=dot_precision(query.dtype),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
