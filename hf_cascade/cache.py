@@ -788,13 +788,15 @@ class CascadeCache(Cache):
                 self._check_positions(attention_mask, kwargs.get("position_ids"))
         # Fixed buffers: None would also admit the columns not written yet; rows' own columns: see _suffix_mask.
         attention_mask = self._suffix_mask(attention_mask, layer, query.shape[2], key.shape[2])
+        # Fixed buffers: the kernels read the suffix only as far as it is written (the mask hides the rest anyway).
+        written = layer.cumulative_length if isinstance(layer, _StaticSuffixLayer) and layer.is_initialized else None
         if compiling and self._compiled_prefix is not None:
             # The padded levels: the graph reads no level count (a tree of 1 to 4 levels is the same graph).
             # L + 1 Triton launches (see ops/cascade_attention.launch_cascade).
             prefix_keys, prefix_values = self._compiled_prefix  # every layer's; the op reads this layer's
             return torch.ops.hf_cascade.cascade_attention(
                 query, key, value, prefix_keys, prefix_values, self._op_inputs, attention_mask, scaling, softcap,
-                layer_idx,
+                layer_idx, written,
             )[0]
         if not self.levels:  # nothing shared (e.g. prefilling a tree's first level): the fastest exact kernel
             mask = None if attention_mask is None else attention_mask[:, None]
@@ -806,8 +808,6 @@ class CascadeCache(Cache):
             self._op_inputs = self._plan.op_inputs(query[:, :, -1:], key,
                                                    [slot[layer_idx] for slot in self._compiled_prefix[0]],
                                                    buffers=self._step_buffers)
-        # Fixed buffers: the kernels read the suffix only as far as it is written (the mask hides the rest anyway).
-        written = layer.cumulative_length if isinstance(layer, _StaticSuffixLayer) and layer.is_initialized else None
         return cascade_attention_planned(
             query, key, value, prefix_keys, prefix_values, self._plan, scale=scaling, mask=attention_mask,
             softcap=softcap, key_length=written,

@@ -279,6 +279,33 @@ def test_planned_op_any_layout_same_shapes(backend, pad):
         torch.testing.assert_close(lse.double().cpu()[fin], exp_lse[fin], atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_planned_op_key_length(backend):
+    """The compiled / recorded step's op with ``key_length`` (fixed buffers written up to it): exact against the
+    written keys only; on Triton the unwritten columns (NaN here) are not read."""
+    from hf_cascade.ops.plan import _planned_attention, plan_cascade
+
+    torch.manual_seed(4)
+    B, Hq, Hkv, D, S, written = 5, 6, 2, 24, 11, 6
+    row_nodes, lens = [[0, 0, 1, 1, -1]], [[9, 4]]
+    levels = [make_level(Hkv, D, torch.float32, l, r) for l, r in zip(lens, row_nodes)]
+    plan = plan_cascade(torch.tensor(row_nodes), [s.tolist() for *_, s in levels], B, torch.device(DEVICE))
+    q = torch.randn(B, Hq, 1, D, device=DEVICE)
+    ks = torch.randn(B, Hkv, S, D, device=DEVICE)
+    vs = torch.randn(B, Hkv, S, D, device=DEVICE)
+    ks[:, :, written:] = vs[:, :, written:] = float("nan") if backend != "torch" else 1e4
+    mask = torch.ones(B, 1, S, dtype=torch.bool, device=DEVICE)
+    mask[1, :, :2] = False
+    keys, values = [k for k, *_ in levels], [v for _, v, *_ in levels]
+    out, lse = _planned_attention(q, ks, vs, keys, values, plan.op_inputs(q, ks, keys), mask, D ** -0.5, None,
+                                  backend=backend, key_length=torch.tensor(written, device=DEVICE))
+    exp_out, exp_lse = cascade_f64(q, ks[:, :, :written], vs[:, :, :written], levels, D ** -0.5,
+                                   mask[:, :, :written].expand(B, 1, written))
+    torch.testing.assert_close(out.transpose(1, 2).double().cpu(), exp_out, atol=2e-5, rtol=2e-5)
+    fin = torch.isfinite(exp_lse)
+    torch.testing.assert_close(lse.double().cpu()[fin], exp_lse[fin], atol=1e-4, rtol=1e-5)
+
+
 def test_planned_op_reads_one_layer_of_stacked_levels():
     """The compiled step passes each level's KV of every layer as one ``[layers, Hkv, T, D]`` tensor and the layer
     index: the op reads that layer's keys, the same answer as given that layer's tensors (and not another's)."""

@@ -24,7 +24,7 @@ from ._backend import host_to_device, resolve_backend
 from .cascade_attention import cascade_attention, launch_cascade, launch_configs
 from .prefix_attention import PrefixPlan, _Schedule, plan_shared_prefix
 from .reference import _scores, _softmax_attend, merge_attention_states_ref
-from .suffix_attention import suffix_attention
+from .suffix_attention import mask_with_key_length, suffix_attention
 
 __all__ = ["COMPILED_LEVELS", "CascadePlan", "padded_level_count", "plan_cascade"]
 
@@ -128,7 +128,7 @@ def plan_cascade(
 
 
 def _planned_attention(query, key, value, prefix_keys, prefix_values, plan_tensors, mask, scale, softcap,
-                       backend: str = "auto"):
+                       backend: str = "auto", key_length=None):
     """The op's body: launch choices from shapes only, the layout from ``plan_tensors``."""
     levels = [plan_tensors[i : i + _TENSORS_PER_LEVEL] for i in range(0, len(plan_tensors), _TENSORS_PER_LEVEL)]
     # A level of no node (node_starts [N + 2] with N = 0: the padding of a shallower tree) has no keys for any
@@ -138,6 +138,7 @@ def _planned_attention(query, key, value, prefix_keys, prefix_values, plan_tenso
         levels = [levels[i] for i in kept]
         prefix_keys, prefix_values = [prefix_keys[i] for i in kept], [prefix_values[i] for i in kept]
     if resolve_backend(backend, query.device, "cascade_attention") == "torch" or not levels:
+        mask = mask_with_key_length(mask, key_length, query.shape[2], key.shape[2], True, key.device)
         out, lse = _planned_torch(query, key, value, prefix_keys, prefix_values, levels, mask, scale, softcap)
     else:
         schedules = [
@@ -148,7 +149,7 @@ def _planned_attention(query, key, value, prefix_keys, prefix_values, plan_tenso
         fuse, configs = launch_configs(query, key, list(zip(prefix_keys, [None] * len(levels), schedules)),
                                        shape_only=True)
         out, lse = launch_cascade(query, key, value, list(zip(prefix_keys, prefix_values)), configs, fuse,
-                                  scale=scale, mask=mask, causal=True, softcap=softcap)
+                                  scale=scale, mask=mask, causal=True, softcap=softcap, key_length=key_length)
     return out.transpose(1, 2).contiguous(), lse.contiguous()
 
 
@@ -184,21 +185,23 @@ def _planned_torch(query, key, value, prefix_keys, prefix_values, levels, mask, 
     mutates_args=(),
     schema=(
         "(Tensor query, Tensor key, Tensor value, Tensor[] prefix_keys, Tensor[] prefix_values, Tensor[] plan, "
-        "Tensor? mask, float scale, float? softcap, int? layer=None) -> (Tensor, Tensor)"
+        "Tensor? mask, float scale, float? softcap, int? layer=None, Tensor? key_length=None) -> (Tensor, Tensor)"
     ),
 )
-def _cascade_attention_op(query, key, value, prefix_keys, prefix_values, plan, mask, scale, softcap, layer=None):
+def _cascade_attention_op(query, key, value, prefix_keys, prefix_values, plan, mask, scale, softcap, layer=None,
+                          key_length=None):
     """``layer``: None when ``prefix_keys``/``prefix_values`` are one layer's ``[Hkv, T, D]`` per level; else they
     are every layer's ``[layers, Hkv, T, D]`` per level and this layer's are read from them here (a compiled step
-    then traces no per-layer views of them)."""
+    then traces no per-layer views of them). ``key_length``: the written suffix keys (see ``cascade_attention``)."""
     if layer is not None:
         prefix_keys = [k[layer] for k in prefix_keys]
         prefix_values = [v[layer] for v in prefix_values]
-    return _planned_attention(query, key, value, prefix_keys, prefix_values, plan, mask, scale, softcap)
+    return _planned_attention(query, key, value, prefix_keys, prefix_values, plan, mask, scale, softcap,
+                              key_length=key_length)
 
 
 @_cascade_attention_op.register_fake
-def _(query, key, value, prefix_keys, prefix_values, plan, mask, scale, softcap, layer=None):
+def _(query, key, value, prefix_keys, prefix_values, plan, mask, scale, softcap, layer=None, key_length=None):
     B, Hq, Lq, D = query.shape
     out = query.new_empty((B, Lq, Hq, D))
     lse = query.new_empty((B, Hq, Lq), dtype=torch.float32)
@@ -226,8 +229,7 @@ def cascade_attention_planned(
         prefix_keys, prefix_values: per level ``[Hkv, T_l, D]``.
         mask: None (causal, bottom-right) or bool ``[B or 1, Lq, S]`` over the suffix keys.
         compiled: go through the custom op with the plan's index tensors (inside ``torch.compile``).
-        key_length: the written suffix keys (int64 device scalar; fixed buffers), as in ``cascade_attention``
-            (not with ``compiled``).
+        key_length: the written suffix keys (int64 device scalar; fixed buffers), as in ``cascade_attention``.
     Returns:
         ``[B, Lq, Hq, D]`` contiguous, in ``query.dtype``.
     """
@@ -239,7 +241,7 @@ def cascade_attention_planned(
     if compiled:
         out, _ = torch.ops.hf_cascade.cascade_attention(
             query, key, value, list(prefix_keys), list(prefix_values), plan.op_inputs(query, key, prefix_keys),
-            mask, scale, softcap,
+            mask, scale, softcap, key_length=key_length,
         )
         return out
     out, _ = cascade_attention(query, key, value, plan.prefixes(prefix_keys, prefix_values), scale=scale, mask=mask,
