@@ -19,6 +19,12 @@ part of the CUDA graph); the model's own calls never see it. Measured (H100, Lla
 ``benchmarks/results/generate.jsonl``): 7.84–8.14 ms per step against 9.4–10.3 ms recorded eager; one graph for the
 32 layers, torch.compile 0.6–0.8 s in a new process with its caches warm (e01ef32; 1.3–1.6 s and 4–5 graphs with
 the update and attention left out of the graphs by ``torch.compiler.disable`` before).
+
+The prefill too (:func:`compiled_forward`): each shared segment's forward and the rows' first forward run the same
+layers compiled with the batch and length dims marked dynamic (``compiled_layers(..., dynamic=True)``; the model's
+other sizes stay constants), not recorded: one graph per kind of forward (one row or several, with or without a
+padding mask) for every layout. Measured (H100, same shape): 0.66 s per call against 0.70 s with the eager prefill,
+~5 s of tracing once per process.
 """
 
 from __future__ import annotations
