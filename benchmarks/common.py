@@ -77,6 +77,15 @@ class ResultWriter:
                 f.write(line + "\n")
 
 
+def add_shared_workload_args(parser, layers: int = 32) -> None:
+    """The shared workload's size flags (``bench_generate.make_batch``: ``--batch`` rows sharing ``--prefix`` tokens,
+    ``--suffix`` own tokens each, a Llama-3-8B-shaped model of ``--layers`` layers)."""
+    parser.add_argument("--layers", type=int, default=layers)
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--prefix", type=int, default=4096)
+    parser.add_argument("--suffix", type=int, default=64)
+
+
 def cuda_time(fn, *, warmup: int = 3, repeat: int = 20) -> dict:
     """Median / p20 / p80 milliseconds of ``fn()`` timed with CUDA events (after warm-up)."""
     for _ in range(warmup):

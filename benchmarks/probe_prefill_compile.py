@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_generate import build_model, make_batch  # noqa: E402
-from common import ResultWriter, wall_time  # noqa: E402
+from common import ResultWriter, add_shared_workload_args, wall_time  # noqa: E402
 
 import hf_cascade  # noqa: E402
 from hf_cascade.compiled_layers import _LayerCalls, compiled_prefills, decoder_layers  # noqa: E402
@@ -57,17 +57,14 @@ def _kernel_times(prof) -> dict[str, float]:
         us = getattr(evt, "self_device_time_total", None)
         if us is None:
             us = getattr(evt, "self_cuda_time_total", 0)
-        if us and evt.key != "profiled":
+        if us:
             times[evt.key] = times.get(evt.key, 0.0) + us / 1e3
     return times
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--layers", type=int, default=4)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--prefix", type=int, default=4096)
-    parser.add_argument("--suffix", type=int, default=64)
+    add_shared_workload_args(parser, layers=4)
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument("--dump", action="store_true")
     parser.add_argument("--output", default=None)

@@ -40,7 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_generate import build_model, make_batch  # noqa: E402
-from common import ResultWriter, cuda_time, wall_time  # noqa: E402
+from common import ResultWriter, add_shared_workload_args, cuda_time, wall_time  # noqa: E402
 
 import hf_cascade  # noqa: E402
 
@@ -257,10 +257,7 @@ def ab_schedule_copy(call, rounds: int = 4) -> dict:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--prefix", type=int, default=4096)
-    parser.add_argument("--suffix", type=int, default=64)
+    add_shared_workload_args(parser)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--ab-schedule-copy", action="store_true",
                         help="also time warm calls that wait for the GPU when the prefix schedule is built (as before "

@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from ._backend import check_float_dtype, check_lse, dot_precision, padded_head_dim, resolve_backend
-from .reference import _empty_guard, suffix_attention_ref
+from .reference import _empty_guard, suffix_attention_ref, suffix_visibility
 
 __all__ = ["suffix_attention"]
 
@@ -84,13 +84,9 @@ def mask_with_key_length(mask: Tensor | None, key_length: Tensor | None, Lq: int
     reference's reading of ``key_length``: keys at or after it are not visible)."""
     if key_length is None:
         return mask
-    written = torch.arange(S, device=device) < key_length.reshape(())
-    if mask is None:
-        mask = torch.ones(Lq, S, dtype=torch.bool, device=device)
-        if causal:
-            mask = mask.tril(S - Lq)
-        mask = mask[None]
-    return mask & written
+    written = (torch.arange(S, device=device) < key_length.reshape(())).expand(1, Lq, S)
+    visible = suffix_visibility(1 if mask is None else mask.shape[0], Lq, S, mask, causal, device)
+    return written if visible is None else visible & written
 
 
 def _validate(query, key, value, scale, mask, softcap, prefix_out, prefix_lse) -> Tensor | None:
