@@ -25,7 +25,7 @@ share_compiler_kernel_cache()  # before the first kernel is built
 def _arrive_and_merge(cnt_ptr, kvh, m_idx, valid, arrivals, M_total, num_slots,
                       part_out_ptr, part_lse_ptr, stride_ps, stride_ph, stride_pls, stride_plh,
                       out_ptr, lse_ptr, o_off, l_off, D,
-                      EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr, D_CHUNK: tl.constexpr):
+                      EVEN_D: tl.constexpr, BLOCK_D: tl.constexpr):
     """Count this program's states in and merge the entries whose last state it wrote.
 
     ``m_idx`` [BLOCK]: the state entries (``m = (b * Lq + q) * G + group``) this program wrote, ``valid`` which are
@@ -45,20 +45,16 @@ def _arrive_and_merge(cnt_ptr, kvh, m_idx, valid, arrivals, M_total, num_slots,
     if tl.max(last.to(tl.int32), 0) > 0:
         tl.debug_barrier()
         tl.store(c_ptrs, 0, mask=last)
-        po = part_out_ptr + kvh.to(tl.int64) * stride_ph + m_idx[:, None] * D
-        pl = part_lse_ptr + kvh.to(tl.int64) * stride_plh + m_idx
-        # A chunk of head_dim at a time (the same arithmetic per element as the combine kernel): this program's
-        # registers are already taken by its attention tile.
-        for c in tl.static_range(BLOCK_D // D_CHUNK):
-            d = c * D_CHUNK + tl.arange(0, D_CHUNK)
-            if EVEN_D:
-                o_mask = last[:, None]
-            else:
-                o_mask = last[:, None] & (d[None, :] < D)
-            o, lse = _merge_states(po + d[None, :], pl, stride_ps, stride_pls, num_slots, last, o_mask, 1, ".cg")
-            tl.store(out_ptr + o_off[:, None] + d[None, :], o.to(out_ptr.dtype.element_ty), mask=o_mask)
-            if c == 0:
-                tl.store(lse_ptr + l_off, lse, mask=last)
+        d = tl.arange(0, BLOCK_D)
+        if EVEN_D:
+            o_mask = last[:, None]
+        else:
+            o_mask = last[:, None] & (d[None, :] < D)
+        o, lse = _merge_states(part_out_ptr + kvh.to(tl.int64) * stride_ph + m_idx[:, None] * D + d[None, :],
+                               part_lse_ptr + kvh.to(tl.int64) * stride_plh + m_idx,
+                               stride_ps, stride_pls, num_slots, last, o_mask, 2, ".cg")
+        tl.store(out_ptr + o_off[:, None] + d[None, :], o.to(out_ptr.dtype.element_ty), mask=o_mask)
+        tl.store(lse_ptr + l_off, lse, mask=last)
 
 
 # Sizes that differ between batch layouts are not specialised: Triton would build a variant per pattern of
@@ -94,11 +90,9 @@ def _cascade_fwd_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     MERGE: tl.constexpr,  # the last program to write an entry's state merges every slot (no combine launch)
-    MERGE_D: tl.constexpr,  # head_dim chunk of that merge (a divisor of BLOCK_D)
     SUFFIX_FIRST: tl.constexpr = False,  # tests: the suffix programs take the lowest ids (the interpreter runs
     # programs in id order, so the prefix programs then arrive last and merge)
 ):
-    # Triton joins the names both branches below assign (their types must match): each branch has its own names.
     pid = tl.program_id(0)
     if SUFFIX_FIRST:
         pid = (pid + n_prefix) % tl.num_programs(0)
@@ -118,16 +112,16 @@ def _cascade_fwd_kernel(
             _arrive_and_merge(cnt_ptr, kvh, (row * Lq + pos64) * G + group, valid, num_splits + 1, M_total,
                               num_slots, so_ptr, sl_ptr, o_s, o_kvh, l_s, l_kvh, out_ptr, lse_ptr,
                               row * stride_ob + head * stride_oh + pos64 * stride_ol,
-                              row * stride_lb + head * stride_lh + pos64 * stride_ll, D, EVEN_D, BLOCK_D, MERGE_D)
+                              row * stride_lb + head * stride_lh + pos64 * stride_ll, D, EVEN_D, BLOCK_D)
     else:
         sp = pid - n_prefix
         rest = sp // s_mtiles
-        s_kvh = rest % Hkv
+        kvh = rest % Hkv
         b = (rest // Hkv).to(tl.int64)
         slot = tl.zeros([], dtype=tl.int64) + suffix_slot  # int64 even when suffix_slot is specialised to 1
-        m, m_ok = _suffix_tile(q_ptr, sk_ptr, sv_ptr, mask_ptr, key_len_ptr, so_ptr, sl_ptr,
+        m, valid = _suffix_tile(q_ptr, sk_ptr, sv_ptr, mask_ptr, key_len_ptr, so_ptr, sl_ptr,
                      so_ptr + slot * o_s, sl_ptr + slot * l_s,
-                     sp % s_mtiles, s_kvh, b,
+                     sp % s_mtiles, kvh, b,
                      Lq, S, G, D, 0, sm_scale, softcap,
                      stride_qb, stride_qh, stride_ql, stride_qd,
                      stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
@@ -137,9 +131,10 @@ def _cascade_fwd_kernel(
                      MASK_MODE, HAS_SOFTCAP, False, HAS_KEY_LEN, EVEN_D, INPUT_PRECISION, BLOCK_MS, BLOCK_N,
                      BLOCK_D)
         if MERGE:
-            s_pos = (m // G).to(tl.int64)
-            s_head = (s_kvh * G + m % G).to(tl.int64)
-            _arrive_and_merge(cnt_ptr, s_kvh, b * Lq * G + m, m_ok, num_splits + 1, M_total, num_slots,
+            pos64 = (m // G).to(tl.int64)
+            group = m % G
+            head = (kvh * G + group).to(tl.int64)
+            _arrive_and_merge(cnt_ptr, kvh, b * Lq * G + m, valid, num_splits + 1, M_total, num_slots,
                               so_ptr, sl_ptr, o_s, o_kvh, l_s, l_kvh, out_ptr, lse_ptr,
-                              b * stride_ob + s_head * stride_oh + s_pos * stride_ol,
-                              b * stride_lb + s_head * stride_lh + s_pos * stride_ll, D, EVEN_D, BLOCK_D, MERGE_D)
+                              b * stride_ob + head * stride_oh + pos64 * stride_ol,
+                              b * stride_lb + head * stride_lh + pos64 * stride_ll, D, EVEN_D, BLOCK_D)

@@ -265,7 +265,7 @@ def _launch_fused(query, k_pre, v_pre, config, key, value, mask, causal, part_ou
         EVEN_D=block_d == D,
         INPUT_PRECISION=dot_precision(query.dtype),
         BLOCK_MP=block_mp, BLOCK_MS=block_ms, BLOCK_N=block_n, BLOCK_D=block_d,
-        MERGE=merge is not None, MERGE_D=min(32, block_d), SUFFIX_FIRST=suffix_first,
+        MERGE=merge is not None, SUFFIX_FIRST=suffix_first,
         num_warps=num_warps, num_stages=num_stages,
     )
 
