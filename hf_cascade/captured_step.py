@@ -37,7 +37,6 @@ import torch
 from transformers.utils import logging
 
 from hf_cascade.compiled_layers import compiled_layers
-from hf_cascade.ops._arrivals import new_arrival_counters, owned_arrival_counters
 from hf_cascade.step_buffers import model_state
 from hf_cascade.transformers_compat import CACHE_KWARG
 
@@ -74,7 +73,6 @@ class _Graph:
         self.graph = None
         self.inputs: dict[tuple, torch.Tensor] = {}
         self.output = None
-        self.arrivals = None  # the graph's own arrival counters (ops/_arrivals.py)
 
 
 class _ModelGraphs:
@@ -241,13 +239,11 @@ class CapturedDecodeStep:
             else:
                 recorded_inputs[path[0]] = {**recorded_inputs[path[0]], path[1]: value}
         entry.graph = torch.cuda.CUDAGraph()
-        # Its attention launches merge their states in the launch, with counters of this graph's own.
-        entry.arrivals = new_arrival_counters(stream.device)
         # CUDAGraph.capture_begin rather than torch.cuda.graph, which empties the allocator's cache first (the next
         # prefill would then allocate its activations from the driver again).
         stream.wait_stream(torch.cuda.current_stream())
         try:
-            with static_step_mode(), torch.cuda.stream(stream), owned_arrival_counters(entry.arrivals):
+            with static_step_mode(), torch.cuda.stream(stream):
                 entry.graph.capture_begin(capture_error_mode="thread_local")
                 try:
                     with compiled_layers(self.model, self.cache) if self.compile_layers else contextlib.nullcontext():

@@ -119,21 +119,15 @@ def test_cascade_plan_reuse_is_deterministic():
     assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])
 
 
-MERGES = {"in-launch": dict(merge_in_launch=True), "in-launch-prefix-last": dict(merge_in_launch=True, suffix_first=True),
-          "combine": dict(merge_in_launch=False)}
-
-
-def fused_with_splits(q, ks, vs, prefixes, splits, mask=None, merge="in-launch"):
+def fused_with_splits(q, ks, vs, prefixes, splits, mask=None):
     """The fused launch form with ``splits`` KV splits per level and BLOCK_N 16 (more splits and blocks than the
-    heuristics pick at these sizes): ``launch_cascade(..., fuse_suffix=True)``. ``merge``: a key of ``MERGES``: the
-    states merged by the fused launch's last program per entry (in program-id order, as the interpreter runs them,
-    a suffix program; with ``suffix_first`` a prefix program), or by the combine launch."""
+    heuristics pick at these sizes): ``launch_cascade(..., fuse_suffix=True)``."""
     fuse, configs = launch_configs(q, ks, prefixes, fuse_suffix=True)
     assert fuse
     configs = [(sched, n, block_m, 16, warps, stages)
                for n, (sched, _, block_m, _, warps, stages) in zip(splits, configs)]
     return launch_cascade(q, ks, vs, [(k, v) for k, v, _ in prefixes], configs, True, scale=0.2, mask=mask,
-                          causal=True, softcap=None, **MERGES[merge])
+                          causal=True, softcap=None)
 
 
 def split_levels(hkv, d, dtype):
@@ -143,15 +137,14 @@ def split_levels(hkv, d, dtype):
 
 
 @needs_triton
-@pytest.mark.parametrize("merge", list(MERGES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("hq,hkv", [(6, 2), (3, 3)], ids=["gqa", "mha"])
 @pytest.mark.parametrize("lq,S", [(1, 5), (3, 7), (3, 0)], ids=["decode", "causal", "no-suffix"])
-def test_fused_many_splits_matches_torch(dtype, hq, hkv, lq, S, merge):
+def test_fused_many_splits_matches_torch(dtype, hq, hkv, lq, S):
     """The fused launch form with more states per entry than the heuristics give at these sizes: 5 KV splits at
-    the last level (the fused launch) and 3 at the first (an earlier launch), merged with the suffix state in the
-    fused launch (by a suffix or by a prefix program) or by the combine; head_dim 24 (masked), rows without keys at
-    a level and without any key, an empty suffix. Against the fp32 torch path; every merge gives the same bits."""
+    the last level (the fused launch) and 3 at the first (an earlier launch), merged with the suffix state by the
+    combine; head_dim 24 (masked), rows without keys at a level and without any key, an empty suffix. Against the
+    fp32 torch path."""
     B, d = 6, 24
     torch.manual_seed(1)
     levels = split_levels(hkv, d, dtype)
@@ -159,10 +152,7 @@ def test_fused_many_splits_matches_torch(dtype, hq, hkv, lq, S, merge):
     ks = torch.randn(B, hkv, S, d, device=DEVICE).to(dtype)
     vs = torch.randn(B, hkv, S, d, device=DEVICE).to(dtype)
     prefixes = [(k, v, plan_shared_prefix(rows, starts, device=DEVICE)) for k, v, rows, starts in levels]
-    out, lse = fused_with_splits(q, ks, vs, prefixes, (3, 5), merge=merge)
-    if merge != "combine":
-        combined = fused_with_splits(q, ks, vs, prefixes, (3, 5), merge="combine")
-        assert torch.equal(out, combined[0]) and torch.equal(lse, combined[1])
+    out, lse = fused_with_splits(q, ks, vs, prefixes, (3, 5))
     ref_out, ref_lse = cascade_attention(q, ks, vs, prefixes, scale=0.2, causal=True, backend="torch")
     assert out.dtype == dtype and out.transpose(1, 2).is_contiguous()
     tol = 2e-5 if dtype == torch.float32 else 2e-3

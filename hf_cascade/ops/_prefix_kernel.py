@@ -85,8 +85,7 @@ def _prefix_tile(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """One program of the prefix pass: BLOCK_M folded query rows of one node x one KV split. Returns the tile's
-    entries ``(row, group, pos, valid)`` (each [BLOCK_M]) for a caller that merges their states in place."""
+    """One program of the prefix pass: BLOCK_M folded query rows of one node x one KV split."""
     # Decode this tile's M axis into (batch row, group, position).
     node = tl.load(tile_node_ptr + tile)
     m = tl.load(tile_m0_ptr + tile) + tl.arange(0, BLOCK_M)
@@ -141,7 +140,6 @@ def _prefix_tile(
     tl.store(o_ptr + o_off[:, None] + d[None, :], o, mask=qo_mask)
     l_off = slot * l_s + row * l_b + kvh.to(tl.int64) * l_kvh + group.to(tl.int64) * l_g + pos.to(tl.int64) * l_l
     tl.store(l_ptr + l_off, lse, mask=valid)
-    return row, group, pos, valid
 
 
 # Sizes that differ between batch layouts are not specialised: Triton would build a variant per pattern of
@@ -177,15 +175,14 @@ def _prefix_fwd_kernel(
 
 @triton.jit
 def _merge_states(po_ptrs, pl_ptrs, stride_ps, stride_pls, num_slots, valid, o_mask,
-                  SLOTS_PER_STEP: tl.constexpr, CACHE: tl.constexpr = ""):
+                  SLOTS_PER_STEP: tl.constexpr):
     """Exact LSE-weighted merge of ``num_slots`` normalised fp32 states (out, natural-log lse) per entry.
 
     ``po_ptrs`` [BLOCK_M, BLOCK_D] / ``pl_ptrs`` [BLOCK_M]: the entries' out / lse in slot 0; slot s is
     ``stride_ps`` / ``stride_pls`` elements further. ``valid`` [BLOCK_M] / ``o_mask`` [BLOCK_M, BLOCK_D]
     (may broadcast over BLOCK_D): what to read. An lse of -inf is an empty state (its out is ignored).
     ``SLOTS_PER_STEP`` slots per step, their out loads independent of their lse, all in flight at once: the
-    loop is bound by memory latency, not bandwidth. ``CACHE``: the loads' cache modifier (".cg": from L2, for
-    states that other programs of the same launch wrote).
+    loop is bound by memory latency, not bandwidth.
 
     Returns (out fp32 [BLOCK_M, BLOCK_D], lse fp32 [BLOCK_M]): out 0 / lse -inf where every state is empty.
     """
@@ -196,8 +193,8 @@ def _merge_states(po_ptrs, pl_ptrs, stride_ps, stride_pls, num_slots, valid, o_m
         for j in tl.static_range(SLOTS_PER_STEP):
             s = first + j
             in_range = s + tl.zeros(pl_ptrs.shape, dtype=tl.int32) < num_slots  # a block: the interpreter's masks
-            ls = tl.load(pl_ptrs + s * stride_pls, mask=valid & in_range, other=float("-inf"), cache_modifier=CACHE)
-            o = tl.load(po_ptrs + s * stride_ps, mask=o_mask & in_range[:, None], other=0.0, cache_modifier=CACHE)
+            ls = tl.load(pl_ptrs + s * stride_pls, mask=valid & in_range, other=float("-inf"))
+            o = tl.load(po_ptrs + s * stride_ps, mask=o_mask & in_range[:, None], other=0.0)
             m_new = tl.maximum(mx, ls)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp(mx - m_safe)

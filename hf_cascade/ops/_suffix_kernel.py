@@ -54,8 +54,7 @@ def _suffix_tile(
     BLOCK_D: tl.constexpr,
 ):
     """One program of the suffix pass: BLOCK_M folded (position, group) rows of batch row b, KV head kvh.
-    ``HAS_KEY_LEN``: the keys from ``*key_len_ptr`` (int64) on are unwritten (invisible): the loop stops there.
-    Returns the tile's entries ``(m, valid)`` (``m = q * G + group``, [BLOCK_M])."""
+    ``HAS_KEY_LEN``: the keys from ``*key_len_ptr`` (int64) on are unwritten (invisible): the loop stops there."""
     b = b.to(tl.int64)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     valid = m < Lq * G
@@ -151,7 +150,6 @@ def _suffix_tile(
     tl.store(out_ptr + o_off[:, None] + d[None, :] * o_d, o.to(out_ptr.dtype.element_ty), mask=tile_ok)
     l_off = b * ls_b + kvh.to(tl.int64) * ls_kvh + (group * ls_g + pos * ls_l).to(tl.int64)
     tl.store(lse_ptr + l_off, lse2 * LN2, mask=valid)
-    return m, valid
 
 
 # Sizes that differ between batch layouts are not specialised: Triton would build a variant per pattern of

@@ -7,7 +7,6 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ._arrivals import arrival_counters
 from ._backend import dot_precision, padded_head_dim, resolve_backend
 from .merge import merge_attention_states
 from .prefix_attention import (
@@ -161,16 +160,13 @@ def _cascade_triton(query, key, value, prefixes, *, scale, mask, causal, softcap
 
 
 def launch_cascade(query, key, value, prefix_kv, configs, fuse_suffix, *, scale, mask, causal, softcap,
-                   key_length: Tensor | None = None, merge_in_launch: bool | None = None, suffix_first: bool = False):
+                   key_length: Tensor | None = None):
     """Triton launches of one cascade attention call. ``fuse_suffix``: the last level's prefix programs and the
-    suffix programs share one launch, whose last program to write an entry merges all its states (L launches;
-    where no arrival counters may be used, a combine kernel merges them: L + 1); else the suffix kernel merges the
-    prefix states in its prologue (L + 1 launches, no overlap of the two passes).
+    suffix programs share one launch and a combine kernel merges all states (L + 1 launches); else the suffix
+    kernel merges the prefix states in its prologue (also L + 1 launches, no overlap of the two passes).
 
     ``prefix_kv``: per level ``(prefix_key, prefix_value)``; ``configs``: per level from :func:`launch_configs`;
-    ``key_length``: as in :func:`cascade_attention` (validated). ``merge_in_launch`` (fused form): None merges in
-    the fused launch where arrival counters may be used (``ops/_arrivals.py``), False always with the combine
-    kernel; ``suffix_first``: the fused launch's suffix programs take its lowest program ids (tests).
+    ``key_length``: as in :func:`cascade_attention` (validated).
     """
     B, Hq, Lq, D = query.shape
     Hkv = key.shape[1]
@@ -201,25 +197,15 @@ def launch_cascade(query, key, value, prefix_kv, configs, fuse_suffix, *, scale,
                       scale=scale, softcap=softcap)
         slot0 += cfg[1]
     k_pre, v_pre = prefix_kv[-1]
-    counters = arrival_counters(dev, Hkv * m_total) if merge_in_launch is not False else None
-    if merge_in_launch and counters is None:
-        raise ValueError("launch_cascade: merge_in_launch=True, but no arrival counters may be used here (a CUDA "
-                         "graph capture that does not own any); pass merge_in_launch=None.")
     _launch_fused(query, k_pre, v_pre, configs[-1], key, value, mask, causal, part_out, part_lse,
-                  o_strides, l_strides, slot0, slots - 1, scale=scale, softcap=softcap, key_length=key_length,
-                  merge=None if counters is None else (out, lse, counters), suffix_first=suffix_first)
-    if counters is None:
-        launch_combine(out, lse, part_out, part_lse, G)
+                  o_strides, l_strides, slot0, slots - 1, scale=scale, softcap=softcap, key_length=key_length)
+    launch_combine(out, lse, part_out, part_lse, G)
     return out, lse
 
 
 def _launch_fused(query, k_pre, v_pre, config, key, value, mask, causal, part_out, part_lse, o_strides,
-                  l_strides, slot0, suffix_slot, *, scale, softcap, key_length=None, merge=None,
-                  suffix_first: bool = False):
-    """One launch: the prefix programs of one level (slots slot0...) + the suffix programs (suffix_slot).
-    ``merge``: None, or ``(out, lse, counters)``: the launch also merges every slot into ``out`` / ``lse``, its
-    last program to write an entry's state merging it (``counters``: int32 zeros, >= Hkv * B * Lq * G).
-    ``suffix_first``: the suffix programs take the lowest program ids (tests: which program merges)."""
+                  l_strides, slot0, suffix_slot, *, scale, softcap, key_length=None):
+    """One launch: the prefix programs of one level (slots slot0...) + the suffix programs (suffix_slot)."""
     from . import _cascade_kernel as kernels  # lazy: triton is optional
     from ._suffix_kernel import MASK_CAUSAL, MASK_FULL, MASK_TENSOR
 
@@ -244,11 +230,6 @@ def _launch_fused(query, k_pre, v_pre, config, key, value, mask, causal, part_ou
     s_mtiles = -(-(G * Lq) // block_ms)
     n_prefix = sched.num_tiles * Hkv * splits
     block_d = padded_head_dim(D)
-    if merge is not None:
-        out, lse, counters = merge
-        merge_args = (out, lse, counters, B * Lq * G, part_lse.shape[0], *out.stride()[:3], *lse.stride())
-    else:
-        merge_args = (part_out, part_lse, part_lse, 0, 0, 0, 0, 0, 0, 0, 0)  # unused
     kernels._cascade_fwd_kernel[(n_prefix + B * Hkv * s_mtiles,)](
         query, k_pre, v_pre,
         sched.rows, sched.row_start, sched.node_starts, sched.tile_node, sched.tile_m0,
@@ -258,14 +239,12 @@ def _launch_fused(query, k_pre, v_pre, config, key, value, mask, causal, part_ou
         *query.stride(), *k_pre.stride()[:2], *v_pre.stride()[:2],
         *key.stride()[:3], *value.stride()[:3], *mask_strides,
         *o_strides, *l_strides,
-        *merge_args,
         MASK_MODE=mode,
         HAS_SOFTCAP=softcap is not None,
         HAS_KEY_LEN=key_length is not None,
         EVEN_D=block_d == D,
         INPUT_PRECISION=dot_precision(query.dtype),
         BLOCK_MP=block_mp, BLOCK_MS=block_ms, BLOCK_N=block_n, BLOCK_D=block_d,
-        MERGE=merge is not None, SUFFIX_FIRST=suffix_first,
         num_warps=num_warps, num_stages=num_stages,
     )
 
