@@ -125,18 +125,6 @@ def _recompile_limit():
     return config.patch(**{name: 64})
 
 
-def _sizes_not_specialised_to_one():
-    """Where this torch has it, fx's ``backed_size_oblivious`` for the prefill's traces: a batch (or length) of 1 seen
-    first (a shared segment of one node) is not specialised to 1, so the graph traced for it also serves the rows'
-    first forward and every later layout (one prefill graph per model, not one for batch 1 and one for the rest: a
-    trace costs ~1.4 s of a process's first call, Llama-3-8B layer, H100). Guards still hold: a graph that needs a
-    size to differ from 1 says so and a size of 1 then compiles its own."""
-    config = getattr(getattr(torch.fx, "experimental", None), "_config", None)
-    if config is None or not hasattr(config, "backed_size_oblivious"):
-        return contextlib.nullcontext()
-    return config.patch(backed_size_oblivious=True)
-
-
 # A decoder layer's tensor inputs in a prefill forward, by keyword, and their dims that change between forwards (the
 # batch, the new tokens, the keys): every other size (hidden size, head dim, heads) stays a constant of the graph.
 _VARYING_DIMS = {"hidden_states": (0, 1), "position_embeddings": (0, 1), "position_ids": (0, 1),
@@ -195,7 +183,7 @@ def compiled_layers(model: torch.nn.Module, cache, dynamic: bool = False):
             calls = state.calls
             state.entered += 1
     with _ACTIVE_LOCK, torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True), _layer_index_symbolic(), \
-            _recompile_limit(), _sizes_not_specialised_to_one() if dynamic else contextlib.nullcontext():
+            _recompile_limit():
         previous = [layer._compiled_call_impl for layer in layers], _TRACING.active, layer_step_cache()
         previous_written = getattr(_STEP, "written", None)
         for layer, call in zip(layers, calls):  # (entered again: all restored on the way out)
