@@ -24,7 +24,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.utils import logging
 
-from hf_cascade.compiled_layers import layer_step_cache, note_layer_written, outside_layer_graphs
+from hf_cascade.compiled_layers import PREFILL_BATCH_MASKS, layer_step_cache, note_layer_written, outside_layer_graphs
 
 logger = logging.get_logger(__name__)
 
@@ -279,8 +279,13 @@ def cascade_mask(*args, **kwargs) -> torch.Tensor | None:
 
     In hf_cascade's decoding loop a decode step's mask (``q_length == 1``) is always built: to return None for
     "causal, no padding", sdpa's builder reads whether every padding-mask entry is 1 on the host, a host-device
-    synchronisation at every step of the eager path (the compiled path builds it anyway)."""
+    synchronisation at every step of the eager path (the compiled path builds it anyway). In a prefill forward with
+    compiled layers (``compiled_layers.PREFILL_BATCH_MASKS``) a forward of several rows always gets one too: its
+    layers then run the compiled graph of the forwards that need a mask, not one more graph (a second of tracing in
+    a process's first calls, Llama-3-8B layer, H100)."""
     if kwargs.get("q_length") == 1 and ALWAYS_BUILD_DECODE_MASK.get():
+        kwargs["allow_is_causal_skip"] = False
+    if PREFILL_BATCH_MASKS.get() and kwargs.get("batch_size", 1) > 1:
         kwargs["allow_is_causal_skip"] = False
     mask = sdpa_mask(*args, **kwargs)
     if isinstance(mask, torch.Tensor) and mask.dim() == 4 and not torch.compiler.is_compiling():

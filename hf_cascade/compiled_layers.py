@@ -22,14 +22,15 @@ the update and attention left out of the graphs by ``torch.compiler.disable`` be
 
 The prefill too (:func:`compiled_forward`): each shared segment's forward and the rows' first forward run the same
 layers compiled with the batch and length dims marked dynamic (``compiled_layers(..., dynamic=True)``; the model's
-other sizes stay constants), not recorded: one graph per kind of forward (one row or several, with or without a
-padding mask) for every layout. Measured (H100, same shape): 0.66 s per call against 0.70 s with the eager prefill,
+other sizes stay constants), not recorded: one graph for the forwards of one row (a segment's one node, no mask)
+and one for those of several rows (always given a mask: ``PREFILL_BATCH_MASKS``), for every layout. Measured (H100, same shape): 0.66 s per call against 0.70 s with the eager prefill,
 ~5 s of tracing once per process.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import threading
 
 import torch
@@ -52,6 +53,10 @@ class _Tracing:
 
 
 _TRACING = _Tracing()
+# Set while compiled_forward runs a prefill forward: a forward of several rows gets a mask tensor even where "causal,
+# no padding" could go without (see attention.cascade_mask), so that such forwards (a level of equal-length nodes)
+# run the graph of the forwards that have one (the rows' first forward), not a graph of their own.
+PREFILL_BATCH_MASKS: contextvars.ContextVar[bool] = contextvars.ContextVar("hf_cascade_prefill_masks", default=False)
 _ACTIVE_LOCK = threading.RLock()
 _STEP = threading.local()  # .cache: the cache of the step running with compiled layers on this thread
 
@@ -216,6 +221,7 @@ def compiled_forward(model: torch.nn.Module, cache, forward):
     if state.prefill_failed or decoder_layers(model) is None:
         return forward()
     written: list[tuple[int, int]] = []
+    token = PREFILL_BATCH_MASKS.set(True)
     try:
         with compiled_layers(model, cache, dynamic=True):
             written = _STEP.written
@@ -232,3 +238,5 @@ def compiled_forward(model: torch.nn.Module, cache, forward):
             logger.warning_once(f"hf_cascade: compiling this model's decoder layers for the prefill failed "
                                 f"({type(err).__name__}: {str(err)[:300]}); the prefill runs them eagerly.")
         return forward()
+    finally:
+        PREFILL_BATCH_MASKS.reset(token)

@@ -198,6 +198,28 @@ def test_compiled_prefill_matches_reference_and_compiles_per_model(family):
     assert graphs[-2:] == [graphs[3]] * 2, f"layouts seen before compiled again: {graphs}"
 
 
+def test_prefill_forwards_of_several_rows_always_get_a_mask():
+    """In a prefill forward with compiled layers, a forward of several rows gets a mask tensor even for "causal, no
+    padding" (a level of equal-length nodes), as the rows' first forward has one: both run one compiled graph (on a
+    GPU a level of equal-length nodes traced a graph of its own, a second of a process's first calls). A forward
+    of one row, and every forward outside the compiled prefill, keeps sdpa's None."""
+    from hf_cascade.attention import cascade_mask
+    from hf_cascade.compiled_layers import PREFILL_BATCH_MASKS
+
+    def mask(batch):
+        return cascade_mask(batch_size=batch, q_length=5, kv_length=5, attention_mask=torch.ones(batch, 5,
+                            dtype=torch.bool), allow_is_causal_skip=True, device="cpu")
+
+    assert mask(4) is None and mask(1) is None
+    token = PREFILL_BATCH_MASKS.set(True)
+    try:
+        built, one_row = mask(4), mask(1)
+    finally:
+        PREFILL_BATCH_MASKS.reset(token)
+    assert one_row is None
+    assert built.shape == (4, 1, 5, 5) and torch.equal(built[0, 0], torch.ones(5, 5, dtype=torch.bool).tril())
+
+
 def test_compiled_prefill_failure_loses_nothing(monkeypatch):
     """A compiler error at the last layer of a compiled prefill forward (after the other layers wrote their KV): those
     writes are taken back, the forward runs eagerly, the tokens are exact, and this model's prefill stays eager."""
