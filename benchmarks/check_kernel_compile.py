@@ -87,7 +87,8 @@ def ptxas_report(ptx: str) -> str:
                              text=True, timeout=600)
     finally:
         os.unlink(f.name)
-    lines = [line.split(":", 1)[-1].strip() for line in out.stderr.splitlines() if "registers" in line or "spill" in line]
+    lines = [line.split(":", 1)[-1].strip() for line in out.stderr.splitlines()
+             if "registers" in line or "spill" in line]
     return "; ".join(lines) or out.stderr.strip()[:200]
 
 

@@ -31,7 +31,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench_generate import build_model, make_batch  # noqa: E402
 from common import ResultWriter, add_shared_workload_args  # noqa: E402
 
-import hf_cascade  # noqa: E402
 import hf_cascade.captured_step as captured_step  # noqa: E402
 import hf_cascade.decoding as decoding  # noqa: E402
 import hf_cascade.generation as generation  # noqa: E402
@@ -136,7 +135,8 @@ def main():
         writer.write(record)
         print(f"== {kind}: wall {median['wall_ms']:.1f} ms (runs {[r['wall_ms'] for r in runs]})")
         for m in median["marks"]:
-            print(f"   {m['mark']:<48} host {m['host_ms']:8.2f}  gpu {m['gpu_ms']:8.2f}  behind {m['gpu_behind_ms']:7.2f}")
+            print(f"   {m['mark']:<48} host {m['host_ms']:8.2f}  gpu {m['gpu_ms']:8.2f}  "
+                  f"behind {m['gpu_behind_ms']:7.2f}")
     record = {"bench": "probe_call_timeline", "kind": "kernels_by_launch", "layers": args.layers,
               "batch": args.batch, "prefix": args.prefix, "suffix": args.suffix, "new_tokens": args.new_tokens,
               **kernels_by_launch(lambda: call(args.new_tokens))}
