@@ -52,6 +52,12 @@ KERNELS = [
     ("_suffix_kernel", "_suffix_fwd_kernel",
      dict(MASK_MODE=2, HAS_SOFTCAP=False, HAS_PREFIX=True, HAS_KEY_LEN=True, EVEN_D=True, INPUT_PRECISION="tf32",
           BLOCK_M=64, BLOCK_N=32, BLOCK_D=128), dict(num_warps=4, num_stages=3)),
+    ("_suffix_kernel", "_suffix_fwd_kernel",  # fp32 (exact dots), a small head dim, no prefix
+     dict(MASK_MODE=1, HAS_SOFTCAP=True, HAS_PREFIX=False, HAS_KEY_LEN=False, EVEN_D=False, INPUT_PRECISION="ieee",
+          BLOCK_M=32, BLOCK_N=32, BLOCK_D=64), dict(num_warps=4, num_stages=2)),
+    ("_prefix_kernel", "_prefix_fwd_kernel",
+     dict(HAS_SOFTCAP=True, EVEN_D=False, INPUT_PRECISION="ieee", BLOCK_M=64, BLOCK_N=32, BLOCK_D=32),
+     dict(num_warps=4, num_stages=2)),
     ("_merge_kernel", "_merge_attention_states_kernel", dict(BLOCK_R=16, BLOCK_D=128), dict(num_warps=4)),
     ("_kv_write_kernel", "_write_suffix_kv_kernel", dict(BLOCK_D=128), dict(num_warps=1)),
 ]
@@ -113,6 +119,7 @@ def main(argv=None) -> int:
             continue
         report = f": {ptxas_report(compiled.asm['ptx'])}" if args.verbose else ""
         print(f"ok {name}{report}", flush=True)
+    print(f"compiled {len(KERNELS) - failed} of {len(KERNELS)}")
     return 1 if failed else 0
 
 

@@ -7,6 +7,7 @@ the launch choices the H100 uses, in a process without ``TRITON_INTERPRET``.
 """
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -38,4 +39,5 @@ def test_every_kernel_compiles_for_sm90():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, str(SCRIPT)], capture_output=True, text=True, env=env, timeout=900)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
-    assert out.stdout.count("ok ") == 7, out.stdout
+    done = re.search(r"compiled (\d+) of (\d+)", out.stdout)
+    assert done and done.group(1) == done.group(2) and int(done.group(2)) >= 9, out.stdout
