@@ -10,7 +10,7 @@ an explicit target runs Triton's front end, its passes and the ptxas bundled wit
     python benchmarks/check_kernel_compile.py            # every kernel at the launch choices the H100 uses
     python benchmarks/check_kernel_compile.py --verbose  # + registers / spills per kernel
 
-Run without ``TRITON_INTERPRET`` (this script clears it before importing the kernels). Exits non-zero, naming the
+Run in a process of its own: ``main`` clears ``TRITON_INTERPRET`` before importing the kernels. Exits non-zero, naming the
 kernel and the error, if any kernel fails to compile. ``tests/test_kernel_compile.py`` runs it in CI.
 """
 
@@ -23,7 +23,6 @@ import subprocess
 import sys
 import tempfile
 
-os.environ.pop("TRITON_INTERPRET", None)  # before any kernel module is imported: compile, do not interpret
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # Pointer dtypes by argument name (every other pointer is fp32); the H100 runs bf16 models.
@@ -78,14 +77,25 @@ def signature(fn, constexprs: dict) -> dict:
     return sig
 
 
+def ptxas_path() -> str | None:
+    """The ptxas this Triton compiles sm_90 with, or None where it has none (no CUDA backend tools)."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+
+        try:
+            path = get_ptxas(90).path
+        except TypeError:  # a Triton whose get_ptxas takes no architecture
+            path = get_ptxas().path
+    except Exception:  # noqa: BLE001
+        return None
+    return path if path and os.path.exists(path) else None
+
+
 def ptxas_report(ptx: str) -> str:
     """ptxas -v's register and spill lines for ``ptx`` (sm_90a), or why there are none."""
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    try:
-        ptxas = get_ptxas(90).path
-    except TypeError:  # a Triton whose get_ptxas takes no architecture
-        ptxas = get_ptxas().path
+    ptxas = ptxas_path()
+    if ptxas is None:
+        return "no ptxas"
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
     try:
@@ -102,6 +112,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--verbose", action="store_true", help="ptxas's registers and spills per kernel")
     args = parser.parse_args(argv)
+    os.environ.pop("TRITON_INTERPRET", None)  # before any kernel module is imported: compile, do not interpret
     import triton
     from triton.backends.compiler import GPUTarget
 
