@@ -214,13 +214,14 @@ def _decode_forward(model, model_kwargs: dict, generation_config, decode_step: s
     """The callable that runs the decode steps (see :func:`sample`'s ``decode_step``; ``"auto"`` is resolved by
     ``hf_cascade.generate`` before the loop starts)."""
     from hf_cascade.cache import CascadeCache
+    from hf_cascade.parallel.cache import ContextParallelCache
 
     if decode_step not in ("compile", "layers", "graphs", "eager"):
         raise ValueError(f"`decode_step` must be 'compile', 'layers', 'graphs' or 'eager'; got {decode_step!r}.")
     cache = model_kwargs.get(CACHE_KWARG)
-    fixed_cascade = (
-        isinstance(cache, CascadeCache) and cache.max_suffix_length is not None and model.device.type == "cuda"
-    )
+    fixed = ((isinstance(cache, CascadeCache) and cache.max_suffix_length is not None)
+             or (isinstance(cache, ContextParallelCache) and cache.max_new_tokens is not None))
+    fixed_cascade = fixed and model.device.type == "cuda"
     if fixed_cascade and decode_step == "eager":
         return model.__call__
     # Recorded where transformers would compile (its checks: not disable_compile, no offload, a compileable

@@ -200,14 +200,15 @@ def test_without_process_group_explains_how_to_launch():
 def _stalled_peer_worker(rank, world):
     """Rank 1 joins the input check, then stops participating; rank 0 must fail in the ring, not hang."""
     from hf_cascade.parallel._group import resolve_group
-    from hf_cascade.parallel.inputs import _check_same_on_all_ranks, _sync_rng
+    from hf_cascade.parallel._group import sync_rng
+    from hf_cascade.parallel.inputs import _check_same_on_all_ranks
 
     model = tiny_model("llama", "cascade", seed=0)
     ids = torch.tensor([_rows([40], seed=0)[0]])
     if rank == 1:
         info = resolve_group()
         _check_same_on_all_ranks(ids, torch.ones_like(ids), info)
-        _sync_rng(info, ids.device)
+        sync_rng(info, ids.device)
         time.sleep(4)  # alive but silent, past rank 0's timeout
         return None
     start = time.monotonic()

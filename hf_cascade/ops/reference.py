@@ -224,3 +224,15 @@ def write_suffix_kv_ref(key: Tensor, value: Tensor, keys: Tensor, values: Tensor
     keys.index_copy_(2, positions, key)
     values.index_copy_(2, positions, value)
     length.add_(key.shape[2])
+
+
+def fused_attention_ref(query: Tensor, key: Tensor, value: Tensor, *, scale: float,
+                        causal: bool) -> tuple[Tensor, Tensor]:
+    """The PyTorch reference of :func:`fused_attention` (fp32 math; top-left causal)."""
+    Lq, Lk = query.shape[2], key.shape[2]
+    mask = None
+    if causal:
+        mask = (torch.arange(Lk, device=query.device)[None, :] <= torch.arange(Lq, device=query.device)[:, None])
+        mask = mask[None].expand(query.shape[0], Lq, Lk)
+    out, lse = suffix_attention_ref(query, key, value, scale=scale, mask=mask, causal=False)
+    return out.to(query.dtype), lse

@@ -95,3 +95,13 @@ def check_device(info: GroupInfo, device: torch.device, caller: str) -> None:
             "CPU tensors. On CPU create a gloo group: `accelerate.PartialState(cpu=True)` or "
             "`init_process_group('gloo')`; on GPUs move the model to `PartialState().device`."
         )
+
+
+def sync_rng(info: GroupInfo, device: torch.device) -> None:
+    """Seed every rank's RNG (CPU and CUDA) with a seed drawn on rank 0 (one broadcast)."""
+    import torch.distributed as dist
+
+    seed = torch.randint(0, 2**62, (1,), dtype=torch.long) if info.rank == 0 else torch.zeros(1, dtype=torch.long)
+    seed = seed.to(device)
+    dist.broadcast(seed, src=info.global_ranks[0], group=info.group)
+    torch.manual_seed(int(seed.item()))

@@ -43,6 +43,7 @@ from transformers.cache_utils import Cache
 
 from hf_cascade.attention import bind_layer, check_model_uses_cascade
 from hf_cascade.cache import _num_layers, _SuffixLayer
+from hf_cascade.compiled_layers import outside_layer_graphs
 from hf_cascade.model_scan import attention_modules
 from hf_cascade.ops.plan import CascadePlan, plan_cascade
 from hf_cascade.ops.prefix_attention import shared_prefix_attention
@@ -51,7 +52,7 @@ from hf_cascade.parallel._group import GroupInfo
 from hf_cascade.parallel.combine import all_gather_kv, check_combine, combine_states
 from hf_cascade.parallel.fixed import DecodeBuffers, attend_fixed, check_max_new_tokens
 from hf_cascade.parallel.layout import ZigzagLayout
-from hf_cascade.parallel.ring import ring_attention
+from hf_cascade.parallel.ring import BLOCK_BACKENDS, ring_attention
 
 PLACEMENTS = ("least_loaded", "round_robin")
 _GROW = 256  # columns of spare capacity added when a rank's row KV storage is full
@@ -76,6 +77,7 @@ class _ShardLayer(_SuffixLayer):
         self.length = 0
         self.decode: DecodeBuffers | None = None
         self.row_valid: torch.Tensor | None = None
+        self.rows_all_valid = False  # with ``decode``: no row has prompt padding in this shard (no mask needed)
         self._buffers = None  # (keys, values, cols) storage with spare capacity; keys/values/cols are views
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -161,10 +163,17 @@ class ContextParallelCache(Cache):
         combine: ``"all_gather"`` (default: one collective per layer), ``"tree"``, ``"all_to_all"`` or
             ``"all_gather_kv"`` (baseline); see :mod:`hf_cascade.parallel.combine`.
         placement: where each forward's new tokens go: ``"least_loaded"`` (default) or ``"round_robin"``.
+        kernels: the blocks' kernel, ring prefill and decode prompt shards: ``"auto"`` (PyTorch's flash kernel where
+            it applies on CUDA), ``"fused"`` (wherever it applies, CPU too), ``"suffix"`` (hf_cascade's suffix
+            kernel); see :func:`~hf_cascade.parallel.ring.block_attention`.
+
+    Attributes:
+        decode_step: how :func:`~hf_cascade.parallel.generation.context_parallel_generate` runs the decode steps
+            (``"auto"``, ``"layers"``, ``"graphs"``, ``"compile"``, ``"eager"``); set by ``context_parallel_inputs``.
     """
 
     def __init__(self, model: torch.nn.Module, info: GroupInfo, *, combine: str = "all_gather",
-                 placement: str = "least_loaded"):
+                 placement: str = "least_loaded", kernels: str = "auto"):
         check_model_uses_cascade(model)
         if placement not in PLACEMENTS:
             raise ValueError(f"`placement` must be one of {PLACEMENTS}; got {placement!r}.")
@@ -181,8 +190,13 @@ class ContextParallelCache(Cache):
         self._prefix_plan: CascadePlan | None = None  # one level, one node (the shared prefix shard); per batch
         self._prompt_length = 0  # what generate() starts from (see _is_user_defined)
         self._user_defined = False
-        self._modules = {id(m) for modules in attention_modules(model).values() for m in modules}
+        self._attention_modules = attention_modules(model)
+        self._modules = {id(m) for modules in self._attention_modules.values() for m in modules}
         self.max_new_tokens: int | None = None  # set by use_fixed_buffers (fixed decode buffers)
+        if kernels not in BLOCK_BACKENDS:
+            raise ValueError(f"`kernels` must be one of {BLOCK_BACKENDS}; got {kernels!r}.")
+        self.kernels = kernels
+        self.decode_step = "auto"
 
     # ------------------------------------------------------------------ prefill (driven by context_parallel_inputs)
     def begin_ring_prefill(self, layout: ZigzagLayout, key_valid: torch.Tensor | None, *, shared: bool) -> None:
@@ -222,8 +236,10 @@ class ContextParallelCache(Cache):
     def use_fixed_buffers(self, max_new_tokens: int, prompt_mask: torch.Tensor) -> None:
         """Switch decode to fixed buffers for ``max_new_tokens`` tokens (see :mod:`hf_cascade.parallel.fixed`).
 
-        Call after the prompt is prefilled and marked. ``prompt_mask``: ``[B, >= prompt_length]`` the prompt's
-        attention mask (1 = real token; the ``attention_mask`` generate() gets), the same on every rank.
+        Call after the prompt is prefilled and marked (again to resize: the decode tokens are dropped).
+        ``prompt_mask``: ``[B, >= prompt_length]`` the prompt's attention mask (1 = real token; the ``attention_mask``
+        generate() gets), the same on every rank; or ``[B * k, ...]``, its rows repeated ``k`` times each as
+        generate() repeats them for ``num_return_sequences`` / ``num_beams``.
         """
         max_new_tokens = check_max_new_tokens(max_new_tokens)
         if self.combine == "all_gather_kv":
@@ -235,11 +251,15 @@ class ContextParallelCache(Cache):
                              f"{tuple(prompt_mask.shape)}.")
         first_owner = self._counts.index(min(self._counts))  # decode tokens start on the least-loaded rank
         valid = prompt_mask[:, :length].bool()
+        rows = next((layer.keys.shape[0] for layer in self.layers if layer.keys is not None), valid.shape[0])
+        if rows and valid.shape[0] != rows and valid.shape[0] % rows == 0:
+            valid = valid[:: valid.shape[0] // rows]  # generate()'s repeat_interleave of the rows, undone
         for layer in self.layers:
             if layer.keys is not None and layer.keys.shape[0] != valid.shape[0]:
                 raise ValueError(f"use_fixed_buffers: prompt_mask has {valid.shape[0]} rows but the cache holds "
                                  f"{layer.keys.shape[0]}.")
             layer.row_valid = None if layer.keys is None else valid.index_select(1, layer.cols)
+            layer.rows_all_valid = layer.row_valid is not None and bool(layer.row_valid.all())
             layer.decode = DecodeBuffers(max_new_tokens, self.info, first_owner, length, prompt_mask.device)
             layer.is_compileable = True
             if layer.keys is not None:
@@ -282,6 +302,8 @@ class ContextParallelCache(Cache):
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Store ``[batch, num_kv_heads, q_len, head_dim]`` new KV if this rank owns it; return this rank's row KV
         (with fixed decode buffers: write in place and return the layer's decode buffers)."""
+        if outside_layer_graphs():  # a decoder layer compiled for a recorded step: its attention op writes the step
+            return key_states, value_states
         layer = self.layers[layer_idx]
         if layer.decode is not None and self._ring is None:  # fixed decode buffers
             self._match_rows(layer, key_states.shape[0])
@@ -401,6 +423,33 @@ class ContextParallelCache(Cache):
             f"{self.rank_token_counts()}, nbytes={self.nbytes})"
         )
 
+    # ------------------------------------------------------------------ recorded / compiled decode steps
+    def attention_module(self, layer_idx: int) -> torch.nn.Module:
+        """The attention module of layer ``layer_idx`` of the model this cache was built for."""
+        return next(iter(self._attention_modules[layer_idx]))
+
+    def static_step_tensors(self) -> list[torch.Tensor]:
+        """Every device tensor a decode step with fixed buffers reads or writes (what a recorded CUDA graph is keyed
+        on: :class:`~hf_cascade.captured_step.CapturedDecodeStep`)."""
+        tensors = []
+        for layer in self.layers:
+            decode = layer.decode
+            candidates = (layer.keys, layer.values, layer.row_valid, layer.prefix_keys, layer.prefix_values,
+                          None if decode is None else decode.keys, None if decode is None else decode.values,
+                          None if decode is None else decode.cols, None if decode is None else decode.length)
+            tensors.extend(t for t in candidates if t is not None)
+        return tensors
+
+    def suffix_lengths(self) -> list[torch.Tensor]:
+        """Each layer's decode length (device int64 scalar): the state a decode step advances."""
+        return [layer.decode.length for layer in self.layers if layer.decode is not None]
+
+    def begin_static_step(self) -> None:
+        """A recorded step is about to run on the device: the host's count of decode tokens is stale."""
+        for layer in self.layers:
+            if layer.decode is not None:
+                layer.decode._host_stale = True
+
     # ------------------------------------------------------------------ attention
     def attend(self, module, query, key, value, attention_mask, *, scaling, softcap=None, sliding_window=None,
                **kwargs):
@@ -430,7 +479,8 @@ class ContextParallelCache(Cache):
                     f"tokens and prompt + max_new_tokens = {self._prompt_length + self.max_new_tokens} exceeds it: "
                     "context parallelism supports full attention only. Lower max_new_tokens."
                 )
-            return attend_fixed(layer, query, self.info, self.combine, scaling=scaling, softcap=softcap)
+            return attend_fixed(layer, query, self.info, self.combine, scaling=scaling, softcap=softcap,
+                                backend=self.kernels)
         if sliding_window is not None and layer.length > sliding_window:
             raise NotImplementedError(
                 f"{type(module).__name__} (layer {module.layer_idx}) uses a sliding window of {sliding_window} "
@@ -440,7 +490,7 @@ class ContextParallelCache(Cache):
         if self._ring is not None:
             layout, key_valid, _ = self._ring
             out, _ = ring_attention(query, key, value, layout=layout, info=self.info, scale=scaling,
-                                    key_valid=key_valid, softcap=softcap)
+                                    key_valid=key_valid, softcap=softcap, block_backend=self.kernels)
             return out.transpose(1, 2)
         if self.combine == "all_gather_kv":
             return self._attend_all_gather_kv(layer, query, key, value, attention_mask, scaling, softcap)

@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import torch
 
+from hf_cascade.captured_step import static_step
+from hf_cascade.ops.fused_attention import fused_attention, fused_attention_applies
+from hf_cascade.ops.merge import merge_attention_states
 from hf_cascade.ops.suffix_attention import suffix_attention
 from hf_cascade.parallel._group import GroupInfo
 from hf_cascade.parallel.combine import combine_states
@@ -94,7 +97,7 @@ class DecodeBuffers:
         q_len = key_states.shape[2]
         if self.keys is None or self.keys.shape[0] != key_states.shape[0]:
             self._allocate(key_states)  # generate()'s first forward (batch expanded for beams / sequences)
-        if torch.compiler.is_compiling():
+        if static_step():  # a compiled or recorded step: device work only
             self._host_stale = True
         else:
             total = self.host_length + q_len
@@ -154,29 +157,75 @@ class DecodeBuffers:
         return 2 * self.keys.numel() * self.keys.element_size()
 
 
+def _shared_prefix_state(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scaling: float):
+    """Every row's queries against the shared-prefix shard ``[Hkv, P_r, D]`` in ONE flash call: the rows become
+    query positions of a batch of one (``[1, Hq, B * Lq, D]``), as the cascade's shared pass does."""
+    B, Hq, Lq, D = query.shape
+    folded = query.permute(1, 0, 2, 3).reshape(1, Hq, B * Lq, D)
+    out, lse = fused_attention(folded, keys[None], values[None], scale=scaling, causal=False)
+    out = out.reshape(Hq, B, Lq, D).permute(1, 0, 2, 3)
+    return out, lse.reshape(Hq, B, Lq).permute(1, 0, 2)
+
+
+def _use_fused(query: torch.Tensor, keys: torch.Tensor, backend: str) -> bool:
+    """``keys``: ``[..., Hkv, S, D]`` one of the prompt shards (their heads and head dim are the same)."""
+    if backend == "suffix":
+        return False
+    if backend == "auto" and query.device.type != "cuda":
+        return False
+    return fused_attention_applies(query, keys if keys.dim() == 4 else keys[None])
+
+
+def partial_state(layer, query: torch.Tensor, *, scaling: float, softcap: float | None,
+                  backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's exact partial attention state over the prompt KV it holds and its decode buffers.
+
+    The prompt shards run PyTorch's flash kernel where it applies (``backend="auto"``: CUDA, fp16/bf16, no soft-cap;
+    a row shard only where no row has prompt padding): it splits a long shard's keys over the SMs
+    (flash-decoding). Else, and for the decode buffers (masked by column), hf_cascade's suffix kernel, which also
+    merges the prompt's state into its own in its epilogue.
+
+    Returns:
+        ``(out [B, Hq, Lq, D] in query.dtype, lse [B, Hq, Lq] float32)``.
+    """
+    B, _, q_len, _ = query.shape
+    held = layer.keys if layer.keys is not None else layer.prefix_keys
+    fused = softcap is None and held is not None and _use_fused(query, held, backend)
+    out = lse = None
+    if layer.prefix_keys is not None and layer.prefix_keys.shape[1] > 0:  # every row reads the shared prefix
+        if fused:
+            out, lse = _shared_prefix_state(query, layer.prefix_keys, layer.prefix_values, scaling)
+        else:
+            keys = layer.prefix_keys[None].expand(B, -1, -1, -1)
+            values = layer.prefix_values[None].expand(B, -1, -1, -1)
+            out, lse = suffix_attention(query, keys, values, scale=scaling, causal=False, softcap=softcap)
+    if layer.keys is not None and layer.keys.shape[2] > 0:  # the prompt's row shard: all before the queries
+        if fused and layer.rows_all_valid:
+            row_out, row_lse = fused_attention(query, layer.keys, layer.values, scale=scaling, causal=False)
+            out, lse = (row_out, row_lse) if out is None else merge_attention_states(out.float(), lse, row_out,
+                                                                                      row_lse)
+        else:
+            mask = layer.row_valid[:, None, :].expand(B, q_len, layer.keys.shape[2])
+            out, lse = suffix_attention(query, layer.keys, layer.values, scale=scaling, mask=mask, softcap=softcap,
+                                        prefix_out=None if out is None else out.float(), prefix_lse=lse)
+    buffers = layer.decode
+    return suffix_attention(query, buffers.keys, buffers.values, scale=scaling, mask=buffers.mask(q_len),
+                            softcap=softcap, prefix_out=None if out is None else out.float(), prefix_lse=lse)
+
+
 def attend_fixed(layer, query: torch.Tensor, info: GroupInfo, combine: str, *, scaling: float,
-                 softcap: float | None) -> torch.Tensor:
-    """One layer's decode attention with fixed buffers: this rank's partial state, then the exact combine.
+                 softcap: float | None, backend: str = "auto") -> torch.Tensor:
+    """One layer's decode attention with fixed buffers: this rank's partial state (:func:`partial_state`), then
+    the exact combine across ranks.
 
     Args:
         layer: the cache layer (``prefix_keys``/``prefix_values`` ``[Hkv, P_r, D]`` or None; ``keys``/``values``
             ``[B, Hkv, S_r, D]`` or None with ``row_valid`` bool ``[B, S_r]``; ``decode`` a :class:`DecodeBuffers`).
         query: ``[B, Hq, Lq, D]`` the new tokens' queries (the same on every rank).
+        backend: the prompt shards' kernel (``"auto"``, ``"fused"``, ``"suffix"``; see :func:`partial_state`).
     Returns:
         ``[B, Lq, Hq, D]`` in ``query.dtype``, identical on every rank.
     """
-    B, _, q_len, _ = query.shape
-    out = lse = None
-    if layer.prefix_keys is not None and layer.prefix_keys.shape[1] > 0:  # every row reads the shared prefix
-        keys = layer.prefix_keys[None].expand(B, -1, -1, -1)
-        values = layer.prefix_values[None].expand(B, -1, -1, -1)
-        out, lse = suffix_attention(query, keys, values, scale=scaling, causal=False, softcap=softcap)
-    if layer.keys is not None and layer.keys.shape[2] > 0:  # the prompt's row shard: all before the queries
-        mask = layer.row_valid[:, None, :].expand(B, q_len, layer.keys.shape[2])
-        out, lse = suffix_attention(query, layer.keys, layer.values, scale=scaling, mask=mask, softcap=softcap,
-                                    prefix_out=None if out is None else out.float(), prefix_lse=lse)
-    buffers = layer.decode
-    out, lse = suffix_attention(query, buffers.keys, buffers.values, scale=scaling, mask=buffers.mask(q_len),
-                                softcap=softcap, prefix_out=None if out is None else out.float(), prefix_lse=lse)
+    out, lse = partial_state(layer, query, scaling=scaling, softcap=softcap, backend=backend)
     out, _ = combine_states(out, lse, info, combine)
     return out.transpose(1, 2)

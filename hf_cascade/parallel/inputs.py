@@ -31,15 +31,16 @@ import torch
 import torch.distributed as dist
 
 from hf_cascade.attention import check_model_uses_cascade
-from hf_cascade.parallel._group import check_device, resolve_group
+from hf_cascade.parallel._group import check_device, resolve_group, sync_rng
 from hf_cascade.parallel.cache import ContextParallelCache
 from hf_cascade.parallel.combine import check_combine
 from hf_cascade.parallel.fixed import check_max_new_tokens
+from hf_cascade.parallel.generation import check_decode_step, context_parallel_generate
 from hf_cascade.parallel.layout import ZigzagLayout
 from hf_cascade.transformers_compat import CACHE_KWARG
 
 _OPTIONS = ("placement", "shared_prefix", "min_shared_tokens", "pad_token_id", "sync_rng", "check_inputs",
-            "max_new_tokens")
+            "max_new_tokens", "decode_step", "kernels")
 
 
 def _validate(model, input_ids, attention_mask):
@@ -96,14 +97,6 @@ def _check_same_on_all_ranks(input_ids, mask, info) -> None:
             f"context_parallel_inputs: ranks {different} got a different `input_ids`/`attention_mask` than rank 0 "
             f"(this rank: shape {tuple(input_ids.shape)}). Every rank must pass the same prompt batch."
         )
-
-
-def _sync_rng(info, device) -> None:
-    """Seed every rank's RNG (CPU and CUDA) with a seed drawn on rank 0."""
-    seed = torch.randint(0, 2**62, (1,), dtype=torch.long) if info.rank == 0 else torch.zeros(1, dtype=torch.long)
-    seed = seed.to(device)
-    dist.broadcast(seed, src=info.global_ranks[0], group=info.group)
-    torch.manual_seed(int(seed.item()))
 
 
 def _shared_prefix_length(input_ids, mask, min_tokens: int) -> int:
@@ -181,11 +174,21 @@ def context_parallel_inputs(
                 will produce: fixed per-layer decode buffers written in place (:mod:`hf_cascade.parallel.fixed`),
                 so the cache is compileable and generate() compiles the decode step where it compiles (CUDA by
                 default; ``CompileConfig._compile_all_devices`` elsewhere). Not with ``combine="all_gather_kv"``.
-                The cache records the prompt's padding: pass generate() the returned ``attention_mask``.
+                The cache records the prompt's padding: pass generate() the returned ``attention_mask``. Not needed
+                on CUDA, where the default ``decode_step`` sizes the buffers from generate()'s own max_new_tokens.
+            decode_step: how generate() runs the decode steps (:mod:`hf_cascade.parallel.generation`): ``"auto"``
+                (default: on CUDA the step recorded into a CUDA graph with the decoder layers compiled and the
+                combine inside the graph; elsewhere transformers' own loop), ``"layers"``, ``"graphs"``,
+                ``"compile"`` or ``"eager"`` (the opt-out: every step eager, growing KV).
+            kernels: the attention blocks' kernel (ring prefill, decode prompt shards): ``"auto"`` (default:
+                PyTorch's flash kernel where it applies on CUDA, else hf_cascade's suffix kernel), ``"fused"`` or
+                ``"suffix"``.
     Returns:
-        ``{"input_ids", "attention_mask", CACHE_KWARG}`` for ``model.generate(**inputs, ...)``; the cache is a
-        :class:`~hf_cascade.parallel.cache.ContextParallelCache` holding this rank's shard (``.nbytes``). The
-        same dict may be passed to several generate() calls: each starts again from the prompt.
+        ``{"input_ids", "attention_mask", CACHE_KWARG, "custom_generate"}`` for ``model.generate(**inputs, ...)``;
+        the cache is a :class:`~hf_cascade.parallel.cache.ContextParallelCache` holding this rank's shard
+        (``.nbytes``), ``custom_generate`` :func:`~hf_cascade.parallel.generation.context_parallel_generate` (do not
+        pass another one). The same dict may be passed to several generate() calls: each starts again from the
+        prompt.
     Raises:
         ValueError: no process group is initialised (the message explains how to launch), bad arguments, or
             ranks passing different prompts.
@@ -198,6 +201,10 @@ def context_parallel_inputs(
     if max_new_tokens is not None and combine == "all_gather_kv":
         raise ValueError("context_parallel_inputs: combine='all_gather_kv' (a benchmark baseline) has no fixed-buffer "
                          "decode; pick 'all_gather', 'tree' or 'all_to_all', or drop `max_new_tokens`.")
+    decode_step = check_decode_step(options.get("decode_step", "auto"))
+    if decode_step not in ("auto", "eager") and combine == "all_gather_kv":
+        raise ValueError(f"context_parallel_inputs: combine='all_gather_kv' (a benchmark baseline) runs eager steps "
+                         f"only; got decode_step={decode_step!r}.")
     info = resolve_group(group)
     check_model_uses_cascade(model)
     check_device(info, model.device, "context_parallel_inputs")
@@ -210,9 +217,11 @@ def context_parallel_inputs(
     if options.get("check_inputs", True):
         _check_same_on_all_ranks(input_ids, mask, info)
     if options.get("sync_rng", True):
-        _sync_rng(info, input_ids.device)
+        sync_rng(info, input_ids.device)
 
-    cache = ContextParallelCache(model, info, combine=combine, placement=options.get("placement", "least_loaded"))
+    cache = ContextParallelCache(model, info, combine=combine, placement=options.get("placement", "least_loaded"),
+                                 kernels=options.get("kernels", "auto"))
+    cache.decode_step = decode_step
     prefix = 0
     if shared_prefix is not False and input_ids.shape[0] > 1:
         prefix = _shared_prefix_length(input_ids, mask, 1 if shared_prefix is True else
@@ -238,7 +247,10 @@ def context_parallel_inputs(
     cache.mark_prompt()
     if max_new_tokens is not None:
         cache.use_fixed_buffers(max_new_tokens, new_mask)
-    inputs = {"input_ids": new_ids, "attention_mask": new_mask, CACHE_KWARG: cache}
+    if combine == "all_gather_kv":
+        cache.decode_step = "eager"
+    inputs = {"input_ids": new_ids, "attention_mask": new_mask, CACHE_KWARG: cache,
+              "custom_generate": context_parallel_generate}
     if getattr(getattr(model, "generation_config", None), "cache_implementation", None) is not None:
         inputs["cache_implementation"] = None
     return inputs

@@ -14,17 +14,41 @@ Thanks to the zigzag layout each step is one dense, mask-free attention call of 
 * ``src > r``:  the second half of the local queries against the whole block (the first half sees none of it).
 
 A per-key validity mask (left-padded batches) adds an explicit bool mask to each call.
+
+Each block runs the fastest exact kernel that returns the LSE (:func:`block_attention`): PyTorch's flash kernel
+(:mod:`hf_cascade.ops.fused_attention`) for unmasked fp16/bf16 blocks on CUDA, where it runs at sdpa's own speed;
+hf_cascade's suffix kernel (Triton; the PyTorch reference on CPU) for the rest (masks, soft-capping, fp32).
 """
+
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
+from hf_cascade.ops.fused_attention import fused_attention, fused_attention_applies
 from hf_cascade.ops.merge import merge_attention_states
 from hf_cascade.ops.suffix_attention import suffix_attention
 from hf_cascade.parallel._group import GroupInfo
 from hf_cascade.parallel.layout import ZigzagLayout
+
+BLOCK_BACKENDS = ("auto", "fused", "suffix")
+
+
+def block_attention(query, key, value, *, scale: float, mask=None, causal: bool, softcap=None,
+                    backend: str = "auto"):
+    """One ring block: ``(out [B, Hq, Lq, D] in query.dtype, lse [B, Hq, Lq] float32)``.
+
+    ``backend``: ``"auto"`` (PyTorch's flash kernel where it applies on CUDA, else the suffix kernel), ``"fused"``
+    (the flash kernel wherever it applies, CPU included: for tests), ``"suffix"`` (always the suffix kernel).
+    ``causal`` with ``mask=None`` is the own block's ``Lq == Lk`` causal mask (ascending local columns).
+    """
+    if backend not in BLOCK_BACKENDS:
+        raise ValueError(f"`block_backend` must be one of {BLOCK_BACKENDS}; got {backend!r}.")
+    fused = backend == "fused" or (backend == "auto" and query.device.type == "cuda")
+    if fused and fused_attention_applies(query, key, mask=mask, softcap=softcap):
+        return fused_attention(query, key, value, scale=scale, causal=causal)
+    return suffix_attention(query, key, value, scale=scale, mask=mask, causal=causal, softcap=softcap)
 
 
 def _start_ring_exchange(block: torch.Tensor, info: GroupInfo) -> tuple[torch.Tensor, list]:
@@ -47,6 +71,7 @@ def ring_attention(
     scale: float,
     key_valid: torch.Tensor | None = None,
     softcap: float | None = None,
+    block_backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact causal attention of this rank's zigzag shard of queries over the whole (sharded) sequence.
 
@@ -60,6 +85,7 @@ def ring_attention(
         key_valid: optional bool ``[B, layout.padded_length]`` over global columns, False = a padding key
             (left-padded rows) no query may attend. Every rank passes the same tensor. None = all valid.
         softcap: Gemma-2 style score soft-capping.
+        block_backend: the kernel of each block (:func:`block_attention`).
     Returns:
         ``(out [B, Hq, 2c, D] in query.dtype, lse [B, Hq, 2c] float32)``. A query that sees no valid key
         (a left-padding query) gets out 0, lse -inf.
@@ -98,16 +124,18 @@ def ring_attention(
             mask = None
             if key_valid is not None:
                 mask = (own_cols[None, :] <= own_cols[:, None])[None] & valid(src, slice(None))[:, None, :]
-            o, lse = suffix_attention(query, k, v, scale=scale, mask=mask, causal=True, softcap=softcap)
+            o, lse = block_attention(query, k, v, scale=scale, mask=mask, causal=True, softcap=softcap,
+                                     backend=block_backend)
             out_acc, lse_acc = o.float(), lse
         elif src < rank:  # block's first chunk precedes all our columns, its second follows them
             mask = None if key_valid is None else valid(src, slice(0, c))[:, None, :].expand(B, Lq, c)
-            o, lse = suffix_attention(query, k[:, :, :c], v[:, :, :c], scale=scale, mask=mask, causal=False,
-                                      softcap=softcap)
+            o, lse = block_attention(query, k[:, :, :c], v[:, :, :c], scale=scale, mask=mask, causal=False,
+                                     softcap=softcap, backend=block_backend)
             out_acc, lse_acc = merge_attention_states(out_acc, lse_acc, o, lse)
         else:  # both block chunks lie between our two chunks: only our second chunk sees them
             mask = None if key_valid is None else valid(src, slice(None))[:, None, :].expand(B, c, 2 * c)
-            o, lse = suffix_attention(query[:, :, c:], k, v, scale=scale, mask=mask, causal=False, softcap=softcap)
+            o, lse = block_attention(query[:, :, c:], k, v, scale=scale, mask=mask, causal=False, softcap=softcap,
+                                     backend=block_backend)
             merged_out, merged_lse = merge_attention_states(out_acc[:, :, c:], lse_acc[:, :, c:], o, lse)
             out_acc[:, :, c:] = merged_out
             lse_acc[:, :, c:] = merged_lse

@@ -1,0 +1,77 @@
+"""Attention with its log-sum-exp through PyTorch's own fused kernels (FlashAttention-2 on CUDA, the flash kernel
+for CPU), for the blocks of context parallelism: the ring prefill's blocks and a rank's decode partial.
+
+Why. Context parallelism needs every block's LSE to merge the blocks exactly; ``F.scaled_dot_product_attention``
+does not return it, but the aten ops under it do (``_scaled_dot_product_flash_attention`` on CUDA,
+``_scaled_dot_product_flash_attention_for_cpu`` on CPU): nothing to install. On CUDA this is the flash kernel that
+sdpa itself runs for a causal prompt (so a 1-GPU ring prefill runs at sdpa's speed), and for one query row it
+splits the keys over the SMs (flash-decoding), where hf_cascade's suffix kernel runs one program per KV head.
+
+Where it applies (:func:`fused_attention_applies`): no explicit mask (causal aligned top-left with ``Lq == Lk``, or
+full), no soft-capping, fp16/bf16 on CUDA (head dim <= 256, a multiple of 8), any float dtype on CPU. Elsewhere the
+callers use :func:`~hf_cascade.ops.suffix_attention.suffix_attention` (the Triton kernel / PyTorch reference).
+GQA: the CUDA kernel takes ``Hq = G * Hkv`` as it is; the CPU kernel gets the KV heads repeated.
+
+LSE: natural log, fp32, ``[B, Hq, Lq]`` (-inf for a query that sees no key cannot happen here: no masks).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+__all__ = ["fused_attention", "fused_attention_applies", "FUSED_BACKEND_NAME"]
+
+FUSED_BACKEND_NAME = {"cuda": "torch flash (FlashAttention-2, aten._scaled_dot_product_flash_attention)",
+                      "cpu": "torch flash for CPU (aten._scaled_dot_product_flash_attention_for_cpu)"}
+
+
+def fused_attention_applies(query: Tensor, key: Tensor, *, mask: Tensor | None = None,
+                            softcap: float | None = None) -> bool:
+    """Whether :func:`fused_attention` can compute this block exactly (see the module docstring)."""
+    if mask is not None or softcap is not None or query.device.type not in ("cuda", "cpu"):
+        return False
+    D = query.shape[-1]
+    if key.shape[-1] != D or query.shape[1] % key.shape[1]:
+        return False
+    if query.device.type == "cuda":
+        return query.dtype in (torch.float16, torch.bfloat16) and D <= 256 and D % 8 == 0
+    return query.dtype in (torch.float32, torch.float16, torch.bfloat16)
+
+
+def fused_attention(query: Tensor, key: Tensor, value: Tensor, *, scale: float, causal: bool) -> tuple[Tensor, Tensor]:
+    """``softmax(scale * q k^T [+ causal mask]) v`` and its LSE, by PyTorch's flash kernel.
+
+    Args:
+        query: ``[B, Hq, Lq, D]``; key, value: ``[B, Hkv, Lk, D]`` (``Hq % Hkv == 0``), query's dtype and device;
+            last dim contiguous (other strides free).
+        scale: softmax scale.
+        causal: query ``i`` sees keys ``j <= i`` (top-left aligned: use with ``Lq == Lk``); False: every key.
+    Returns:
+        ``(out [B, Hq, Lq, D] in query.dtype, lse [B, Hq, Lq] float32, natural log)``.
+    Raises:
+        ValueError: shapes, dtypes or devices the kernel does not take (check :func:`fused_attention_applies`).
+    """
+    if not fused_attention_applies(query, key):
+        raise ValueError(
+            f"fused_attention: query {tuple(query.shape)} {query.dtype} on {query.device} with key "
+            f"{tuple(key.shape)} is not a block PyTorch's flash kernel takes (CUDA: fp16/bf16, head dim <= 256 and a "
+            "multiple of 8; Hq a multiple of Hkv). Use hf_cascade.ops.suffix_attention for it."
+        )
+    if causal and query.shape[2] != key.shape[2]:
+        raise ValueError(f"fused_attention: causal=True needs Lq == Lk; got {query.shape[2]} and {key.shape[2]}.")
+    if key.shape[2] == 0:
+        B, H, Lq, _ = query.shape
+        return query.new_zeros(query.shape), query.new_full((B, H, Lq), float("-inf"), dtype=torch.float32)
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    if query.device.type == "cuda":
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+            query, key, value, 0.0, causal, False, scale=scale)[:2]
+        return out, lse
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:
+        key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, causal,
+                                                                          scale=scale)
+    return out, lse.float()

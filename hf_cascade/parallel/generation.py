@@ -1,0 +1,111 @@
+"""``context_parallel_generate``: generate()'s decoding on a :class:`~hf_cascade.parallel.cache.ContextParallelCache`.
+
+``context_parallel_inputs`` returns it under ``"custom_generate"`` (transformers' own hook for a custom decoding
+function), so the user's ``model.generate(**inputs, max_new_tokens=N)`` runs it with no extra argument. generate()
+does its usual preparation (generation config, logits processors, stopping criteria, the rows expanded for
+``num_return_sequences`` / ``num_beams``) and calls it instead of its decoding loop. What it adds:
+
+* **The decode step recorded into a CUDA graph, by default on CUDA** (greedy search and sampling), as the
+  single-GPU path does (:class:`~hf_cascade.captured_step.CapturedDecodeStep`): the cache gets fixed decode buffers
+  sized for this call (:meth:`ContextParallelCache.use_fixed_buffers`, ``max_new_tokens`` read from the generation
+  config, rounded up to a power of two so that later calls reuse them), the decoder layers run compiled once per
+  model (:mod:`hf_cascade.compiled_layers`; ``decode_step="layers"``) with each layer's attention one opaque op, and
+  that op's per-layer combine (one NCCL all-gather) is recorded in the graph with the rest of the step. A step then
+  costs one graph launch instead of ~1,500 kernel launches and 32 host-driven collectives.
+* **The same samples on every rank**: a sampling call re-seeds every rank's RNG from rank 0 first, so a per-rank
+  seed set after ``context_parallel_inputs`` (``set_seed(seed, device_specific=True)``) cannot make ranks differ.
+
+``decode_step`` (``context_parallel_inputs(..., decode_step=...)``, stored on the cache): ``"auto"`` (default:
+``"layers"`` where transformers would compile the step — CUDA, greedy or sampling, no ``disable_compile`` — else
+transformers' own decoding), ``"layers"``, ``"graphs"`` (the eager step recorded, no compiler), ``"compile"``
+(transformers' ``torch.compile`` of the whole step, functional collectives in the graph) or ``"eager"``. Beam
+search and the other modes run transformers' own method on the cache.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from hf_cascade.parallel._group import sync_rng
+from hf_cascade.parallel.cache import ContextParallelCache
+from hf_cascade.transformers_compat import CACHE_KWARG
+
+DECODE_STEPS = ("auto", "layers", "graphs", "compile", "eager")
+_MIN_BUFFER_TOKENS = 32
+
+
+def decode_buffer_tokens(max_new_tokens: int) -> int:
+    """Fixed decode buffers for ``max_new_tokens``: the next power of two, at least 32 (calls asking for a few tokens
+    more or less reuse one set of buffers and its recorded graph)."""
+    size = _MIN_BUFFER_TOKENS
+    while size < max_new_tokens:
+        size *= 2
+    return size
+
+
+def check_decode_step(decode_step) -> str:
+    if decode_step not in DECODE_STEPS:
+        raise ValueError(f"`decode_step` must be one of {DECODE_STEPS}; got {decode_step!r}.")
+    return decode_step
+
+
+def _resolve_step(cache: ContextParallelCache, model, input_ids, generation_config, method_name: str) -> str | None:
+    """The decode step this call runs, or None for transformers' own decoding method as generate() prepared it."""
+    from hf_cascade.generation import _compiles_decode
+
+    step = cache.decode_step
+    if method_name != "_sample":
+        return None
+    compiles = _compiles_decode(model, input_ids, generation_config, method_name)
+    if step == "auto":
+        return "layers" if compiles and input_ids.device.type == "cuda" else None
+    if step in ("layers", "graphs") and input_ids.device.type != "cuda":
+        return None  # CUDA graphs: on CPU the step runs as transformers runs it
+    return step
+
+
+def context_parallel_generate(model, input_ids: torch.LongTensor, logits_processor=None, stopping_criteria=None,
+                              generation_config=None, **model_kwargs):
+    """transformers' ``custom_generate`` entry point for a :class:`ContextParallelCache` (see the module docstring).
+
+    Args:
+        model: the causal LM (``attn_implementation="cascade"``) the cache was prefilled with, on this rank.
+        input_ids: ``[B * n, L]`` the rows generate() prepared from ``context_parallel_inputs``' ``input_ids``.
+        logits_processor, stopping_criteria, generation_config: as generate() prepared them.
+        model_kwargs: generate()'s model kwargs; the cache under ``past_key_values`` (``cache`` from transformers
+            5.24) must be the ContextParallelCache ``context_parallel_inputs`` returned.
+    Returns:
+        What generate() returns for the mode; the same tokens on every rank.
+    """
+    from transformers.generation.utils import GENERATION_MODES_MAPPING
+
+    from hf_cascade.decoding import sample
+    from hf_cascade.generation import _run
+
+    cache = model_kwargs.get(CACHE_KWARG)
+    if not isinstance(cache, ContextParallelCache):
+        raise ValueError(
+            "context_parallel_generate decodes on the ContextParallelCache that context_parallel_inputs returns; got "
+            f"{type(cache).__name__}. Call model.generate(**hf_cascade.context_parallel_inputs(model, input_ids), ...)."
+        )
+    method_name = GENERATION_MODES_MAPPING.get(generation_config.get_generation_mode())
+    decode = getattr(type(model), method_name or "", None)
+    if decode is None:
+        raise NotImplementedError(
+            f"Context parallelism runs greedy search, sampling and beam search; this generation config asks for "
+            f"{generation_config.get_generation_mode().name.lower()}."
+        )
+    if generation_config.do_sample:
+        sync_rng(cache.info, input_ids.device)
+    step = _resolve_step(cache, model, input_ids, generation_config, method_name)
+    if step is not None:
+        max_new_tokens = generation_config.max_length - input_ids.shape[1]
+        if step != "eager" and (cache.max_new_tokens is None or cache.max_new_tokens < max_new_tokens):
+            mask = model_kwargs.get("attention_mask")
+            if mask is None:  # transformers >= 5.18 drops an all-ones mask
+                mask = torch.ones_like(input_ids)
+            cache.use_fixed_buffers(decode_buffer_tokens(max_new_tokens), mask)
+        decode = functools.partial(sample, decode_step=step)
+    return _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
