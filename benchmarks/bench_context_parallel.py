@@ -44,10 +44,13 @@ import torch.distributed as dist
 
 # Run from a checkout without installing the package (torchrun puts only benchmarks/ on sys.path).
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import cp_peers  # noqa: E402
 import hf_cascade  # noqa: E402
-import hf_cascade.parallel.cache as cp_cache  # noqa: E402
-from hf_cascade.parallel.combine import STATE_COMBINES  # noqa: E402
+import hf_cascade.parallel.fixed as fixed  # noqa: E402
+from hf_cascade.captured_step import _model_graphs, recorded_steps  # noqa: E402
+from hf_cascade.parallel.combine import STATE_COMBINES, combine_states  # noqa: E402
 
 
 def parse_args():
@@ -64,7 +67,14 @@ def parse_args():
                    help=f"exact combines to check and time, comma-separated (default: all of {STATE_COMBINES})")
     p.add_argument("--skip-check", action="store_true")
     p.add_argument("--tiny", action="store_true", help="CPU/gloo smoke test with a tiny model")
-    p.add_argument("--phases", default="check,prefill,decode", help="subset of check,prefill,decode to run")
+    p.add_argument("--phases", default="check,kernels,prefill,decode,peers",
+                   help="subset of check,kernels,prefill,decode,peers to run, in this order")
+    p.add_argument("--max-real-decode-context", type=int, default=131072,
+                   help="longer decode contexts hold a synthetic KV of that length (flagged kv=synthetic)")
+    p.add_argument("--static-peer-context", type=int, default=131072,
+                   help="context of the 1-GPU static-cache compiled decode peer (0: skip)")
+    p.add_argument("--no-torch-cp", dest="torch_cp", action="store_false",
+                   help="skip PyTorch's context_parallel prefill peer")
     p.add_argument("--budget-s", type=float, default=540.0,
                    help="stop starting new measurements after this many seconds (the device tool's 10-min limit)")
     p.add_argument("--out", default="benchmarks/results", help="directory of context_parallel.jsonl")
@@ -198,13 +208,18 @@ def check_fp32(args, groups, record):
     ref = model.generate(ids, attention_mask=torch.ones_like(ids), **gen)  # no hf_cascade cache: plain sdpa
     for n, group in groups.items():
         for combine in args.combines:
-            if group is None:
-                continue
-            out = model.generate(**hf_cascade.context_parallel_inputs(model, ids, combine=combine, group=group), **gen)
-            err = group_max((torch.stack(out.logits) - torch.stack(ref.logits)).abs().max().item(), group)
-            same = group_max(float(not torch.equal(out.sequences, ref.sequences)), group) == 0
-            record(dict(kind="check_fp32", gpus=n, combine=combine, tokens_match=same, max_logit_err=err,
-                        passed=same and err < 1e-3, prompt_tokens=ids.shape[1]))
+            for step in ("auto", "eager"):  # the default (recorded on CUDA) and the opt-out
+                if group is None:
+                    continue
+                inputs = hf_cascade.context_parallel_inputs(model, ids, combine=combine, group=group, decode_step=step)
+                out = model.generate(**inputs, **gen)
+                again = model.generate(**inputs, **gen)  # the recorded graph replayed from the first step
+                err = group_max((torch.stack(out.logits) - torch.stack(ref.logits)).abs().max().item(), group)
+                same = group_max(float(not (torch.equal(out.sequences, ref.sequences)
+                                            and torch.equal(again.sequences, ref.sequences))), group) == 0
+                record(dict(kind="check_fp32", gpus=n, combine=combine, decode_step=step, tokens_match=same,
+                            max_logit_err=err, passed=same and err < 1e-3, prompt_tokens=ids.shape[1],
+                            graphs=recorded_steps(model)))
     del model
     torch.backends.cuda.matmul.allow_tf32 = True
 
@@ -266,7 +281,7 @@ def bench_prefill(args, model, groups, lengths, record):
                 for _ in range(reps):
                     seconds, inputs = timed(lambda: hf_cascade.context_parallel_inputs(model, ids, group=group), group)
                     times.append(seconds)
-                    nbytes = inputs["past_key_values"].nbytes
+                    nbytes = inputs[hf_cascade.CACHE_KWARG].nbytes
                     del inputs
             except torch.cuda.OutOfMemoryError:
                 if n != 1:
@@ -278,6 +293,15 @@ def bench_prefill(args, model, groups, lengths, record):
                 continue
             seconds = statistics.median(times)
             measured[(n, length)] = seconds
+            if n > 1 and args.torch_cp:
+                try:
+                    torch_s = cp_peers.torch_cp_prefill(model, group, n, ids)
+                    record(dict(kind="prefill_torch_cp", gpus=n, tokens=length, seconds=torch_s,
+                                hf_cascade_seconds=seconds, hf_cascade_speedup=torch_s / seconds))
+                except Exception as err:  # noqa: BLE001 (recorded: the peer may not take this model)
+                    record(dict(kind="prefill_torch_cp", gpus=n, tokens=length,
+                                error=f"{type(err).__name__}: {str(err)[:300]}"))
+                reset_peak()
             record(dict(kind="prefill", gpus=n, tokens=length, seconds=seconds, reps=len(times),
                         tokens_per_s=length / seconds, peak_memory_gib=group_max(peak_memory(), group) / 2**30,
                         kv_gib_per_gpu=group_max(nbytes, group) / 2**30))
@@ -321,21 +345,35 @@ def too_many_per_gpu(args, tokens, gpus):
     return args.max_tokens_per_gpu is not None and tokens > args.max_tokens_per_gpu * gpus
 
 
-def bench_decode(args, model, groups, contexts, record):
+def _weight_bytes(model) -> int:
+    """Bytes of weights a decode step reads: every parameter but the input embedding table (one row read)."""
+    embed = model.get_input_embeddings().weight
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed)
+
+
+def _decode_inputs(args, model, group, n, context):
+    """Prefilled inputs (real prefill up to --max-real-decode-context, else a synthetic KV of that length)."""
+    if context <= args.max_real_decode_context:
+        return hf_cascade.context_parallel_inputs(model, prompt(context, model.config.vocab_size), group=group), "real"
+    return cp_peers.synthetic_inputs(model, group, n, dist.get_rank(group), context), "synthetic"
+
+
+def bench_decode(args, model, groups, contexts, record, bandwidth):
+    """Per-step latency of every decode method; roofline = (weights + this rank's KV) / copy bandwidth."""
     steps = args.decode_steps
+    weights = _weight_bytes(model)
     for context in contexts:
-        ids = prompt(context, model.config.vocab_size)
         for n, group in groups.items():
             if out_of_time(args):
                 record(dict(kind="decode", gpus=n, context=context, skipped="time budget"))
                 continue
             if too_many_per_gpu(args, context, n):
                 continue
-            if group is None or (n == 1 and context > args.max_1gpu_tokens):
+            if group is None:
                 dist.barrier()
                 continue
             try:
-                inputs = hf_cascade.context_parallel_inputs(model, ids, group=group)
+                inputs, kv = _decode_inputs(args, model, group, n, context)
             except torch.cuda.OutOfMemoryError:
                 if n != 1:
                     raise
@@ -343,34 +381,72 @@ def bench_decode(args, model, groups, contexts, record):
             dist.barrier()
             if inputs is None:
                 record(dict(kind="decode", gpus=n, context=context, out_of_memory=True))
+                reset_peak()
                 continue
-            cache = inputs["past_key_values"]
-            methods = args.combines[:1] if n == 1 else (*args.combines, "all_gather_kv", "no_combine")
+            cache = inputs[hf_cascade.CACHE_KWARG]
+            # eager first (growing KV: the earlier default), then the recorded default and its no-combine twin
+            # (the eager step appends to a copy of a synthetic KV: twice its memory; not run there)
+            methods = (["eager"] if kv == "real" else []) + ["default"] + (["no_combine"] if n > 1 else [])
             step_ms = {}
             for method in methods:
-                cache.combine = args.combines[0] if method == "no_combine" else method
-                original = cp_cache.combine_states
-                if method == "no_combine":
-                    cp_cache.combine_states = _no_combine
+                cache.decode_step = "eager" if method == "eager" else "auto"
+                patched = method == "no_combine"
+                if patched:
+                    fixed.combine_states = _no_combine
+                _model_graphs(model).graphs.clear()  # a graph recorded with the combine must not serve no_combine
                 try:
                     def gen(k):
                         return model.generate(**inputs, max_new_tokens=k, min_new_tokens=k, do_sample=False)
 
-                    gen(2)  # warm-up
+                    gen(1 + steps)  # warm-up: buffers sized, layers compiled, the step recorded
                     t1, _ = timed(lambda: gen(1), group)
                     tk, _ = timed(lambda: gen(1 + steps), group)
                 finally:
-                    cp_cache.combine_states = original
+                    fixed.combine_states = combine_states
                 step_ms[method] = 1000.0 * (tk - t1) / steps
-                record(dict(kind="decode", gpus=n, context=context, combine=method, step_ms=step_ms[method],
-                            steps=steps, kv_gib_per_gpu=group_max(cache.nbytes, group) / 2**30))
+                held = group_max(cache.nbytes, group)
+                roofline_ms = 1e3 * (weights + held) / bandwidth
+                record(dict(kind="decode", gpus=n, context=context, method=method, combine=cache.combine,
+                            step_ms=step_ms[method], steps=steps, kv=kv, kv_gib_per_gpu=held / 2**30,
+                            roofline_ms=roofline_ms, x_roofline=step_ms[method] / roofline_ms))
             if "no_combine" in step_ms:
-                for method in args.combines:
-                    record(dict(kind="decode_combine_overhead", gpus=n, context=context, combine=method,
-                                pct_of_step=100.0 * (step_ms[method] - step_ms["no_combine"]) / step_ms[method]))
+                record(dict(kind="decode_combine_overhead", gpus=n, context=context, combine=cache.combine,
+                            pct_of_step=100.0 * (step_ms["default"] - step_ms["no_combine"]) / step_ms["default"]))
             del inputs, cache
+            _model_graphs(model).graphs.clear()
             reset_peak()
         dist.barrier()
+
+
+def bench_kernels(args, groups, record):
+    """Copy bandwidth, the ring block's kernels, the combine against a bare all-gather of its bytes."""
+    bandwidth = torch.tensor([cp_peers.copy_bandwidth()], device=_device())
+    dist.all_reduce(bandwidth, op=dist.ReduceOp.MIN)
+    record(dict(kind="copy_bandwidth", tb_per_s=float(bandwidth) / 1e12))
+    if dist.get_rank() == 0:
+        for rec in cp_peers.block_kernels():
+            record(dict(kind="ring_block_kernel", **rec))
+    dist.barrier()
+    for n, group in groups.items():
+        if n > 1 and group is not None:
+            rec = cp_peers.combine_latency(group, n, layers=args.layers)
+            record(dict(kind="combine_latency", gpus=n, **rec))
+        dist.barrier()
+    return float(bandwidth)
+
+
+def bench_peers(args, model, groups, record):
+    """1-GPU transformers static cache compiled decode (the fastest 1-GPU decode a user sets up)."""
+    context = args.static_peer_context
+    if context and not out_of_time(args) and dist.get_rank() == 0:
+        try:
+            rec = cp_peers.static_cache_decode(model, prompt(context, model.config.vocab_size), args.decode_steps)
+            record(dict(kind="decode_static_compiled_1gpu", gpus=1, context=context, **rec))
+        except Exception as err:  # noqa: BLE001 (a peer that cannot run is recorded, not fatal)
+            record(dict(kind="decode_static_compiled_1gpu", gpus=1, context=context,
+                        error=f"{type(err).__name__}: {str(err)[:300]}"))
+        reset_peak()
+    dist.barrier()
 
 
 def estimate_longest(prefill_records, capacity_gib, record):
@@ -425,12 +501,17 @@ def main():
                         _device())
     if check:
         check_bf16(args, model, groups, recorder)
+    bandwidth = None
     with torch.no_grad():
         for phase in args.phases.split(","):  # in the order given: the first phases get the time budget first
-            if phase == "prefill":
+            if phase == "kernels" and torch.cuda.is_available():
+                bandwidth = bench_kernels(args, groups, recorder)
+            elif phase == "prefill":
                 bench_prefill(args, model, groups, lengths, recorder)
             elif phase == "decode":
-                bench_decode(args, model, groups, contexts, recorder)
+                bench_decode(args, model, groups, contexts, recorder, bandwidth or 3.0e12)
+            elif phase == "peers" and torch.cuda.is_available():
+                bench_peers(args, model, groups, recorder)
     capacity = torch.cuda.get_device_properties(0).total_memory / 2**30 if torch.cuda.is_available() else 0.0
     if capacity:
         estimate_longest([r for r in records if r.get("kind") == "prefill"], capacity, recorder)

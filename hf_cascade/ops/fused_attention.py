@@ -65,13 +65,33 @@ def fused_attention(query: Tensor, key: Tensor, value: Tensor, *, scale: float, 
         B, H, Lq, _ = query.shape
         return query.new_zeros(query.shape), query.new_full((B, H, Lq), float("-inf"), dtype=torch.float32)
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    groups = query.shape[1] // key.shape[1]
     if query.device.type == "cuda":
+        if groups > 1 and not _native_gqa(query.device):
+            key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
             query, key, value, 0.0, causal, False, scale=scale)[:2]
         return out, lse
-    groups = query.shape[1] // key.shape[1]
     if groups > 1:
         key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, causal,
                                                                           scale=scale)
     return out, lse.float()
+
+
+_NATIVE_GQA: dict[int, bool] = {}  # CUDA device index -> the flash op takes Hq = G * Hkv as it is (probed once)
+
+
+def _native_gqa(device: torch.device) -> bool:
+    """Whether this torch's CUDA flash op takes fewer KV heads than query heads (FlashAttention-2 does; a build that
+    checks equal heads raises): probed once per device on a tiny block, else the KV heads are repeated."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _NATIVE_GQA:
+        q = torch.zeros(1, 2, 1, 64, device=device, dtype=torch.bfloat16)
+        kv = torch.zeros(1, 1, 8, 64, device=device, dtype=torch.bfloat16)
+        try:
+            torch.ops.aten._scaled_dot_product_flash_attention(q, kv, kv, 0.0, False, False, scale=1.0)
+            _NATIVE_GQA[index] = True
+        except RuntimeError:
+            _NATIVE_GQA[index] = False
+    return _NATIVE_GQA[index]
