@@ -74,7 +74,8 @@ def parse_args():
     p.add_argument("--static-peer-context", type=int, default=131072,
                    help="context of the 1-GPU static-cache compiled decode peer (0: skip)")
     p.add_argument("--no-torch-cp", dest="torch_cp", action="store_false",
-                   help="skip PyTorch's context_parallel prefill peer")
+                   help="skip PyTorch's context_parallel ring-attention peer")
+    p.add_argument("--torch-cp-tokens", type=int, default=131072, help="sequence of the ring-attention peer")
     p.add_argument("--budget-s", type=float, default=540.0,
                    help="stop starting new measurements after this many seconds (the device tool's 10-min limit)")
     p.add_argument("--out", default="benchmarks/results", help="directory of context_parallel.jsonl")
@@ -127,7 +128,7 @@ def env_info(world: int) -> dict:
         gpu=torch.cuda.get_device_name(0) if cuda else platform.processor() or "cpu",
         gpus_launched=world, torch=torch.__version__, transformers=version("transformers"),
         triton=version("triton"), hf_cascade=hf_cascade.__version__, cuda=torch.version.cuda,
-        git_sha=sha or os.environ.get("GIT_SHA", "unknown"), backend=dist.get_backend(),
+        git_sha=os.environ.get("GIT_SHA") or sha or "unknown", backend=dist.get_backend(),
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     )
 
@@ -293,15 +294,7 @@ def bench_prefill(args, model, groups, lengths, record):
                 continue
             seconds = statistics.median(times)
             measured[(n, length)] = seconds
-            if n > 1 and args.torch_cp:
-                try:
-                    torch_s = cp_peers.torch_cp_prefill(model, group, n, ids)
-                    record(dict(kind="prefill_torch_cp", gpus=n, tokens=length, seconds=torch_s,
-                                hf_cascade_seconds=seconds, hf_cascade_speedup=torch_s / seconds))
-                except Exception as err:  # noqa: BLE001 (recorded: the peer may not take this model)
-                    record(dict(kind="prefill_torch_cp", gpus=n, tokens=length,
-                                error=f"{type(err).__name__}: {str(err)[:300]}"))
-                reset_peak()
+
             record(dict(kind="prefill", gpus=n, tokens=length, seconds=seconds, reps=len(times),
                         tokens_per_s=length / seconds, peak_memory_gib=group_max(peak_memory(), group) / 2**30,
                         kv_gib_per_gpu=group_max(nbytes, group) / 2**30))
@@ -436,7 +429,21 @@ def bench_kernels(args, groups, record):
 
 
 def bench_peers(args, model, groups, record):
-    """1-GPU transformers static cache compiled decode (the fastest 1-GPU decode a user sets up)."""
+    """PyTorch's context parallelism (one layer's ring attention, per GPU count), then the 1-GPU transformers static
+    cache compiled decode (the fastest 1-GPU decode a user sets up)."""
+    if args.torch_cp:
+        for n, group in groups.items():
+            if n > 1 and group is not None and not out_of_time(args, group):
+                for gqa in (False, True):
+                    try:
+                        rec = cp_peers.ring_attention_peers(group, n, args.torch_cp_tokens, gqa=gqa)
+                        record(dict(kind="ring_attention_vs_torch_cp", gpus=n, **rec,
+                                    hf_cascade_speedup=rec["torch_cp_ms"] / rec["hf_cascade_ms"]))
+                    except Exception as err:  # noqa: BLE001 (recorded: the peer may not take this input)
+                        record(dict(kind="ring_attention_vs_torch_cp", gpus=n, torch_cp_gqa=gqa,
+                                    error=f"{type(err).__name__}: {str(err)[:300]}"))
+                    reset_peak()
+            dist.barrier()
     context = args.static_peer_context
     if context and not out_of_time(args) and dist.get_rank() == 0:
         try:

@@ -7,8 +7,10 @@
   number is the device time the step pays, not the host's launch cost.
 * :func:`block_kernels`: a ring block (causal, bf16) by PyTorch's flash kernel against hf_cascade's suffix kernel:
   time, and the LSE/output error against an fp32 reference.
-* :func:`torch_cp_prefill`: PyTorch's own context parallelism (``torch.distributed.tensor.experimental.
-  context_parallel``, ring attention with load balancing) over transformers' sdpa forward of the same prompt.
+* :func:`ring_attention_peers`: one layer's ring attention over a long sequence, hf_cascade's zigzag ring against
+  PyTorch's own context parallelism (``torch.distributed.tensor.experimental.context_parallel``, load-balanced
+  ring over sdpa). (The whole-model form failed: transformers builds a mask for the sharded positions, which
+  context_parallel cannot shard; results of 2026-11-26.)
 * :func:`static_cache_decode`: transformers' static cache with the decode step under ``torch.compile``
   (``mode="reduce-overhead"``: CUDA graphs), one GPU: the fastest 1-GPU decode a transformers user sets up.
 * :func:`synthetic_inputs`: a context-parallel cache holding random KV of a given length (decode timing at lengths
@@ -120,41 +122,54 @@ def block_kernels(length: int = 16384, heads: int = 32, kv_heads: int = 8, head_
     return records
 
 
-def torch_cp_prefill(model, group, n: int, ids: torch.Tensor) -> float:
-    """Seconds of transformers' sdpa forward of ``ids`` ``[1, L]`` under PyTorch's context parallelism on the
-    ``n`` ranks of ``group`` (load-balanced ring; the model's attention switched to ``sdpa`` for the call). KV not
-    kept (``use_cache=False``): the same attention and MLP work as a prefill."""
+def ring_attention_peers(group, n: int, length: int, heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
+                         gqa: bool = False) -> dict:
+    """One layer's exact causal attention over ``length`` tokens sharded on the ``n`` ranks of ``group`` (bf16):
+    hf_cascade's zigzag ring (:func:`~hf_cascade.parallel.ring.ring_attention`) against PyTorch's own context
+    parallelism (``context_parallel`` over ``F.scaled_dot_product_attention(is_causal=True)``, load-balanced ring).
+    ``gqa``: PyTorch's gets ``kv_heads`` heads and ``enable_gqa=True``; else the KV heads repeated to ``heads`` (as
+    transformers' ``repeat_kv`` gives them). Device time per layer, the slowest rank's."""
+    import torch.nn.functional as F
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.experimental import context_parallel
 
+    from hf_cascade.parallel._group import resolve_group
+    from hf_cascade.parallel.layout import ZigzagLayout
+    from hf_cascade.parallel.ring import ring_attention
+
+    info = resolve_group(group)
+    scale = head_dim ** -0.5
+    layout = ZigzagLayout(length, n)
+    c = layout.chunk
+    opts = dict(device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(1, heads, 2 * c, head_dim, **opts)
+    k = torch.randn(1, kv_heads, 2 * c, head_dim, **opts)
+    v = torch.randn(1, kv_heads, 2 * c, head_dim, **opts)
+    result = {"tokens": length}
+    dist.barrier(group=group)
+    result["hf_cascade_ms"] = 1e3 * _cuda_time(lambda: ring_attention(q, k, v, layout=layout, info=info,
+                                                                       scale=scale), reps=5, warmup=1)
+    del q, k, v
     try:
         from torch.distributed.tensor.experimental._attention import _cp_options
         _cp_options.enable_load_balance = True
     except ImportError:
         pass
     mesh = DeviceMesh.from_group(group, "cuda")
-    previous = model.config._attn_implementation
-    model.set_attn_implementation("sdpa")
-    try:
-        def run():
-            tokens = ids.clone()
-            positions = torch.arange(ids.shape[1], device=ids.device)[None]
-            with context_parallel(mesh, buffers=[tokens, positions], buffer_seq_dims=[1, 1],
-                                  no_restore_buffers={tokens, positions}):
-                # attention_mask None + no cache: transformers' sdpa runs is_causal=True, what the ring shards
-                model.base_model(input_ids=tokens, position_ids=positions, use_cache=False)
-
-        run()  # warm-up
-        dist.barrier(group=group)
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        run()
-        torch.cuda.synchronize()
-        seconds = torch.tensor([time.perf_counter() - start], device="cuda")
-        dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)
-        return float(seconds)
-    finally:
-        model.set_attn_implementation(previous)
+    kv = kv_heads if gqa else heads
+    Q = torch.randn(1, heads, length, head_dim, **opts)
+    K = torch.randn(1, kv, length, head_dim, **opts)
+    V = torch.randn(1, kv, length, head_dim, **opts)
+    extra = {"enable_gqa": True} if gqa else {}
+    dist.barrier(group=group)
+    with context_parallel(mesh, buffers=[Q, K, V], buffer_seq_dims=[2, 2, 2], no_restore_buffers={Q, K, V}):
+        result["torch_cp_ms"] = 1e3 * _cuda_time(
+            lambda: F.scaled_dot_product_attention(Q, K, V, is_causal=True, scale=scale, **extra), reps=5, warmup=1)
+    result["torch_cp_gqa"] = gqa
+    times = torch.tensor([result["hf_cascade_ms"], result["torch_cp_ms"]], device="cuda")
+    dist.all_reduce(times, op=dist.ReduceOp.MAX, group=group)
+    result["hf_cascade_ms"], result["torch_cp_ms"] = times.tolist()
+    return result
 
 
 def static_cache_decode(model, ids: torch.Tensor, steps: int) -> dict:

@@ -52,3 +52,45 @@ def _merge_attention_states_kernel(
              out.to(out_ptr.dtype.element_ty), mask=tile_ok)
     tl.store(lse_out_ptr + rows, lse, mask=row_ok)
 
+
+
+@triton.jit(do_not_specialize=["R", "N"])
+def _merge_states_kernel(
+    out_ptr, lse_out_ptr,  # [R, D] out dtype, [R] fp32
+    outs_ptr, lses_ptr,  # [N, R, D], [N, R] fp32 (any state stride: e.g. the rows of an all-gather buffer)
+    N, R, D,
+    stride_on, stride_or,  # outs' state and row strides (the D stride is 1)
+    stride_ln,  # lses' state stride (the row stride is 1)
+    stride_out_r,
+    BLOCK_R: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # One program merges the N states of BLOCK_R rows: the max LSE first, then the weighted sum.
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.arange(0, BLOCK_D)
+    row_ok = rows < R
+    tile_ok = row_ok[:, None] & (cols < D)[None, :]
+    rows64 = rows.to(tl.int64)
+    m = tl.full([BLOCK_R], float("-inf"), tl.float32)
+    for n in range(N):
+        lse = tl.load(lses_ptr + n * stride_ln + rows, mask=row_ok, other=float("-inf"))
+        lse = tl.where((lse == float("inf")) | (lse != lse), float("-inf"), lse)
+        m = tl.maximum(m, lse)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    total = tl.zeros([BLOCK_R], tl.float32)
+    for n in range(N):
+        lse = tl.load(lses_ptr + n * stride_ln + rows, mask=row_ok, other=float("-inf"))
+        lse = tl.where((lse == float("inf")) | (lse != lse), float("-inf"), lse)
+        w = tl.exp(lse - m)
+        # A state without keys (weight 0) is not read: its out may be NaN garbage.
+        o = tl.load(outs_ptr + n * stride_on + rows64[:, None] * stride_or + cols[None, :],
+                    mask=tile_ok & (w > 0)[:, None], other=0.0).to(tl.float32)
+        acc += o * w[:, None]
+        total += w
+    nonempty = total > 0
+    safe_total = tl.where(nonempty, total, 1.0)
+    out = acc * tl.where(nonempty, 1.0 / safe_total, 0.0)[:, None]
+    tl.store(out_ptr + rows64[:, None] * stride_out_r + cols[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=tile_ok)
+    tl.store(lse_out_ptr + rows, tl.where(nonempty, m + tl.log(safe_total), float("-inf")), mask=row_ok)

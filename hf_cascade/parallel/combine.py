@@ -37,6 +37,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 
+from hf_cascade.ops.merge_states import merge_states
 from hf_cascade.ops.reference import _empty_guard, merge_states_ref, normalize_states, scale_states
 from hf_cascade.parallel._group import GroupInfo
 
@@ -162,8 +163,10 @@ def combine_all_gather(out: torch.Tensor, lse: torch.Tensor, info: GroupInfo) ->
     recv = _all_gathered(send, info).view(n, numel_out + numel_lse)
     outs = recv[:, :numel_out].view(n, *out.shape)
     lses = recv[:, numel_out:].view(n, *lse.shape)
-    result, lse = combine_local(outs, lses, dim=0)
-    return result.to(out.dtype), lse
+    if torch.compiler.is_compiling():  # traced: the reference's ops, which the compiler fuses
+        result, lse = combine_local(outs, lses, dim=0)
+        return result.to(out.dtype), lse
+    return merge_states(outs, lses, out_dtype=out.dtype)  # one launch on CUDA (Triton), the reference elsewhere
 
 
 def combine_all_to_all(out: torch.Tensor, lse: torch.Tensor, info: GroupInfo) -> tuple[torch.Tensor, torch.Tensor]:
