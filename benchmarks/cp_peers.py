@@ -102,6 +102,7 @@ def block_kernels(length: int = 16384, heads: int = 32, kv_heads: int = 8, head_
         k = torch.randn(1, kv_heads, n_tok, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
         v = torch.randn(1, kv_heads, n_tok, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
         kernels = {
+            "cudnn": lambda: fused_attention(q, k, v, scale=scale, causal=True, kernel="cudnn"),
             "flash": lambda: fused_attention(q, k, v, scale=scale, causal=True),
             "suffix": lambda: suffix_attention(q, k, v, scale=scale, causal=True),
         }
@@ -119,6 +120,8 @@ def block_kernels(length: int = 16384, heads: int = 32, kv_heads: int = 8, head_
                 rec.update(out_rel_err=((out.float() - ref_out).norm() / ref_out.norm()).item(),
                            lse_max_abs_err=(lse - ref_lse).abs().max().item(), bf16_rounding_rel_err=rounding)
             records.append(rec)
+    from hf_cascade.ops.fused_attention import cudnn_attention_agrees
+    records.append({"kernel": "cudnn", "agrees_with_flash": cudnn_attention_agrees(q.device)})
     return records
 
 

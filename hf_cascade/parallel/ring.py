@@ -15,8 +15,9 @@ Thanks to the zigzag layout each step is one dense, mask-free attention call of 
 
 A per-key validity mask (left-padded batches) adds an explicit bool mask to each call.
 
-Each block runs the fastest exact kernel that returns the LSE (:func:`block_attention`): PyTorch's flash kernel
-(:mod:`hf_cascade.ops.fused_attention`) for unmasked fp16/bf16 blocks on CUDA, where it runs at sdpa's own speed;
+Each block runs the fastest exact kernel that returns the LSE (:func:`block_attention`): PyTorch's cuDNN attention
+(else its flash kernel; :mod:`hf_cascade.ops.fused_attention`) for unmasked fp16/bf16 blocks on CUDA, the kernel sdpa
+itself picks on Hopper;
 hf_cascade's suffix kernel (Triton; the PyTorch reference on CPU) for the rest (masks, soft-capping, fp32).
 """
 
@@ -39,7 +40,7 @@ def block_attention(query, key, value, *, scale: float, mask=None, causal: bool,
                     backend: str = "auto"):
     """One ring block: ``(out [B, Hq, Lq, D] in query.dtype, lse [B, Hq, Lq] float32)``.
 
-    ``backend``: ``"auto"`` (PyTorch's flash kernel where it applies on CUDA, else the suffix kernel), ``"fused"``
+    ``backend``: ``"auto"`` (PyTorch's cuDNN / flash kernel where it applies on CUDA, else the suffix kernel), ``"fused"``
     (the flash kernel wherever it applies, CPU included: for tests), ``"suffix"`` (always the suffix kernel).
     ``causal`` with ``mask=None`` is the own block's ``Lq == Lk`` causal mask (ascending local columns).
     """
@@ -47,7 +48,7 @@ def block_attention(query, key, value, *, scale: float, mask=None, causal: bool,
         raise ValueError(f"`block_backend` must be one of {BLOCK_BACKENDS}; got {backend!r}.")
     fused = backend == "fused" or (backend == "auto" and query.device.type == "cuda")
     if fused and fused_attention_applies(query, key, mask=mask, softcap=softcap):
-        return fused_attention(query, key, value, scale=scale, causal=causal)
+        return fused_attention(query, key, value, scale=scale, causal=causal, kernel="cudnn")
     return suffix_attention(query, key, value, scale=scale, mask=mask, causal=causal, softcap=softcap)
 
 
