@@ -12,8 +12,9 @@ does its usual preparation (generation config, logits processors, stopping crite
   model (:mod:`hf_cascade.compiled_layers`; ``decode_step="layers"``) with each layer's attention one opaque op, and
   that op's per-layer combine (one NCCL all-gather) is recorded in the graph with the rest of the step. A step then
   costs one graph launch instead of ~1,500 kernel launches and 32 host-driven collectives.
-* **The same samples on every rank**: a sampling call re-seeds every rank's RNG from rank 0 first, so a per-rank
-  seed set after ``context_parallel_inputs`` (``set_seed(seed, device_specific=True)``) cannot make ranks differ.
+* **The same tokens on every rank**: every step's scores are broadcast from rank 0 (the ranks' logits agree only to
+  rounding), and a sampling call re-seeds every rank's RNG from rank 0 first, so a per-rank seed set after
+  ``context_parallel_inputs`` (``set_seed(seed, device_specific=True)``) cannot make ranks differ.
 
 ``decode_step`` (``context_parallel_inputs(..., decode_step=...)``, stored on the cache): ``"auto"`` (default:
 ``"layers"`` where transformers would compile the step — CUDA, greedy or sampling, no ``disable_compile`` — else
@@ -99,6 +100,8 @@ def context_parallel_generate(model, input_ids: torch.LongTensor, logits_process
         )
     if generation_config.do_sample:
         sync_rng(cache.info, input_ids.device)
+    if cache.info.world_size > 1:
+        logits_processor = _with_rank_zero_scores(logits_processor, cache.info)
     step = _resolve_step(cache, model, input_ids, generation_config, method_name)
     if step is not None:
         max_new_tokens = generation_config.max_length - input_ids.shape[1]
@@ -109,3 +112,22 @@ def context_parallel_generate(model, input_ids: torch.LongTensor, logits_process
             cache.use_fixed_buffers(decode_buffer_tokens(max_new_tokens), mask)
         decode = functools.partial(sample, decode_step=step)
     return _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
+
+
+def _with_rank_zero_scores(logits_processor, info):
+    """generate()'s logits processors + a last one that broadcasts rank 0's scores, so that every rank picks the
+    same token. The ranks' logits agree to rounding (each layer's combine gives every rank the same bytes), but not
+    bitwise: a compiled layer's kernels are tuned per process, and in bf16 a near-tie then picks another token on
+    one rank, whose KV and tokens would drift apart from there (seen on 4 GPUs, 2026-11-26). One broadcast of
+    ``[rows, vocab]`` fp32 per step (~0.5 MB per row), on the GPU's stream, no host wait."""
+    from transformers.generation.logits_process import LogitsProcessor, LogitsProcessorList
+
+    class _RankZeroScores(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            import torch.distributed as dist
+
+            scores = scores.contiguous()
+            dist.broadcast(scores, src=info.global_ranks[0], group=info.group)
+            return scores
+
+    return LogitsProcessorList([*(logits_processor or []), _RankZeroScores()])
