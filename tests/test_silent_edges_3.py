@@ -1,0 +1,175 @@
+"""Third sweep of inputs and models that used to give wrong answers without a word (issue 34): each is now exact
+against sdpa (fp32, same weights), a clear error naming the cause, or loses nothing.
+
+Tiny random models are built from the real transformers configs (no downloads); the real sizes are in comments.
+"""
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+import hf_cascade
+from hf_cascade import CascadeCache
+from hf_cascade.model_zoo import tiny_model
+from hf_cascade.transformers_compat import CACHE_KWARG
+
+from test_cache import prefix_batch, random_tokens
+from test_generate import make_prompts, model_pair, pad_batch
+
+GEN = dict(max_new_tokens=4, pad_token_id=0, do_sample=False)
+ONE_ARGUMENT = dict(custom_generate=hf_cascade.generate, cascade_options=dict(min_shared_tokens=2))
+BASE = dict(
+    vocab_size=128,  # 128256 in Llama-3-8B
+    hidden_size=64,  # 4096
+    intermediate_size=128,  # 14336
+    num_hidden_layers=2,  # 32
+    num_attention_heads=4,  # 32
+    num_key_value_heads=2,  # 8
+    max_position_embeddings=512,
+    initializer_range=0.1,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
+def _config(name: str, **overrides):
+    """A tiny config of a family outside model_zoo.FAMILIES."""
+    if name == "diffllama":
+        return transformers.DiffLlamaConfig(**BASE, **overrides)
+    mla = dict(BASE, num_key_value_heads=4, kv_lora_rank=16,  # 512 in DeepSeek-V3
+               qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,  # 64, 128, 128
+               n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1, moe_intermediate_size=32)
+    if name == "deepseek_v2":
+        return transformers.DeepseekV2Config(**mla, q_lora_rank=None, n_shared_experts=1, **overrides)
+    if name == "deepseek_v3":
+        return transformers.DeepseekV3Config(**mla, q_lora_rank=16, n_group=1, topk_group=1, **overrides)
+    if name == "llama4":  # attention_chunk_size 8192 in Llama 4 Scout
+        return transformers.Llama4TextConfig(**BASE, num_local_experts=2, intermediate_size_mlp=128, **overrides)
+    raise ValueError(name)
+
+
+def _pair(config):
+    ref = tiny_model(config=copy.deepcopy(config), attn_implementation="sdpa")
+    cas = tiny_model(config=copy.deepcopy(config), attn_implementation="cascade")
+    assert ref.config._attn_implementation == "sdpa" and cas.config._attn_implementation == "cascade"
+    return ref, cas
+
+
+def _count_forwards(model):
+    forwards = []
+    handle = model.register_forward_pre_hook(lambda *args: forwards.append(1))
+    return forwards, handle
+
+
+# ------------------------------------------------------------------ models that transform K/V after cache.update
+@pytest.mark.parametrize("name, cause", [
+    ("diffllama", "differential attention"),
+    ("deepseek_v2", "multi-head latent attention"),
+    ("deepseek_v3", "multi-head latent attention"),
+])
+def test_models_transforming_kv_after_the_cache_update_are_refused_before_any_work(name, cause):
+    """They lost the shared prefix silently (first-step logits off by 0.16-0.30); now refused, naming the model."""
+    ref, cas = _pair(_config(name))
+    ids, mask = pad_batch(make_prompts(seed=1))
+    forwards, handle = _count_forwards(cas)
+    try:
+        with pytest.raises(NotImplementedError, match=rf"\({type(cas).__name__}\).*{cause}.*'sdpa'"):
+            cas.generate(ids, attention_mask=mask, **GEN, **ONE_ARGUMENT)
+        with pytest.raises(NotImplementedError, match=cause):
+            CascadeCache.from_prefix(cas, random_tokens(9, 0))
+        with pytest.raises(NotImplementedError, match=cause):
+            hf_cascade.shared_prefix_inputs(cas, ids, mask, min_shared_tokens=2)
+    finally:
+        handle.remove()
+    assert forwards == []
+    # Without an hf_cascade cache "cascade" is still exactly sdpa for them.
+    assert torch.equal(cas.generate(ids, attention_mask=mask, **GEN), ref.generate(ids, attention_mask=mask, **GEN))
+
+
+class _TransformingCache:
+    """What a model that transforms K/V after the update hands its attention: the cache's keys, recomputed."""
+
+    def __init__(self, cache):
+        self.cache = cache
+
+    def update(self, key, value, layer_idx, *args, **kwargs):
+        keys, values = self.cache.update(key, value, layer_idx, *args, **kwargs)
+        return keys * 1.0, values  # equal values, another tensor: not what the cache returned
+
+    def __getattr__(self, name):
+        return getattr(self.cache, name)
+
+
+def test_any_layer_not_given_the_cached_kv_is_refused_naming_the_model():
+    """The general safety net (a model no list knows): the layer's attention was not handed the K/V the cache
+    returned, so it would run over the row's own tokens without the prefix. It raises, naming the model."""
+    _, cas = model_pair("llama")
+    attention = cas.model.layers[1].self_attn
+    forward = attention.forward
+
+    def transforming_forward(*args, **kwargs):
+        for name in ("cache", "past_key_values"):
+            if kwargs.get(name) is not None:
+                kwargs[name] = _TransformingCache(kwargs[name])
+        return forward(*args, **kwargs)
+
+    attention.forward = transforming_forward
+    try:
+        prefix = random_tokens(9, 1)
+        ids, mask = prefix_batch(prefix, [random_tokens(3, 2), random_tokens(2, 3)])
+        with pytest.raises(NotImplementedError, match=r"LlamaForCausalLM: layer 1's attention \(LlamaAttention\) was "
+                                                      r"given other keys than the CascadeCache's update\(\) returned"):
+            cas.generate(ids, attention_mask=mask, **GEN, **ONE_ARGUMENT)
+    finally:
+        del attention.forward
+    got = cas.generate(ids, attention_mask=mask, **GEN, **ONE_ARGUMENT)  # nothing left behind
+    assert got.shape == (2, ids.shape[1] + 4)
+
+
+def test_a_value_not_the_cached_one_is_refused():
+    """DiffLlama's pattern (same keys, other values) caught at the first forward by the safety net too."""
+    from hf_cascade.attention import bind_layer, bound_provider
+
+    _, cas = model_pair("llama")
+    cache = CascadeCache.from_prefix(cas, random_tokens(5, 4))
+    module = cache.attention_module(0)
+    key, value = torch.zeros(1, 2, 1, 16), torch.zeros(1, 2, 1, 16)
+    bind_layer(cache, 0, key, value)
+    assert bound_provider(module, key, value) is cache
+    bind_layer(cache, 0, key, value)
+    with pytest.raises(NotImplementedError, match=r"was given other values than the CascadeCache's update\(\)"):
+        bound_provider(module, key, value.repeat(1, 1, 1, 1))
+    assert bound_provider(module, key, value) is None  # the binding was consumed
+
+
+# ------------------------------------------------------------------ Llama 4 chunked attention
+def test_llama4_chunked_attention_exact_within_a_chunk_refused_beyond():
+    rows = make_prompts(seed=2)  # 20 to 23 tokens
+    ids, mask = pad_batch(rows)
+    ref, cas = _pair(_config("llama4", attention_chunk_size=64))
+    assert "chunked_attention" in cas.config.layer_types
+    assert torch.equal(cas.generate(ids, attention_mask=mask, **GEN, **ONE_ARGUMENT),
+                       ref.generate(ids, attention_mask=mask, **GEN))
+
+    ref, cas = _pair(_config("llama4", attention_chunk_size=ids.shape[1] + 2))
+    want = ref.generate(ids, attention_mask=mask, **GEN)  # crosses a chunk boundary while decoding
+    forwards, handle = _count_forwards(cas)
+    try:
+        with pytest.raises(NotImplementedError, match=rf"chunks of {ids.shape[1] + 2} tokens.*spans "
+                                                      rf"{ids.shape[1] + 3} tokens"):
+            cas.generate(ids, attention_mask=mask, **GEN, **ONE_ARGUMENT)
+    finally:
+        handle.remove()
+    assert forwards == []
+    assert torch.equal(cas.generate(ids, attention_mask=mask, **GEN), want)  # plain generate(): sdpa's
+
+    # A cache built by hand and given to generate() directly: refused at the first forward past the chunk.
+    prefix = random_tokens(9, 5)
+    ids, mask = prefix_batch(prefix, [random_tokens(3, 6), random_tokens(5, 7)])
+    ref, cas = _pair(_config("llama4", attention_chunk_size=8))
+    cache = CascadeCache.from_prefix(cas, prefix)
+    with pytest.raises(NotImplementedError, match="Llama4ForCausalLM layer 0 uses chunked attention"):
+        cas.generate(ids, attention_mask=mask, **{CACHE_KWARG: cache}, **GEN)
