@@ -24,6 +24,7 @@ model or ``synced_gpus``.
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
 from transformers.utils import logging
@@ -114,6 +115,12 @@ def generate(
             f"asks for {generation_config.get_generation_mode().name.lower()}. Call generate() without "
             "`custom_generate` for it."
         )
+    if generation_config.return_dict_in_generate and generation_config.output_attentions:
+        raise NotImplementedError(
+            "`output_attentions=True`: the cascade attention, like sdpa, never computes attention weights, so "
+            "generate() would return none. For the weights, load the model with attn_implementation='eager' and call "
+            "generate() without `custom_generate=hf_cascade.generate`."
+        )
     decode = getattr(type(model), method_name)
     user_cache = model_kwargs.get(CACHE_KWARG)
     real_rows = None  # set when rows are added up to a batch bucket (cut from the output)
@@ -124,6 +131,20 @@ def generate(
     ) or generation_config.use_cache is False:
         # The user's own cache, prompts given as embeddings (no token ids to find sharing in), or no cache at all:
         # generate()'s own.
+        return _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
+
+    reason = _unshareable_request(input_ids, generation_config, model_kwargs)
+    if reason is not None:
+        if user_cache is not None:
+            raise ValueError(
+                f"hf_cascade.generate cannot serve {reason} with the CascadeCache passed to it: its prefix KV were "
+                "computed for the shared rows' own positions and its rows feed only their suffix columns. Leave the "
+                "option out, or call generate() with no CascadeCache (and no `custom_generate`)."
+            )
+        warnings.warn(
+            f"hf_cascade.generate: {reason} cannot be served with shared prefixes; this call runs generate()'s own "
+            "decoding (exact, no sharing).", stacklevel=2,
+        )
         return _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
 
     defer = options.pop("defer_stop_check", None)
@@ -287,6 +308,31 @@ def _layout_independent_shapes(cache):
     from torch.fx.experimental import _config as shape_config
 
     return shape_config.patch(use_duck_shape=False)
+
+
+def _unshareable_request(input_ids: torch.Tensor, generation_config, model_kwargs: dict) -> str | None:
+    """What in this call a cascade cache cannot give exactly as generate() does, described for a message, or None.
+
+    * ``position_ids`` other than the attention mask's running count (what generate() computes when none are
+      given): the shared prefix KV are computed once, at the positions 0..P-1 every sharing row has.
+    * ``output_hidden_states`` in a dict output: generate() feeds a cascade cache only each row's suffix columns,
+      so the prefill's hidden states would be narrower than the prompt (sdpa's cover every prompt column).
+    """
+    position_ids = model_kwargs.get("position_ids")
+    if position_ids is not None:
+        mask = model_kwargs.get("attention_mask")
+        if mask is None:
+            mask = torch.ones_like(input_ids)
+        if position_ids.dim() != 2 or position_ids.shape[-1] != mask.shape[-1]:
+            return f"`position_ids` of shape {tuple(position_ids.shape)}"
+        real = mask.bool()
+        counted = mask.long().cumsum(-1) - 1
+        if not torch.equal(torch.where(real, position_ids.expand_as(counted), 0), torch.where(real, counted, 0)):
+            return ("`position_ids` other than the attention mask's running count (`attention_mask.cumsum(-1) - 1`, "
+                    "what generate() uses when none are given)")
+    if generation_config.return_dict_in_generate and generation_config.output_hidden_states:
+        return "`output_hidden_states=True` (the hidden states of every prompt column, as sdpa gives)"
+    return None
 
 
 def _check_chunked_attention(model, width: int, max_new_tokens: int) -> None:

@@ -173,3 +173,64 @@ def test_llama4_chunked_attention_exact_within_a_chunk_refused_beyond():
     cache = CascadeCache.from_prefix(cas, prefix)
     with pytest.raises(NotImplementedError, match="Llama4ForCausalLM layer 0 uses chunked attention"):
         cas.generate(ids, attention_mask=mask, **{CACHE_KWARG: cache}, **GEN)
+
+
+# ------------------------------------------------------------------ user position_ids, hidden states, attentions
+@pytest.fixture(scope="module")
+def llama():
+    return model_pair("llama")
+
+
+def test_user_position_ids_are_honoured(llama):
+    """They were replaced by the mask's count (the tokens of a call without them); now generate()'s own loop runs
+    them, with a warning: sdpa's exact tokens. Positions equal to the mask's count still share prefixes."""
+    ref, cas = llama
+    ids, mask = pad_batch(make_prompts(seed=3))
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    positions[:, -3:] += 7  # a gap before each row's last 3 tokens
+    want = ref.generate(ids, attention_mask=mask, position_ids=positions, **GEN)
+    assert not torch.equal(want, ref.generate(ids, attention_mask=mask, **GEN))  # the positions matter
+    with pytest.warns(UserWarning, match=r"`position_ids` other than the attention mask's running count.*own "
+                                         r"decoding"):
+        got = cas.generate(ids, attention_mask=mask, position_ids=positions, **GEN, **ONE_ARGUMENT)
+    assert torch.equal(got, want)
+
+    caches = []
+    counted = (mask.cumsum(-1) - 1).clamp(min=0)
+    got = cas.generate(ids, attention_mask=mask, position_ids=counted, cascade_caches=caches, **GEN, **ONE_ARGUMENT)
+    assert torch.equal(got, ref.generate(ids, attention_mask=mask, **GEN)) and caches  # shared, exact
+
+    inputs = hf_cascade.shared_prefix_inputs(cas, ids, mask, min_shared_tokens=2)
+    with pytest.raises(ValueError, match=r"`position_ids` other than.*with the CascadeCache passed to it"):
+        cas.generate(**inputs, position_ids=positions, custom_generate=hf_cascade.generate, **GEN)
+
+
+@pytest.mark.parametrize("beams", [1, 2])
+def test_hidden_states_as_wide_as_sdpa(llama, beams):
+    """They covered the last few prompt columns only ([4, 5, 64] where sdpa gives [4, 23, 64])."""
+    ref, cas = llama
+    ids, mask = pad_batch(make_prompts(seed=1))
+    gen = dict(GEN, num_beams=beams, return_dict_in_generate=True, output_hidden_states=True)
+    want = ref.generate(ids, attention_mask=mask, **gen)
+    with pytest.warns(UserWarning, match=r"`output_hidden_states=True`"):
+        got = cas.generate(ids, attention_mask=mask, **gen, **ONE_ARGUMENT)
+    assert torch.equal(got.sequences, want.sequences)
+    assert len(got.hidden_states) == len(want.hidden_states)
+    for got_step, want_step in zip(got.hidden_states, want.hidden_states):
+        assert [h.shape for h in got_step] == [h.shape for h in want_step]
+        for g, w in zip(got_step, want_step):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=0)
+    assert want.hidden_states[0][0].shape[1] == ids.shape[1]
+    # Without a dict output nothing is returned: the call shares prefixes as usual.
+    caches = []
+    out = cas.generate(ids, attention_mask=mask, output_hidden_states=True, cascade_caches=caches, num_beams=beams,
+                       **GEN, **ONE_ARGUMENT)
+    assert caches and torch.equal(out, want.sequences)
+
+
+def test_output_attentions_refused(llama):
+    _, cas = llama
+    ids, mask = pad_batch(make_prompts(seed=1))
+    with pytest.raises(NotImplementedError, match=r"`output_attentions=True`.*attn_implementation='eager'"):
+        cas.generate(ids, attention_mask=mask, return_dict_in_generate=True, output_attentions=True, **GEN,
+                     **ONE_ARGUMENT)
