@@ -97,17 +97,8 @@ def generate(
     """
     from transformers.generation.utils import GENERATION_MODES_MAPPING
 
+    options = _validated_options(cascade_options, cascade_caches)
     check_model_uses_cascade(model, "model")
-    options = dict(cascade_options or {})
-    unknown = set(options) - _OPTIONS
-    if unknown:
-        raise ValueError(
-            f"`cascade_options` takes {sorted(_OPTIONS)}; got unknown {sorted(unknown)}."
-        )
-    if options.get("decode_step", DEFAULT_DECODE_STEP) not in _DECODE_STEPS:
-        raise ValueError(
-            f"`cascade_options['decode_step']` must be one of {list(_DECODE_STEPS)}; got {options['decode_step']!r}."
-        )
     method_name = GENERATION_MODES_MAPPING.get(generation_config.get_generation_mode())
     if method_name not in _DECODING_METHODS:
         raise NotImplementedError(
@@ -150,8 +141,6 @@ def generate(
     defer = options.pop("defer_stop_check", None)
     decode_step = options.pop("decode_step", DEFAULT_DECODE_STEP)
     compile_prefill = options.pop("compile_prefill", None)
-    if compile_prefill not in (None, True, False):
-        raise ValueError(f"`cascade_options['compile_prefill']` must be None, True or False; got {compile_prefill!r}.")
     compiles = _compiles_decode(model, input_ids, generation_config, method_name)
     if method_name == "_sample" and decode_step == "auto":
         decode_step = "layers"
@@ -222,6 +211,45 @@ def generate(
     finally:
         buffers.keep(cache.step_buffer_tensors())
     return out if real_rows is None else _first_rows(out, real_rows, input_ids.shape[0])
+
+
+def _validated_options(cascade_options, cascade_caches) -> dict:
+    """``cascade_options`` as a new dict, each value checked by type; raises a ValueError naming the option."""
+    from collections.abc import Mapping
+
+    from hf_cascade.cost_model import CascadeCostModel
+
+    if cascade_caches is not None and not isinstance(cascade_caches, list):
+        raise ValueError(
+            f"`cascade_caches` must be None or a list (the CascadeCache built for the call is appended to it); got "
+            f"{type(cascade_caches).__name__} {cascade_caches!r}. Pass `cascade_caches=[]`."
+        )
+    if cascade_options is None:
+        return {}
+    if not isinstance(cascade_options, Mapping):
+        raise ValueError(
+            f"`cascade_options` must be a dict of option name -> value, e.g. {{'min_shared_tokens': 8}}; got "
+            f"{type(cascade_options).__name__} {cascade_options!r}."
+        )
+    options = dict(cascade_options)
+    unknown = set(options) - _OPTIONS
+    if unknown:
+        raise ValueError(f"`cascade_options` takes {sorted(_OPTIONS)}; got unknown {sorted(unknown, key=str)}.")
+    for name, value in options.items():
+        where = f"`cascade_options['{name}']`"
+        if name in ("min_shared_tokens", "min_rows", "max_levels"):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{where} must be an int; got {type(value).__name__} {value!r}.")
+        elif name in ("fixed_buffers", "batch_buckets", "defer_stop_check", "compile_prefill"):
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{where} must be None, True or False; got {type(value).__name__} {value!r}.")
+        elif name == "cost_model":
+            auto = isinstance(value, str) and value == "auto"
+            if value is not None and not auto and not isinstance(value, CascadeCostModel):
+                raise ValueError(f"{where} must be 'auto', None or a CascadeCostModel; got {value!r}.")
+        elif name == "decode_step" and (not isinstance(value, str) or value not in _DECODE_STEPS):
+            raise ValueError(f"{where} must be one of {list(_DECODE_STEPS)}; got {value!r}.")
+    return options
 
 
 def _add_rows(value, size: int, rows: int):

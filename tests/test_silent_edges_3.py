@@ -234,3 +234,32 @@ def test_output_attentions_refused(llama):
     with pytest.raises(NotImplementedError, match=r"`output_attentions=True`.*attn_implementation='eager'"):
         cas.generate(ids, attention_mask=mask, return_dict_in_generate=True, output_attentions=True, **GEN,
                      **ONE_ARGUMENT)
+
+
+# ------------------------------------------------------------------ cascade_options checked by type
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(cascade_options={"fixed_buffers": "no"}), r"`cascade_options\['fixed_buffers'\]` must be None, True or "
+                                                    r"False; got str 'no'"),
+    (dict(cascade_options={"defer_stop_check": "false"}), r"`cascade_options\['defer_stop_check'\]` must be None"),
+    (dict(cascade_options={"batch_buckets": 0}), r"`cascade_options\['batch_buckets'\]` must be None, True or False"),
+    (dict(cascade_options={"compile_prefill": "yes"}), r"`cascade_options\['compile_prefill'\]`"),
+    (dict(cascade_options={"min_shared_tokens": "2"}), r"`cascade_options\['min_shared_tokens'\]` must be an int; "
+                                                       r"got str '2'"),
+    (dict(cascade_options={"max_levels": 2.0}), r"`cascade_options\['max_levels'\]` must be an int"),
+    (dict(cascade_options={"cost_model": "on"}), r"`cascade_options\['cost_model'\]` must be 'auto', None"),
+    (dict(cascade_options={"decode_step": ["eager"]}), r"`cascade_options\['decode_step'\]` must be one of"),
+    (dict(cascade_options=["min_shared_tokens", 2]), r"`cascade_options` must be a dict.*got list"),
+    (dict(cascade_options="fixed_buffers=False"), r"`cascade_options` must be a dict.*got str"),
+    (dict(cascade_caches=()), r"`cascade_caches` must be None or a list.*got tuple"),
+])
+def test_cascade_options_checked_by_type_before_any_work(llama, kwargs, match):
+    """They were taken as truthy ("no" as True), or failed late (cascade_caches=() after the whole prefill)."""
+    _, cas = llama
+    ids, mask = pad_batch(make_prompts(seed=1))
+    forwards, handle = _count_forwards(cas)
+    try:
+        with pytest.raises(ValueError, match=match):
+            cas.generate(ids, attention_mask=mask, **GEN, custom_generate=hf_cascade.generate, **kwargs)
+    finally:
+        handle.remove()
+    assert forwards == []
