@@ -24,6 +24,8 @@ model or ``synced_gpus``.
 from __future__ import annotations
 
 import functools
+import inspect
+import sys
 import warnings
 
 import torch
@@ -106,6 +108,9 @@ def generate(
             f"asks for {generation_config.get_generation_mode().name.lower()}. Call generate() without "
             "`custom_generate` for it."
         )
+    streamer = _arguments_the_hook_drops(sys._getframe(1), method_name)
+    if streamer is not None:  # generate() put the prompt into it; the decoding loop streams the rest and ends it
+        model_kwargs["streamer"] = streamer
     if generation_config.return_dict_in_generate and generation_config.output_attentions:
         raise NotImplementedError(
             "`output_attentions=True`: the cascade attention, like sdpa, never computes attention weights, so "
@@ -169,6 +174,8 @@ def generate(
         rows, bucket = input_ids.shape[0], batch_bucket(input_ids.shape[0])
         if buckets is None:
             buckets = not generation_config.do_sample
+        if streamer is not None:  # the streamer must see the user's rows only
+            buckets = False
         if fixed and compiles and buckets and user_cache is None and bucket > rows:
             real_rows = rows
         plan_ids, plan_mask = input_ids, attention_mask
@@ -211,6 +218,39 @@ def generate(
     finally:
         buffers.keep(cache.step_buffer_tensors())
     return out if real_rows is None else _first_rows(out, real_rows, input_ids.shape[0])
+
+
+def _arguments_the_hook_drops(caller, method_name: str):
+    """The ``streamer`` given to the generate() call that called this hook, or None; refuses an assistant model and
+    ``synced_gpus=True``.
+
+    transformers' ``custom_generate`` hook passes a callable neither ``streamer`` nor ``assistant_model`` nor
+    ``synced_gpus`` (it routes only the keys that ``_sample`` does not take). generate() has already put the prompt
+    into the streamer: without it the decoding loop would never call ``end()``, and a ``TextIteratorStreamer``
+    consumer would wait forever. They are read from generate()'s own frame (``caller``, the frame that called the
+    hook), found by its code object.
+    """
+    from transformers.generation.utils import GenerationMixin
+
+    if caller is None or caller.f_code is not inspect.unwrap(GenerationMixin.generate).__code__:
+        return None
+    arguments = caller.f_locals
+    if arguments.get("assistant_model") is not None:
+        raise NotImplementedError(
+            "hf_cascade.generate does not run assisted generation (`assistant_model`): transformers' custom_generate "
+            "hook does not pass it on. Call generate() without `custom_generate=hf_cascade.generate` for it."
+        )
+    if arguments.get("synced_gpus"):
+        raise NotImplementedError(
+            "hf_cascade.generate does not run with `synced_gpus=True` (DeepSpeed ZeRO-3 / FSDP): transformers' "
+            "custom_generate hook does not pass it on. Call generate() without `custom_generate=hf_cascade.generate`."
+        )
+    streamer = arguments.get("streamer")
+    if streamer is not None and method_name == "_beam_search":
+        raise ValueError(
+            "`streamer` cannot be used with beam search (as in generate()); set `num_beams=1` or leave out the streamer."
+        )
+    return streamer
 
 
 def _validated_options(cascade_options, cascade_caches) -> dict:
@@ -391,51 +431,3 @@ def _check_capacity(cache: CascadeCache, width: int, max_new_tokens: int) -> Non
             f"max_new_tokens={max_new_tokens}). Build it with `shared_prefix_inputs(..., max_new_tokens="
             f"{max_new_tokens})` (or a larger `max_suffix_length`), or lower `max_new_tokens`."
         )
-
-
-_CUSTOM_GENERATE_PY = '''"""Written by hf_cascade.write_custom_generate: this checkpoint's plain ``model.generate(...)`` (and a pipeline's)
-share prompt prefixes through hf_cascade. transformers binds this function as ``model.generate`` when the folder
-is loaded with ``from_pretrained(..., trust_remote_code=True)``; delete this folder to undo."""
-
-from transformers import GenerationMixin
-
-import hf_cascade
-
-
-def generate(*args, model, **kwargs):
-    if getattr(model.config, "_attn_implementation", None) != hf_cascade.ATTENTION_NAME:
-        model.set_attn_implementation(hf_cascade.ATTENTION_NAME)  # without an hf_cascade cache: exactly sdpa
-    kwargs.setdefault("custom_generate", hf_cascade.generate)
-    return GenerationMixin.generate(model, *args, **kwargs)
-'''
-
-
-def write_custom_generate(checkpoint_dir: str) -> str:
-    """Make a local checkpoint's plain ``generate()`` use cascade decoding, with no argument at the call.
-
-    Writes ``checkpoint_dir/custom_generate/generate.py`` (+ ``requirements.txt``), transformers' own format for a
-    checkpoint's custom decoding. A model loaded with ``AutoModelForCausalLM.from_pretrained(checkpoint_dir,
-    trust_remote_code=True)`` then runs ``model.generate(**batch, ...)`` — and ``pipeline("text-generation",
-    model=model, ...)`` — through :func:`hf_cascade.generate`. Without ``trust_remote_code=True`` transformers
-    ignores the file and generate() is the stock one (no sharing).
-
-    Args:
-        checkpoint_dir: a folder holding a checkpoint (``config.json``), e.g. written by ``save_pretrained``.
-    Returns:
-        The path of the written ``generate.py``.
-    """
-    import os
-
-    if not os.path.isfile(os.path.join(checkpoint_dir, "config.json")):
-        raise ValueError(
-            f"`checkpoint_dir` must be a local checkpoint folder with a config.json; {checkpoint_dir!r} has none. "
-            "Write one with `model.save_pretrained(checkpoint_dir)` first."
-        )
-    folder = os.path.join(checkpoint_dir, "custom_generate")
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, "generate.py")
-    with open(path, "w") as f:
-        f.write(_CUSTOM_GENERATE_PY)
-    with open(os.path.join(folder, "requirements.txt"), "w") as f:
-        f.write("hf-cascade\n")
-    return path

@@ -263,3 +263,120 @@ def test_cascade_options_checked_by_type_before_any_work(llama, kwargs, match):
     finally:
         handle.remove()
     assert forwards == []
+
+
+# ------------------------------------------------------------------ streamer, stop_strings, checkpoints
+class _Recorder:
+    """A streamer that records what it gets (BaseStreamer's interface)."""
+
+    def __init__(self):
+        self.chunks, self.ended = [], False
+
+    def put(self, value):
+        self.chunks.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.ended = True
+
+
+def _chat(seed=4):
+    from hf_cascade.tiny import tiny_model as byte_model, tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    prompts = ["You are terse. Answer in a word.\nQ: " + q + "\nA:" for q in ("red?", "a cat?", "tea?")]
+    return tokenizer, byte_model("llama", seed=seed), byte_model("llama", seed=seed, attn_implementation="sdpa"), \
+        prompts
+
+
+def test_streamer_with_the_hook_streams_every_token_and_ends():
+    """The hook never received the streamer: generate() put the prompt, nothing more, and never called end() (a
+    TextIteratorStreamer consumer waited forever). Now it streams every token and ends, with sharing kept."""
+    import threading
+
+    from transformers import TextIteratorStreamer
+
+    tokenizer, cas, ref, prompts = _chat()
+    gen = dict(max_new_tokens=5, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    batch = tokenizer(prompts[:1], return_tensors="pt")
+    want = ref.generate(**batch, **gen)
+    recorder, caches = _Recorder(), []
+    got = cas.generate(**batch, **gen, streamer=recorder, custom_generate=hf_cascade.generate,
+                       cascade_caches=caches)
+    assert torch.equal(got, want)
+    assert recorder.ended and recorder.chunks == [want[0, :batch["input_ids"].shape[1]].tolist()] + \
+        [[t] for t in want[0, batch["input_ids"].shape[1]:].tolist()]
+
+    streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, timeout=60)
+    thread = threading.Thread(target=cas.generate, kwargs=dict(**batch, **gen, streamer=streamer,
+                                                               custom_generate=hf_cascade.generate))
+    thread.start()
+    text = "".join(streamer)  # raises queue.Empty after 60 s instead of waiting forever
+    thread.join(timeout=60)
+    assert text == tokenizer.decode(want[0, batch["input_ids"].shape[1]:], skip_special_tokens=True)
+
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    with pytest.raises(ValueError, match="`streamer` cannot be used with beam search"):
+        cas.generate(**batch, **dict(gen, num_beams=2), streamer=_Recorder(), custom_generate=hf_cascade.generate)
+
+
+def test_assistant_model_with_the_hook_is_refused():
+    tokenizer, cas, ref, prompts = _chat()
+    batch = tokenizer(prompts[:1], return_tensors="pt")
+    with pytest.raises(NotImplementedError, match="assisted generation"):
+        cas.generate(**batch, max_new_tokens=3, do_sample=False, assistant_model=ref,
+                     custom_generate=hf_cascade.generate)
+
+
+def test_stop_strings_with_the_hook_raise_and_the_criteria_form_shares():
+    """transformers' hook drops the tokenizer, and generate() then raises before hf_cascade runs (never silently
+    ignored); a StopStringCriteria passed as a stopping criterion reaches hf_cascade and is exact."""
+    from transformers import StoppingCriteriaList, StopStringCriteria
+
+    tokenizer, cas, ref, prompts = _chat()
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    gen = dict(max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    stop = [tokenizer.decode(ref.generate(**batch, **gen)[0, batch["input_ids"].shape[1] + 2:][:1])]
+    want = ref.generate(**batch, **gen, stop_strings=stop, tokenizer=tokenizer)
+    with pytest.raises(ValueError, match="tokenizer"):
+        cas.generate(**batch, **gen, stop_strings=stop, tokenizer=tokenizer, custom_generate=hf_cascade.generate)
+    caches = []
+    got = cas.generate(**batch, **gen, stopping_criteria=StoppingCriteriaList([StopStringCriteria(tokenizer, stop)]),
+                       custom_generate=hf_cascade.generate, cascade_caches=caches)
+    assert torch.equal(got, want) and caches
+
+
+def test_checkpoint_streams_falls_back_for_stop_strings_and_never_overwrites(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    tokenizer, _, ref, prompts = _chat()
+    ref.save_pretrained(tmp_path)
+    folder = tmp_path / "custom_generate"
+    folder.mkdir()
+    (folder / "generate.py").write_text("def generate(*args, model, **kwargs):\n    return 'mine'\n")
+    with pytest.raises(ValueError, match=rf"{folder / 'generate.py'} exists and was not written by hf_cascade"):
+        hf_cascade.write_custom_generate(str(tmp_path))
+    assert (folder / "generate.py").read_text().endswith("return 'mine'\n")
+    assert not (folder / "requirements.txt").exists()  # nothing written
+    (folder / "generate.py").unlink()
+    (folder / "requirements.txt").write_text("numpy\n")
+    with pytest.raises(ValueError, match=r"requirements.txt exists and was not written by hf_cascade"):
+        hf_cascade.write_custom_generate(str(tmp_path))
+    assert (folder / "requirements.txt").read_text() == "numpy\n" and not (folder / "generate.py").exists()
+    (folder / "requirements.txt").write_text("hf-cascade\n")  # what earlier versions wrote: rewritten
+    path = hf_cascade.write_custom_generate(str(tmp_path))
+    assert hf_cascade.write_custom_generate(str(tmp_path)) == path  # its own files: rewritten
+
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True)
+    gen = dict(max_new_tokens=5, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    batch = tokenizer(prompts[:1], return_tensors="pt")
+    recorder = _Recorder()
+    got = model.generate(**batch, **gen, streamer=recorder)
+    assert recorder.ended and len(recorder.chunks) == 1 + 5
+    assert torch.equal(got, ref.generate(**batch, **gen))
+
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    stop = [tokenizer.decode(ref.generate(**batch, **gen)[0, -2:-1])]
+    want = ref.generate(**batch, **gen, stop_strings=stop, tokenizer=tokenizer)
+    with pytest.warns(UserWarning, match=r"cannot receive stop_strings, tokenizer; .*own generate\(\)"):
+        got = model.generate(**batch, **gen, stop_strings=stop, tokenizer=tokenizer)
+    assert torch.equal(got, want)
