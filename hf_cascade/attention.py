@@ -328,9 +328,40 @@ def cascade_mask(*args, **kwargs) -> torch.Tensor | None:
 
 
 def register() -> None:
-    """Register ``"cascade"`` with ``AttentionInterface`` and ``AttentionMaskInterface`` (idempotent)."""
+    """Register ``"cascade"`` with ``AttentionInterface`` and ``AttentionMaskInterface`` (idempotent), and make the
+    models that pick their attention class from a table of their own refuse it clearly (see :class:`_Refused`)."""
     AttentionInterface.register(ATTENTION_NAME, cascade_attention_forward)
     AttentionMaskInterface.register(ATTENTION_NAME, cascade_mask)
+    import importlib
+
+    for module_name, table, family in _OWN_ATTENTION_TABLES:
+        try:
+            classes = getattr(importlib.import_module(f"transformers.models.{module_name}"), table)
+        except (ImportError, AttributeError):
+            continue
+        if isinstance(classes, dict) and ATTENTION_NAME not in classes:  # (never replaces an entry)
+            classes[ATTENTION_NAME] = type(f"{family}CascadeRefused", (_Refused,), {"family": family})
+
+
+# Models whose constructor looks attn_implementation up in a table of their own (not AttentionInterface): without an
+# entry, loading one with "cascade" fails with a bare KeyError: 'cascade' (transformers 5.x).
+_OWN_ATTENTION_TABLES = (
+    ("falcon.modeling_falcon", "FALCON_ATTENTION_CLASSES", "Falcon"),
+    ("gpt_neo.modeling_gpt_neo", "GPT_NEO_ATTENTION_CLASSES", "GPT-Neo"),
+)
+
+
+class _Refused(torch.nn.Module):
+    """The ``"cascade"`` entry of such a model's attention table: building it raises, naming the model and the fix."""
+
+    family = "This model"
+
+    def __init__(self, *args, **kwargs):
+        raise NotImplementedError(
+            f"{self.family} does not route attention through transformers' AttentionInterface, so "
+            "attn_implementation='cascade' cannot reach it (hf_cascade cannot share its prompt prefixes). Load it with "
+            "attn_implementation='sdpa' (or 'eager')."
+        )
 
 
 def check_model_uses_cascade(model: torch.nn.Module, argument: str = "model") -> None:
@@ -356,6 +387,13 @@ def check_model_uses_cascade(model: torch.nn.Module, argument: str = "model") ->
                 "cache cannot serve layers that reuse another layer's KV. Use attn_implementation='sdpa'."
             )
     _check_kv_as_cached(model, config, argument)
+    stateful = sorted(set(getattr(text_config(config), "layer_types", None) or ()) & _STATEFUL_LAYER_TYPES)
+    if stateful:
+        raise NotImplementedError(
+            f"`{argument}` ({type(model).__name__}) is a hybrid model: its {', '.join(map(repr, stateful))} layers keep "
+            "a convolution or recurrent state, which the cascade cache (keys and values only) does not hold. Use "
+            "attn_implementation='sdpa' for this model."
+        )
     impl = getattr(config, "_attn_implementation", None)
     if impl != ATTENTION_NAME:
         raise ValueError(
@@ -365,14 +403,24 @@ def check_model_uses_cascade(model: torch.nn.Module, argument: str = "model") ->
         )
 
 
+# config.layer_types entries whose layers keep a state other than keys and values (LFM2's "conv", Mamba / GDN
+# "linear_attention", Zamba2 / Falcon-H1 "hybrid", ...).
+_STATEFUL_LAYER_TYPES = {"conv", "linear_attention", "hybrid", "hybrid_sliding", "mamba", "recurrent", "rwkv"}
+
+
+def text_config(config):
+    """The decoder's config (a multimodal config's text part; the config itself otherwise)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def _check_kv_as_cached(model: torch.nn.Module, config, argument: str) -> None:
     """Refuse the known models whose attention is not handed the K/V their layers store in the cache (the cascade
     attention reads the shared prefix from the cache, as stored): found before any work. Any other such model is
     refused at its first forward (:func:`bound_provider`)."""
     from hf_cascade.model_scan import attention_modules
 
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if getattr(text_config, "model_type", None) == "diffllama":
+    decoder_config = text_config(config)
+    if getattr(decoder_config, "model_type", None) == "diffllama":
         raise NotImplementedError(
             f"`{argument}` ({type(model).__name__}) runs differential attention: each layer calls the attention "
             "twice, over two halves of the values it cached, so the cascade attention (which reads the shared prefix "
@@ -383,7 +431,7 @@ def _check_kv_as_cached(model: torch.nn.Module, config, argument: str) -> None:
             if callable(getattr(module, "expand_kv", None)):
                 raise NotImplementedError(
                     f"`{argument}` ({type(model).__name__}) uses multi-head latent attention (MLA, "
-                    f"`config.kv_lora_rank`={getattr(text_config, 'kv_lora_rank', None)}): {type(module).__name__} "
+                    f"`config.kv_lora_rank`={getattr(decoder_config, 'kv_lora_rank', None)}): {type(module).__name__} "
                     "caches compressed latents and expands them into keys and values after the cache update, so the "
                     "cascade attention (which reads the shared prefix as the cache stored it) cannot serve it. Use "
                     "attn_implementation='sdpa' for this model."

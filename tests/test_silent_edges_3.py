@@ -380,3 +380,36 @@ def test_checkpoint_streams_falls_back_for_stop_strings_and_never_overwrites(tmp
     with pytest.warns(UserWarning, match=r"cannot receive stop_strings, tokenizer; .*own generate\(\)"):
         got = model.generate(**batch, **gen, stop_strings=stop, tokenizer=tokenizer)
     assert torch.equal(got, want)
+
+
+# ------------------------------------------------------------------ models refused with a clear error
+@pytest.mark.parametrize("name, config", [
+    ("Falcon", lambda: transformers.FalconConfig(**{k: BASE[k] for k in ("vocab_size", "hidden_size",
+                                                                        "num_hidden_layers", "num_attention_heads")})),
+    ("GPT-Neo", lambda: transformers.GPTNeoConfig(vocab_size=128, hidden_size=64, num_layers=2, num_heads=4,
+                                                  attention_types=[[["global", "local"], 1]])),
+])
+def test_models_with_their_own_attention_table_refuse_cascade_at_load(name, config):
+    """Loading one with "cascade" failed with a bare KeyError: 'cascade'."""
+    with pytest.raises(NotImplementedError, match=rf"{name} does not route attention through transformers' "
+                                                  r"AttentionInterface.*attn_implementation='sdpa'"):
+        tiny_model(config=config(), attn_implementation="cascade")
+    tiny_model(config=config(), attn_implementation="eager")  # other implementations untouched
+
+
+def test_hybrid_lfm2_refused_before_any_work():
+    """LFM2 failed inside its conv layer ("Cannot get conv state ... _SuffixLayer")."""
+    config = transformers.Lfm2Config(**{k: v for k, v in BASE.items() if k != "max_position_embeddings"},
+                                     layer_types=["conv", "full_attention"])
+    ref, cas = _pair(config)
+    ids, mask = pad_batch(make_prompts(seed=1))
+    forwards, handle = _count_forwards(cas)
+    try:
+        with pytest.raises(NotImplementedError, match=r"\(Lfm2ForCausalLM\) is a hybrid model: its 'conv' layers"):
+            cas.generate(ids, attention_mask=mask, **GEN, **ONE_ARGUMENT)
+        with pytest.raises(NotImplementedError, match="hybrid model"):
+            CascadeCache.from_prefix(cas, random_tokens(9, 0))
+    finally:
+        handle.remove()
+    assert forwards == []
+    assert torch.equal(cas.generate(ids, attention_mask=mask, **GEN), ref.generate(ids, attention_mask=mask, **GEN))
