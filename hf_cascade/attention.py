@@ -74,7 +74,9 @@ class AttentionProvider(Protocol):
         ...
 
 
-def bind_layer(cache: AttentionProvider, layer_idx: int, key: torch.Tensor, value: torch.Tensor | None = None) -> None:
+def bind_layer(
+    cache: AttentionProvider, layer_idx: int, key: torch.Tensor, value: torch.Tensor | None = None
+) -> None:
     """Called by a cache's ``update()``: the next attention call of ``layer_idx`` goes to ``cache``; it must be given
     exactly ``key`` (and ``value``, unless None) as ``update()`` returned them (see :func:`bound_provider`)."""
     if torch.compiler.is_compiling():
@@ -94,7 +96,9 @@ def bind_layer(cache: AttentionProvider, layer_idx: int, key: torch.Tensor, valu
     _BINDING.set((weakref.ref(cache), layer_idx, key, value))
 
 
-def bound_provider(module: torch.nn.Module, key: torch.Tensor, value: torch.Tensor | None = None) -> AttentionProvider | None:
+def bound_provider(
+    module: torch.nn.Module, key: torch.Tensor, value: torch.Tensor | None = None
+) -> AttentionProvider | None:
     """The cache bound for this attention call, or None (no hf_cascade cache in play). Clears the binding (it is
     single-use).
 
@@ -119,7 +123,8 @@ def bound_provider(module: torch.nn.Module, key: torch.Tensor, value: torch.Tens
             return None
     module_layer = getattr(module, "layer_idx", None)
     if bound_key is not key or (bound_value is not None and bound_value is not value) or layer_idx != module_layer:
-        _refuse_mismatch(cache, module, layer_idx, key is not bound_key, bound_value is not None and value is not bound_value)
+        value_differs = bound_value is not None and value is not bound_value
+        _refuse_mismatch(cache, module, layer_idx, key is not bound_key, value_differs)
     return cache
 
 
@@ -390,8 +395,8 @@ def check_model_uses_cascade(model: torch.nn.Module, argument: str = "model") ->
     stateful = sorted(set(getattr(text_config(config), "layer_types", None) or ()) & _STATEFUL_LAYER_TYPES)
     if stateful:
         raise NotImplementedError(
-            f"`{argument}` ({type(model).__name__}) is a hybrid model: its {', '.join(map(repr, stateful))} layers keep "
-            "a convolution or recurrent state, which the cascade cache (keys and values only) does not hold. Use "
+            f"`{argument}` ({type(model).__name__}) is a hybrid model: its {', '.join(map(repr, stateful))} layers "
+            "keep a convolution or recurrent state, which the cascade cache (keys and values only) does not hold. Use "
             "attn_implementation='sdpa' for this model."
         )
     impl = getattr(config, "_attn_implementation", None)

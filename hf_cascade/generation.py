@@ -248,7 +248,8 @@ def _arguments_the_hook_drops(caller, method_name: str):
     streamer = arguments.get("streamer")
     if streamer is not None and method_name == "_beam_search":
         raise ValueError(
-            "`streamer` cannot be used with beam search (as in generate()); set `num_beams=1` or leave out the streamer."
+            "`streamer` cannot be used with beam search (as in generate()); set `num_beams=1` or leave out the "
+            "streamer."
         )
     return streamer
 

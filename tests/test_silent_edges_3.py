@@ -413,3 +413,29 @@ def test_hybrid_lfm2_refused_before_any_work():
         handle.remove()
     assert forwards == []
     assert torch.equal(cas.generate(ids, attention_mask=mask, **GEN), ref.generate(ids, attention_mask=mask, **GEN))
+
+
+def test_checkpoint_loads_where_hf_cascade_is_importable_but_not_pip_installed(tmp_path, monkeypatch):
+    """requirements.txt named hf-cascade, which transformers checks against installed distributions: "Missing
+    requirements hf-cascade" although generate.py could import it. It names no requirement now."""
+    import importlib.metadata
+
+    from transformers import AutoModelForCausalLM
+
+    tokenizer, _, ref, prompts = _chat()
+    ref.save_pretrained(tmp_path)
+    hf_cascade.write_custom_generate(str(tmp_path))
+    version = importlib.metadata.version
+
+    def not_installed(name):
+        if name.replace("_", "-").lower() == "hf-cascade":
+            raise importlib.metadata.PackageNotFoundError(name)
+        return version(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", not_installed)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, trust_remote_code=True)
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    gen = dict(max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_token_id, return_dict_in_generate=True)
+    got = model.generate(**batch, **gen)
+    assert isinstance(getattr(got, CACHE_KWARG), CascadeCache)
+    assert torch.equal(got.sequences, ref.generate(**batch, **gen).sequences)
