@@ -13,7 +13,8 @@ from hf_cascade.ops._backend import warm_triton_key  # noqa: E402
 warm_triton_key()  # CUDA only: Triton's cache key hashed while the model loads (see its docstring)
 
 from hf_cascade.cache import CascadeCache  # noqa: E402
-from hf_cascade.generation import generate, write_custom_generate  # noqa: E402
+from hf_cascade.generation import generate  # noqa: E402
+from hf_cascade.checkpoint import write_custom_generate  # noqa: E402
 from hf_cascade.dataset_generation import GenerationInterrupted, GenerationStats, generate_dataset  # noqa: E402
 from hf_cascade.inputs import shared_prefix_inputs  # noqa: E402
 from hf_cascade.prefix_tree import PrefixTree, find_shared_prefixes  # noqa: E402

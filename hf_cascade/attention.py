@@ -4,9 +4,12 @@ How a forward pass reaches hf_cascade (transformers 5.x): every decoder layer pr
 ``key, value = past_key_values.update(key, value, layer_idx)`` and then the registered attention function
 with whatever ``update`` returned. The attention function never sees the cache itself. An hf_cascade cache
 (:class:`~hf_cascade.cache.CascadeCache`, or a context-parallel cache) therefore *binds* itself in ``update``:
-it records ``(cache, layer_idx, returned_key)`` in a context variable, and :func:`cascade_attention_forward`
-looks the binding up, checks that the key it was handed is exactly the tensor that cache returned for this
-layer (so a stale binding can never be used by mistake), and delegates to ``cache.attend(...)``.
+it records ``(cache, layer_idx, returned_key, returned_value)`` in a context variable, and
+:func:`cascade_attention_forward` looks the binding up, checks that the key and value it was handed are exactly the
+tensors that cache returned for this layer, and delegates to ``cache.attend(...)``. A layer whose attention call
+gets other tensors (a model that transforms K/V after ``cache.update``: DeepSeek-V2/V3's MLA expands cached
+latents, DiffLlama attends over halves of V) would attend without the shared prefix the cache holds apart: that is
+refused with an error naming the model, never run silently.
 
 With no hf_cascade cache in play (a plain ``DynamicCache``, no cache, training), ``"cascade"`` is exactly
 ``"sdpa"`` (or, for soft-capped models such as Gemma2, which sdpa cannot express, an exact eager path).
@@ -30,7 +33,8 @@ logger = logging.get_logger(__name__)
 
 ATTENTION_NAME = "cascade"
 
-# (weakref to the binding cache, layer_idx, the key tensor its update() returned). Set by a cache's update(),
+# (weakref to the binding cache, layer_idx, the key and value tensors its update() returned; value None: not
+# checked). Set by a cache's update(),
 # consumed (and cleared) by the attention function of the same layer, on the same thread.
 _BINDING: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("hf_cascade_binding", default=None)
 
@@ -70,10 +74,13 @@ class AttentionProvider(Protocol):
         ...
 
 
-def bind_layer(cache: AttentionProvider, layer_idx: int, key: torch.Tensor) -> None:
-    """Called by a cache's ``update()``: the next attention call of ``layer_idx`` with ``key`` goes to ``cache``."""
+def bind_layer(
+    cache: AttentionProvider, layer_idx: int, key: torch.Tensor, value: torch.Tensor | None = None
+) -> None:
+    """Called by a cache's ``update()``: the next attention call of ``layer_idx`` goes to ``cache``; it must be given
+    exactly ``key`` (and ``value``, unless None) as ``update()`` returned them (see :func:`bound_provider`)."""
     if torch.compiler.is_compiling():
-        _TRACED.binding = (cache, layer_idx, key)
+        _TRACED.binding = (cache, layer_idx, key, value)
         return
     stale = _BINDING.get()
     if stale is not None and stale[1] == layer_idx - 1 and stale[0]() is cache:
@@ -86,26 +93,58 @@ def bind_layer(cache: AttentionProvider, layer_idx: int, key: torch.Tensor) -> N
             "attn_implementation='cascade' (or call `model.set_attn_implementation('cascade')`), or pass no "
             "hf_cascade cache to it."
         )
-    _BINDING.set((weakref.ref(cache), layer_idx, key))
+    _BINDING.set((weakref.ref(cache), layer_idx, key, value))
 
 
-def bound_provider(module: torch.nn.Module, key: torch.Tensor) -> AttentionProvider | None:
-    """The cache bound for this attention call, or None. Clears the binding (it is single-use)."""
+def bound_provider(
+    module: torch.nn.Module, key: torch.Tensor, value: torch.Tensor | None = None
+) -> AttentionProvider | None:
+    """The cache bound for this attention call, or None (no hf_cascade cache in play). Clears the binding (it is
+    single-use).
+
+    Raises:
+        NotImplementedError: a cache is bound, but this call was not handed the key/value tensors the cache's
+            ``update()`` returned for this layer (the model transforms K/V after the cache update, or calls the
+            attention for another layer): the shared prefix the cache stores apart would be silently lost.
+    """
     if torch.compiler.is_compiling():
         binding, _TRACED.binding = _TRACED.binding, None
         if binding is None:
             return None
-        cache, layer_idx, bound_key = binding
+        cache, layer_idx, bound_key, bound_value = binding
     else:
         binding = _BINDING.get()
         if binding is None:
             return None
         _BINDING.set(None)
-        cache_ref, layer_idx, bound_key = binding
+        cache_ref, layer_idx, bound_key, bound_value = binding
         cache = cache_ref()
-    if bound_key is not key or layer_idx != getattr(module, "layer_idx", None):
-        return None
+        if cache is None:
+            return None
+    module_layer = getattr(module, "layer_idx", None)
+    if bound_key is not key or (bound_value is not None and bound_value is not value) or layer_idx != module_layer:
+        value_differs = bound_value is not None and value is not bound_value
+        _refuse_mismatch(cache, module, layer_idx, key is not bound_key, value_differs)
     return cache
+
+
+def _refuse_mismatch(cache, module: torch.nn.Module, layer_idx: int, key_differs: bool, value_differs: bool) -> None:
+    """Raise for an attention call that was not handed what ``cache.update()`` returned (see bound_provider)."""
+    config = getattr(module, "config", None)
+    model = getattr(cache, "_model_name", None) or getattr(config, "model_type", None) or "this model"
+    module_layer = getattr(module, "layer_idx", None)
+    if module_layer != layer_idx:
+        what = f"the attention of layer {module_layer} was called right after the cache update of layer {layer_idx}"
+    else:
+        tensors = " and ".join(n for n, d in (("keys", key_differs), ("values", value_differs)) if d)
+        what = (f"layer {layer_idx}'s attention ({type(module).__name__}) was given other {tensors} than the "
+                f"{type(cache).__name__}'s update() returned (the model transforms K/V after the cache update, e.g. "
+                "MLA expanding cached latents as DeepSeek-V2/V3 do, or attention over halves of V as DiffLlama's)")
+    raise NotImplementedError(
+        f"hf_cascade cannot serve {model}: {what}. The cascade attention reads the shared prefix from the cache "
+        "itself, in the form update() stored it, so this layer would silently attend without the prefix. Use "
+        "attn_implementation='sdpa' (without an hf_cascade cache) for this model."
+    )
 
 
 def _as_bool_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -194,7 +233,7 @@ def cascade_attention_forward(
             "Attention sinks (`s_aux`, e.g. GPT-OSS) are not supported by attn_implementation='cascade'; "
             "load this model with attn_implementation='eager' or 'sdpa'."
         )
-    provider = bound_provider(module, key)
+    provider = bound_provider(module, key, value)
     if provider is None:
         if query.shape[0] > 1 and query.shape[2] > 1 and getattr(module, "layer_idx", None) == 0:
             _suggest_custom_generate()
@@ -294,9 +333,40 @@ def cascade_mask(*args, **kwargs) -> torch.Tensor | None:
 
 
 def register() -> None:
-    """Register ``"cascade"`` with ``AttentionInterface`` and ``AttentionMaskInterface`` (idempotent)."""
+    """Register ``"cascade"`` with ``AttentionInterface`` and ``AttentionMaskInterface`` (idempotent), and make the
+    models that pick their attention class from a table of their own refuse it clearly (see :class:`_Refused`)."""
     AttentionInterface.register(ATTENTION_NAME, cascade_attention_forward)
     AttentionMaskInterface.register(ATTENTION_NAME, cascade_mask)
+    import importlib
+
+    for module_name, table, family in _OWN_ATTENTION_TABLES:
+        try:
+            classes = getattr(importlib.import_module(f"transformers.models.{module_name}"), table)
+        except (ImportError, AttributeError):
+            continue
+        if isinstance(classes, dict) and ATTENTION_NAME not in classes:  # (never replaces an entry)
+            classes[ATTENTION_NAME] = type(f"{family}CascadeRefused", (_Refused,), {"family": family})
+
+
+# Models whose constructor looks attn_implementation up in a table of their own (not AttentionInterface): without an
+# entry, loading one with "cascade" fails with a bare KeyError: 'cascade' (transformers 5.x).
+_OWN_ATTENTION_TABLES = (
+    ("falcon.modeling_falcon", "FALCON_ATTENTION_CLASSES", "Falcon"),
+    ("gpt_neo.modeling_gpt_neo", "GPT_NEO_ATTENTION_CLASSES", "GPT-Neo"),
+)
+
+
+class _Refused(torch.nn.Module):
+    """The ``"cascade"`` entry of such a model's attention table: building it raises, naming the model and the fix."""
+
+    family = "This model"
+
+    def __init__(self, *args, **kwargs):
+        raise NotImplementedError(
+            f"{self.family} does not route attention through transformers' AttentionInterface, so "
+            "attn_implementation='cascade' cannot reach it (hf_cascade cannot share its prompt prefixes). Load it with "
+            "attn_implementation='sdpa' (or 'eager')."
+        )
 
 
 def check_model_uses_cascade(model: torch.nn.Module, argument: str = "model") -> None:
@@ -321,6 +391,14 @@ def check_model_uses_cascade(model: torch.nn.Module, argument: str = "model") ->
                 f"`{argument}` ({config.model_type}) shares KV between layers (`config.{name}`); the cascade "
                 "cache cannot serve layers that reuse another layer's KV. Use attn_implementation='sdpa'."
             )
+    _check_kv_as_cached(model, config, argument)
+    stateful = sorted(set(getattr(text_config(config), "layer_types", None) or ()) & _STATEFUL_LAYER_TYPES)
+    if stateful:
+        raise NotImplementedError(
+            f"`{argument}` ({type(model).__name__}) is a hybrid model: its {', '.join(map(repr, stateful))} layers "
+            "keep a convolution or recurrent state, which the cascade cache (keys and values only) does not hold. Use "
+            "attn_implementation='sdpa' for this model."
+        )
     impl = getattr(config, "_attn_implementation", None)
     if impl != ATTENTION_NAME:
         raise ValueError(
@@ -328,3 +406,39 @@ def check_model_uses_cascade(model: torch.nn.Module, argument: str = "model") ->
             f"`AutoModelForCausalLM.from_pretrained(..., attn_implementation='cascade')` after `import hf_cascade`, "
             f"or call `{argument}.set_attn_implementation('cascade')`."
         )
+
+
+# config.layer_types entries whose layers keep a state other than keys and values (LFM2's "conv", Mamba / GDN
+# "linear_attention", Zamba2 / Falcon-H1 "hybrid", ...).
+_STATEFUL_LAYER_TYPES = {"conv", "linear_attention", "hybrid", "hybrid_sliding", "mamba", "recurrent", "rwkv"}
+
+
+def text_config(config):
+    """The decoder's config (a multimodal config's text part; the config itself otherwise)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _check_kv_as_cached(model: torch.nn.Module, config, argument: str) -> None:
+    """Refuse the known models whose attention is not handed the K/V their layers store in the cache (the cascade
+    attention reads the shared prefix from the cache, as stored): found before any work. Any other such model is
+    refused at its first forward (:func:`bound_provider`)."""
+    from hf_cascade.model_scan import attention_modules
+
+    decoder_config = text_config(config)
+    if getattr(decoder_config, "model_type", None) == "diffllama":
+        raise NotImplementedError(
+            f"`{argument}` ({type(model).__name__}) runs differential attention: each layer calls the attention "
+            "twice, over two halves of the values it cached, so the cascade attention (which reads the shared prefix "
+            "as the cache stored it) cannot serve it. Use attn_implementation='sdpa' for this model."
+        )
+    for modules in attention_modules(model).values():
+        for module in modules:
+            if callable(getattr(module, "expand_kv", None)):
+                raise NotImplementedError(
+                    f"`{argument}` ({type(model).__name__}) uses multi-head latent attention (MLA, "
+                    f"`config.kv_lora_rank`={getattr(decoder_config, 'kv_lora_rank', None)}): {type(module).__name__} "
+                    "caches compressed latents and expands them into keys and values after the cache update, so the "
+                    "cascade attention (which reads the shared prefix as the cache stored it) cannot serve it. Use "
+                    "attn_implementation='sdpa' for this model."
+                )
+        break  # one layer tells

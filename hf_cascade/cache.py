@@ -263,6 +263,17 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 
 
+def _attention_chunk(module: torch.nn.Module) -> int | None:
+    """The chunk size of a chunked-attention layer (Llama 4: ``config.layer_types[i] == "chunked_attention"``,
+    each token attends only within its chunk of ``config.attention_chunk_size`` tokens), or None."""
+    config = getattr(module, "config", None)
+    chunk = getattr(config, "attention_chunk_size", None)
+    layer_types = getattr(config, "layer_types", None)
+    if not chunk or not layer_types or module.layer_idx >= len(layer_types):
+        return None
+    return int(chunk) if layer_types[module.layer_idx] == "chunked_attention" else None
+
+
 def _num_layers(config) -> int:
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     return int(text_config.num_hidden_layers)
@@ -499,7 +510,7 @@ class CascadeCache(Cache):
                     self._step_memo = {}
                 memo = self._step_memo
             keys, values = self.layers[layer_idx].update(key_states, value_states, step_memo=memo)
-            bind_layer(self, layer_idx, keys)
+            bind_layer(self, layer_idx, keys, values)
             return keys, values
         with self._lock:  # a reset by another thread's generate() cannot interleave with this write
             if self._owner is not None and self._owner != threading.get_ident():
@@ -520,7 +531,7 @@ class CascadeCache(Cache):
                     )
                 self._match_rows(key_states.shape[0], key_states.device)
             keys, values = self.layers[layer_idx].update(key_states, value_states)
-        bind_layer(self, layer_idx, keys)
+        bind_layer(self, layer_idx, keys, values)
         return keys, values
 
     def get_seq_length(self, layer_idx: int = 0):
@@ -771,10 +782,20 @@ class CascadeCache(Cache):
         if not compiling:  # checked eagerly at prefill; a compiled step is bound to this model
             self._check_module(module)
         layer_idx = module.layer_idx
-        if sliding_window is not None and self.levels and not compiling:  # fixed buffers: checked at prefill
+        chunk = _attention_chunk(module)
+        if (sliding_window is not None or chunk is not None) and self.levels and not compiling:  # fixed: at prefill
             last_column = self.prefix_length + (key.shape[2] if self.max_suffix_length is None else
                                                 self.max_suffix_length) - 1
-            if last_column >= sliding_window:
+            if chunk is not None and last_column >= chunk:
+                raise NotImplementedError(
+                    f"{self._model_name} layer {layer_idx} uses chunked attention (chunks of {chunk} tokens, "
+                    f"`config.attention_chunk_size`), and this sequence ({last_column + 1} tokens with the shared "
+                    f"prefix{', counting max_suffix_length' if self.max_suffix_length is not None else ''}) is longer "
+                    "than one chunk: the cascade attention reads the whole shared prefix and would ignore the chunk "
+                    "boundaries. Keep prompt + new tokens within one chunk, or use attn_implementation='sdpa' for "
+                    "this model."
+                )
+            if sliding_window is not None and last_column >= sliding_window:
                 raise NotImplementedError(
                     f"{type(module).__name__} (layer {layer_idx}) uses a sliding window of {sliding_window} tokens, "
                     f"and this sequence ({last_column + 1} tokens with the shared prefix"

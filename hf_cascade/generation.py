@@ -24,6 +24,9 @@ model or ``synced_gpus``.
 from __future__ import annotations
 
 import functools
+import inspect
+import sys
+import warnings
 
 import torch
 from transformers.utils import logging
@@ -96,23 +99,23 @@ def generate(
     """
     from transformers.generation.utils import GENERATION_MODES_MAPPING
 
+    options = _validated_options(cascade_options, cascade_caches)
     check_model_uses_cascade(model, "model")
-    options = dict(cascade_options or {})
-    unknown = set(options) - _OPTIONS
-    if unknown:
-        raise ValueError(
-            f"`cascade_options` takes {sorted(_OPTIONS)}; got unknown {sorted(unknown)}."
-        )
-    if options.get("decode_step", DEFAULT_DECODE_STEP) not in _DECODE_STEPS:
-        raise ValueError(
-            f"`cascade_options['decode_step']` must be one of {list(_DECODE_STEPS)}; got {options['decode_step']!r}."
-        )
     method_name = GENERATION_MODES_MAPPING.get(generation_config.get_generation_mode())
     if method_name not in _DECODING_METHODS:
         raise NotImplementedError(
             f"hf_cascade.generate runs greedy search, sampling, beam search and beam sampling; this generation config "
             f"asks for {generation_config.get_generation_mode().name.lower()}. Call generate() without "
             "`custom_generate` for it."
+        )
+    streamer = _arguments_the_hook_drops(sys._getframe(1), method_name)
+    if streamer is not None:  # generate() put the prompt into it; the decoding loop streams the rest and ends it
+        model_kwargs["streamer"] = streamer
+    if generation_config.return_dict_in_generate and generation_config.output_attentions:
+        raise NotImplementedError(
+            "`output_attentions=True`: the cascade attention, like sdpa, never computes attention weights, so "
+            "generate() would return none. For the weights, load the model with attn_implementation='eager' and call "
+            "generate() without `custom_generate=hf_cascade.generate`."
         )
     decode = getattr(type(model), method_name)
     user_cache = model_kwargs.get(CACHE_KWARG)
@@ -126,11 +129,23 @@ def generate(
         # generate()'s own.
         return _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
 
+    reason = _unshareable_request(input_ids, generation_config, model_kwargs)
+    if reason is not None:
+        if user_cache is not None:
+            raise ValueError(
+                f"hf_cascade.generate cannot serve {reason} with the CascadeCache passed to it: its prefix KV were "
+                "computed for the shared rows' own positions and its rows feed only their suffix columns. Leave the "
+                "option out, or call generate() with no CascadeCache (and no `custom_generate`)."
+            )
+        warnings.warn(
+            f"hf_cascade.generate: {reason} cannot be served with shared prefixes; this call runs generate()'s own "
+            "decoding (exact, no sharing).", stacklevel=2,
+        )
+        return _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
+
     defer = options.pop("defer_stop_check", None)
     decode_step = options.pop("decode_step", DEFAULT_DECODE_STEP)
     compile_prefill = options.pop("compile_prefill", None)
-    if compile_prefill not in (None, True, False):
-        raise ValueError(f"`cascade_options['compile_prefill']` must be None, True or False; got {compile_prefill!r}.")
     compiles = _compiles_decode(model, input_ids, generation_config, method_name)
     if method_name == "_sample" and decode_step == "auto":
         decode_step = "layers"
@@ -144,6 +159,7 @@ def generate(
     if attention_mask is None:  # transformers >= 5.18 drops an all-ones mask
         attention_mask = torch.ones_like(input_ids)
     max_new_tokens = generation_config.max_length - input_ids.shape[1]
+    _check_chunked_attention(model, input_ids.shape[1], max_new_tokens)
     if isinstance(user_cache, CascadeCache) and user_cache.rows_verified:
         # Already planned for these rows (shared_prefix_inputs): check the room it has before any work.
         cache = user_cache
@@ -158,6 +174,8 @@ def generate(
         rows, bucket = input_ids.shape[0], batch_bucket(input_ids.shape[0])
         if buckets is None:
             buckets = not generation_config.do_sample
+        if streamer is not None:  # the streamer must see the user's rows only
+            buckets = False
         if fixed and compiles and buckets and user_cache is None and bucket > rows:
             real_rows = rows
         plan_ids, plan_mask = input_ids, attention_mask
@@ -200,6 +218,79 @@ def generate(
     finally:
         buffers.keep(cache.step_buffer_tensors())
     return out if real_rows is None else _first_rows(out, real_rows, input_ids.shape[0])
+
+
+def _arguments_the_hook_drops(caller, method_name: str):
+    """The ``streamer`` given to the generate() call that called this hook, or None; refuses an assistant model and
+    ``synced_gpus=True``.
+
+    transformers' ``custom_generate`` hook passes a callable neither ``streamer`` nor ``assistant_model`` nor
+    ``synced_gpus`` (it routes only the keys that ``_sample`` does not take). generate() has already put the prompt
+    into the streamer: without it the decoding loop would never call ``end()``, and a ``TextIteratorStreamer``
+    consumer would wait forever. They are read from generate()'s own frame (``caller``, the frame that called the
+    hook), found by its code object.
+    """
+    from transformers.generation.utils import GenerationMixin
+
+    if caller is None or caller.f_code is not inspect.unwrap(GenerationMixin.generate).__code__:
+        return None
+    arguments = caller.f_locals
+    if arguments.get("assistant_model") is not None:
+        raise NotImplementedError(
+            "hf_cascade.generate does not run assisted generation (`assistant_model`): transformers' custom_generate "
+            "hook does not pass it on. Call generate() without `custom_generate=hf_cascade.generate` for it."
+        )
+    if arguments.get("synced_gpus"):
+        raise NotImplementedError(
+            "hf_cascade.generate does not run with `synced_gpus=True` (DeepSpeed ZeRO-3 / FSDP): transformers' "
+            "custom_generate hook does not pass it on. Call generate() without `custom_generate=hf_cascade.generate`."
+        )
+    streamer = arguments.get("streamer")
+    if streamer is not None and method_name == "_beam_search":
+        raise ValueError(
+            "`streamer` cannot be used with beam search (as in generate()); set `num_beams=1` or leave out the "
+            "streamer."
+        )
+    return streamer
+
+
+def _validated_options(cascade_options, cascade_caches) -> dict:
+    """``cascade_options`` as a new dict, each value checked by type; raises a ValueError naming the option."""
+    from collections.abc import Mapping
+
+    from hf_cascade.cost_model import CascadeCostModel
+
+    if cascade_caches is not None and not isinstance(cascade_caches, list):
+        raise ValueError(
+            f"`cascade_caches` must be None or a list (the CascadeCache built for the call is appended to it); got "
+            f"{type(cascade_caches).__name__} {cascade_caches!r}. Pass `cascade_caches=[]`."
+        )
+    if cascade_options is None:
+        return {}
+    if not isinstance(cascade_options, Mapping):
+        raise ValueError(
+            f"`cascade_options` must be a dict of option name -> value, e.g. {{'min_shared_tokens': 8}}; got "
+            f"{type(cascade_options).__name__} {cascade_options!r}."
+        )
+    options = dict(cascade_options)
+    unknown = set(options) - _OPTIONS
+    if unknown:
+        raise ValueError(f"`cascade_options` takes {sorted(_OPTIONS)}; got unknown {sorted(unknown, key=str)}.")
+    for name, value in options.items():
+        where = f"`cascade_options['{name}']`"
+        if name in ("min_shared_tokens", "min_rows", "max_levels"):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{where} must be an int; got {type(value).__name__} {value!r}.")
+        elif name in ("fixed_buffers", "batch_buckets", "defer_stop_check", "compile_prefill"):
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{where} must be None, True or False; got {type(value).__name__} {value!r}.")
+        elif name == "cost_model":
+            auto = isinstance(value, str) and value == "auto"
+            if value is not None and not auto and not isinstance(value, CascadeCostModel):
+                raise ValueError(f"{where} must be 'auto', None or a CascadeCostModel; got {value!r}.")
+        elif name == "decode_step" and (not isinstance(value, str) or value not in _DECODE_STEPS):
+            raise ValueError(f"{where} must be one of {list(_DECODE_STEPS)}; got {value!r}.")
+    return options
 
 
 def _add_rows(value, size: int, rows: int):
@@ -288,6 +379,47 @@ def _layout_independent_shapes(cache):
     return shape_config.patch(use_duck_shape=False)
 
 
+def _unshareable_request(input_ids: torch.Tensor, generation_config, model_kwargs: dict) -> str | None:
+    """What in this call a cascade cache cannot give exactly as generate() does, described for a message, or None.
+
+    * ``position_ids`` other than the attention mask's running count (what generate() computes when none are
+      given): the shared prefix KV are computed once, at the positions 0..P-1 every sharing row has.
+    * ``output_hidden_states`` in a dict output: generate() feeds a cascade cache only each row's suffix columns,
+      so the prefill's hidden states would be narrower than the prompt (sdpa's cover every prompt column).
+    """
+    position_ids = model_kwargs.get("position_ids")
+    if position_ids is not None:
+        mask = model_kwargs.get("attention_mask")
+        if mask is None:
+            mask = torch.ones_like(input_ids)
+        if position_ids.dim() != 2 or position_ids.shape[-1] != mask.shape[-1]:
+            return f"`position_ids` of shape {tuple(position_ids.shape)}"
+        real = mask.bool()
+        counted = mask.long().cumsum(-1) - 1
+        if not torch.equal(torch.where(real, position_ids.expand_as(counted), 0), torch.where(real, counted, 0)):
+            return ("`position_ids` other than the attention mask's running count (`attention_mask.cumsum(-1) - 1`, "
+                    "what generate() uses when none are given)")
+    if generation_config.return_dict_in_generate and generation_config.output_hidden_states:
+        return "`output_hidden_states=True` (the hidden states of every prompt column, as sdpa gives)"
+    return None
+
+
+def _check_chunked_attention(model, width: int, max_new_tokens: int) -> None:
+    """Chunked attention (Llama 4): exact only while every token is in the first chunk; refuse before any work."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    chunk = getattr(config, "attention_chunk_size", None)
+    if not chunk or "chunked_attention" not in (getattr(config, "layer_types", None) or ()):
+        return
+    needed = width + max_new_tokens - 1  # the last new token is never fed back
+    if needed > chunk:
+        raise NotImplementedError(
+            f"{type(model).__name__} uses chunked attention (chunks of {chunk} tokens, `config.attention_chunk_size`) "
+            f"and this generate() spans {needed} tokens ({width} prompt columns + max_new_tokens={max_new_tokens}): "
+            "the cascade attention reads the whole shared prefix and would ignore the chunk boundaries. Keep prompt + "
+            "new tokens within one chunk, or call generate() without `custom_generate=hf_cascade.generate`."
+        )
+
+
 def _check_capacity(cache: CascadeCache, width: int, max_new_tokens: int) -> None:
     """Fixed buffers must hold the rows' suffix columns plus every new token: refuse before the prefill."""
     if cache.max_suffix_length is None:
@@ -300,51 +432,3 @@ def _check_capacity(cache: CascadeCache, width: int, max_new_tokens: int) -> Non
             f"max_new_tokens={max_new_tokens}). Build it with `shared_prefix_inputs(..., max_new_tokens="
             f"{max_new_tokens})` (or a larger `max_suffix_length`), or lower `max_new_tokens`."
         )
-
-
-_CUSTOM_GENERATE_PY = '''"""Written by hf_cascade.write_custom_generate: this checkpoint's plain ``model.generate(...)`` (and a pipeline's)
-share prompt prefixes through hf_cascade. transformers binds this function as ``model.generate`` when the folder
-is loaded with ``from_pretrained(..., trust_remote_code=True)``; delete this folder to undo."""
-
-from transformers import GenerationMixin
-
-import hf_cascade
-
-
-def generate(*args, model, **kwargs):
-    if getattr(model.config, "_attn_implementation", None) != hf_cascade.ATTENTION_NAME:
-        model.set_attn_implementation(hf_cascade.ATTENTION_NAME)  # without an hf_cascade cache: exactly sdpa
-    kwargs.setdefault("custom_generate", hf_cascade.generate)
-    return GenerationMixin.generate(model, *args, **kwargs)
-'''
-
-
-def write_custom_generate(checkpoint_dir: str) -> str:
-    """Make a local checkpoint's plain ``generate()`` use cascade decoding, with no argument at the call.
-
-    Writes ``checkpoint_dir/custom_generate/generate.py`` (+ ``requirements.txt``), transformers' own format for a
-    checkpoint's custom decoding. A model loaded with ``AutoModelForCausalLM.from_pretrained(checkpoint_dir,
-    trust_remote_code=True)`` then runs ``model.generate(**batch, ...)`` — and ``pipeline("text-generation",
-    model=model, ...)`` — through :func:`hf_cascade.generate`. Without ``trust_remote_code=True`` transformers
-    ignores the file and generate() is the stock one (no sharing).
-
-    Args:
-        checkpoint_dir: a folder holding a checkpoint (``config.json``), e.g. written by ``save_pretrained``.
-    Returns:
-        The path of the written ``generate.py``.
-    """
-    import os
-
-    if not os.path.isfile(os.path.join(checkpoint_dir, "config.json")):
-        raise ValueError(
-            f"`checkpoint_dir` must be a local checkpoint folder with a config.json; {checkpoint_dir!r} has none. "
-            "Write one with `model.save_pretrained(checkpoint_dir)` first."
-        )
-    folder = os.path.join(checkpoint_dir, "custom_generate")
-    os.makedirs(folder, exist_ok=True)
-    path = os.path.join(folder, "generate.py")
-    with open(path, "w") as f:
-        f.write(_CUSTOM_GENERATE_PY)
-    with open(os.path.join(folder, "requirements.txt"), "w") as f:
-        f.write("hf-cascade\n")
-    return path
