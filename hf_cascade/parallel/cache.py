@@ -308,7 +308,7 @@ class ContextParallelCache(Cache):
         if layer.decode is not None and self._ring is None:  # fixed decode buffers
             self._match_rows(layer, key_states.shape[0])
             layer.decode.write(key_states, value_states)
-            bind_layer(self, layer_idx, layer.decode.keys)
+            bind_layer(self, layer_idx, layer.decode.keys, layer.decode.values)
             return layer.decode.keys, layer.decode.values
         if layer.keys is None:
             layer.lazy_initialization(key_states, value_states)
@@ -322,7 +322,7 @@ class ContextParallelCache(Cache):
             if self._owner(layer.length, q_len) == self.info.rank:
                 layer.append(key_states, value_states, layer.length)
             layer.length += q_len
-        bind_layer(self, layer_idx, layer.keys)
+        bind_layer(self, layer_idx, layer.keys, layer.values)
         return layer.keys, layer.values
 
     @staticmethod
