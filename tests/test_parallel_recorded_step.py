@@ -83,6 +83,22 @@ class _RankNoise(LogitsProcessor):
         return scores + 5.0 * torch.randn(scores.shape, generator=g)
 
 
+def _hidden_states_worker(rank, world):
+    model = tiny_model("llama", "cascade", seed=0)
+    ids, mask = _batch(model.config.vocab_size)
+    inputs = hf_cascade.context_parallel_inputs(model, ids, mask)
+    try:
+        model.generate(**inputs, max_new_tokens=2, output_hidden_states=True, return_dict_in_generate=True)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_hidden_states_are_refused_not_narrowed():
+    for message in run_on_gloo(_hidden_states_worker, 2, timeout_s=300):
+        assert message is not None and "output_hidden_states" in message and "shard" in message
+
+
 def _same_tokens_worker(rank, world):
     model = tiny_model("llama", "cascade", seed=0)
     ids, mask = _batch(model.config.vocab_size)

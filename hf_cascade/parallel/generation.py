@@ -98,6 +98,14 @@ def context_parallel_generate(model, input_ids: torch.LongTensor, logits_process
             f"Context parallelism runs greedy search, sampling and beam search; this generation config asks for "
             f"{generation_config.get_generation_mode().name.lower()}."
         )
+    for flag in ("output_hidden_states", "output_attentions"):
+        if getattr(generation_config, flag, False):
+            raise ValueError(
+                f"`{flag}=True` with context parallelism: the prompt was run by context_parallel_inputs, each rank "
+                "over its own shard, so generate() sees only the new tokens and would return their part alone "
+                f"(not as wide as sdpa's). Call generate() without `{flag}`; for the prompt's, run the model on one "
+                "device where it fits."
+            )
     if generation_config.do_sample:
         sync_rng(cache.info, input_ids.device)
     if cache.info.world_size > 1:
