@@ -163,9 +163,9 @@ class ContextParallelCache(Cache):
         combine: ``"all_gather"`` (default: one collective per layer), ``"tree"``, ``"all_to_all"`` or
             ``"all_gather_kv"`` (baseline); see :mod:`hf_cascade.parallel.combine`.
         placement: where each forward's new tokens go: ``"least_loaded"`` (default) or ``"round_robin"``.
-        kernels: the blocks' kernel, ring prefill and decode prompt shards: ``"auto"`` (PyTorch's flash kernel where
-            it applies on CUDA), ``"fused"`` (wherever it applies, CPU too), ``"suffix"`` (hf_cascade's suffix
-            kernel); see :func:`~hf_cascade.parallel.ring.block_attention`.
+        kernels: the blocks' kernel, ring prefill and decode prompt shards: ``"auto"`` (PyTorch's cuDNN / flash
+            attention where it applies on CUDA), ``"fused"`` (wherever it applies, CPU too), ``"suffix"``
+            (hf_cascade's suffix kernel); see :func:`~hf_cascade.parallel.ring.block_attention`.
 
     Attributes:
         decode_step: how :func:`~hf_cascade.parallel.generation.context_parallel_generate` runs the decode steps

@@ -179,10 +179,10 @@ def context_parallel_inputs(
             decode_step: how generate() runs the decode steps (:mod:`hf_cascade.parallel.generation`): ``"auto"``
                 (default: on CUDA the step recorded into a CUDA graph with the decoder layers compiled and the
                 combine inside the graph; elsewhere transformers' own loop), ``"layers"``, ``"graphs"``,
-                ``"compile"`` or ``"eager"`` (the opt-out: every step eager, growing KV).
+                ``"compile"`` or ``"eager"`` (the opt-out: every step eager; growing KV unless ``max_new_tokens``).
             kernels: the attention blocks' kernel (ring prefill, decode prompt shards): ``"auto"`` (default:
-                PyTorch's flash kernel where it applies on CUDA, else hf_cascade's suffix kernel), ``"fused"`` or
-                ``"suffix"``.
+                PyTorch's cuDNN attention for ring blocks, FlashAttention-2 for decode shards, where they apply on
+                CUDA; else hf_cascade's suffix kernel), ``"fused"`` or ``"suffix"``.
     Returns:
         ``{"input_ids", "attention_mask", CACHE_KWARG, "custom_generate"}`` for ``model.generate(**inputs, ...)``;
         the cache is a :class:`~hf_cascade.parallel.cache.ContextParallelCache` holding this rank's shard
