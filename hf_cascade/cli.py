@@ -208,9 +208,22 @@ def collect_info() -> dict:
                   "disable_compile=True opts out, beam search stays eager")
     else:
         decode = "eager: generate(..., custom_generate=hf_cascade.generate) decodes eagerly (compiled only on CUDA)"
+    if gpus:
+        from hf_cascade.ops.fused_attention import cudnn_attention_agrees
+
+        block = ("cuDNN attention (aten._scaled_dot_product_cudnn_attention; it matched FlashAttention-2 on this GPU)"
+                 if cudnn_attention_agrees(torch.device("cuda", 0)) else
+                 "FlashAttention-2 (cuDNN's attention failed or disagreed on this GPU)")
+        parallel = (f"context parallelism: ring prefill blocks by {block}; decode shards by FlashAttention-2; masks, "
+                    "soft-capping and fp32 by hf_cascade's Triton kernel (measured: docs/context_parallel.md); decode "
+                    "steps recorded into a CUDA graph (context_parallel_inputs(..., decode_step='eager') opts out)")
+    else:
+        parallel = ("context parallelism: blocks by hf_cascade's PyTorch reference on the CPU (gloo); "
+                    "context_parallel_inputs(..., kernels='fused') uses PyTorch's flash kernel for CPU")
     return {
         "versions": versions,
         "decode_path": decode,
+        "context_parallel_path": parallel,
         "cuda": torch.version.cuda,
         "gpus": gpus,
         "attention_registered": "cascade" in AttentionInterface._global_mapping,
@@ -243,6 +256,7 @@ def cmd_info(args) -> int:
     lines.append(f"attention    'cascade' registered with transformers: {registered}")
     lines.append(f"kernel path  {info['kernel_path']}")
     lines.append(f"decode path  {info['decode_path']}")
+    lines.append(f"parallel     {info['context_parallel_path']}")
     if info["triton_interpret"]:
         lines.append("             TRITON_INTERPRET=1: ops forced to backend='triton' run on Triton's CPU interpreter")
     print("\n".join(lines))
