@@ -167,7 +167,7 @@ def generate(
         plan_ids, plan_mask = input_ids, attention_mask
         if real_rows is not None:
             plan_ids, plan_mask = (_add_rows(t, bucket, rows) for t in (input_ids, attention_mask))
-        with probe:  # the shared prefill: on CPU, how much of its threads' time the process got
+        with probe:  # on CPU: a busy CPU found before the prefill runs it single-threaded; it is measured too
             cache, planned_ids, attention_mask = plan_cascade_batch(
                 model, plan_ids, plan_mask, prefix_cache=user_cache, max_new_tokens=max_new_tokens,
                 fixed_buffers=fixed, bucket_buffers=fixed, compile_layers=prefill_compiled(fixed), **options,

@@ -24,6 +24,18 @@ def test_probe_decides_from_the_prefill(monkeypatch):
     assert probe(0.8, 1.0, policy=None).decode_threads() is None
     assert probe(1.9, 1.0, policy=3).decode_threads() == 3
     assert probe(0.8, 1.0, device="meta").decode_threads() is None  # not a CPU
+    busy_before = probe(1.9, 1.0)
+    busy_before.busy_before = True  # the probe before the prefill found it busy: the steps single-threaded too
+    assert busy_before.decode_threads() == 1
+
+
+def test_probe_before_the_prefill_sees_a_quiet_cpu_as_quiet():
+    if torch.get_num_threads() < 2:
+        pytest.skip("one thread: nothing to probe")
+    p = ContentionProbe("cpu", "auto")
+    # Quiet or not is this machine's state; the probe must at least measure and decide without error.
+    assert p.probe_before() in (True, False)
+    assert ContentionProbe("cpu", None).probe_before() is False
 
 
 def test_threads_restored_and_tokens_unchanged():
