@@ -64,7 +64,8 @@ def headline_rows(records: list[dict]) -> list[dict]:
         for sha, peers in reversed(runs(records, bench, workload, batch).items()):
             one = peers.get(ONE_ARG[bench])
             if one and "hf_prefix_reuse" in peers and "sdpa" in peers:
-                rows.append(dict(label=label, sha=sha, cascade=one, recipe=peers["hf_prefix_reuse"], sdpa=peers["sdpa"]))
+                rows.append(dict(label=label, sha=sha, cascade=one, recipe=peers["hf_prefix_reuse"],
+                                 sdpa=peers["sdpa"]))
                 break
     return rows
 

@@ -132,7 +132,8 @@ def generate(
     defer = options.pop("defer_stop_check", None)
     decode_step = options.pop("decode_step", DEFAULT_DECODE_STEP)
     compile_prefill = options.pop("compile_prefill", None)
-    probe = ContentionProbe(input_ids.device, check_threads(options.pop("cpu_decode_threads", DEFAULT_CPU_DECODE_THREADS)))
+    threads_policy = check_threads(options.pop("cpu_decode_threads", DEFAULT_CPU_DECODE_THREADS))
+    probe = ContentionProbe(input_ids.device, threads_policy)
     if compile_prefill not in (None, True, False):
         raise ValueError(f"`cascade_options['compile_prefill']` must be None, True or False; got {compile_prefill!r}.")
     compiles = _compiles_decode(model, input_ids, generation_config, method_name)
