@@ -1,6 +1,7 @@
-"""Quick start: generate() for many prompts that share a prefix, with the prefix prefilled and stored once.
+"""Explicit control of the shared prefix (the usual way in is one argument: ``model.generate(**batch,
+custom_generate=hf_cascade.generate)``, as in ``examples/few_shot_eval.py`` and the README).
 
-Two ways in:
+Two explicit ways in:
 
 1. You know the shared prefix (a system prompt): ``CascadeCache.from_prefix(model, prefix_ids)`` prefills it once;
    pass the cache to ``generate(past_key_values=cache)`` with rows laid out ``[prefix | pads | suffix]``. The same

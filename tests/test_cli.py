@@ -188,3 +188,19 @@ def test_bench_runs_suite_scripts_and_plots(tmp_path, monkeypatch, capsys):
     # The other suite's script is missing here: a clear message, not a traceback.
     assert main(["bench", "--suite", "generate", "--output-dir", str(out_dir)]) == 2
     assert "bench_generate.py" in capsys.readouterr().err
+
+
+def test_quiet_loading_silences_the_gguf_converter_bar():
+    """transformers' GGUF converter calls tqdm directly, past ``disable_progress_bar()``: quiet_loading silences it."""
+    import inspect
+
+    import pytest
+
+    from hf_cascade.real_model import load_smollm2, quiet_loading
+
+    gguf_utils = pytest.importorskip("transformers.modeling_gguf_pytorch_utils")
+    bar = gguf_utils.tqdm
+    with quiet_loading():
+        assert gguf_utils.tqdm([1], desc="x").disable
+    assert gguf_utils.tqdm is bar
+    assert inspect.signature(load_smollm2).parameters["cache_dir"].default is None  # cached, as the CLI loads

@@ -1,0 +1,185 @@
+"""Write docs/benchmarks.md's tables from benchmarks/results/*.jsonl, and print the README's headline table.
+
+    python benchmarks/make_docs.py             # rewrites docs/benchmarks.md (the text between the markers)
+    python benchmarks/make_docs.py --headline  # prints the README's headline table (tests/test_readme.py checks it)
+
+Only numbers come from here; the prose around them is hand-written in docs/benchmarks.md, outside the markers
+``<!-- generated: start -->`` / ``<!-- generated: end -->``. Every figure names its GPU and commit (the records'
+``gpu`` and ``git_sha``). No GPU is needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import OrderedDict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+DOC = ROOT / "docs" / "benchmarks.md"
+START, END = "<!-- generated: start -->", "<!-- generated: end -->"
+
+# The one-argument call's peer name per bench (earlier runs of `generate` named the shared_prefix_inputs path
+# "cascade"; the one-argument call is "cascade_generate" there).
+ONE_ARG = {"generate": "cascade_generate", "generate_sampling": "cascade"}
+WORKLOADS = [  # (bench, workload, batch, label)
+    ("generate_sampling", "nsamples", None, "1 prompt of 4,096 tokens x 32 samples, 64 new (sampling)"),
+    ("generate_sampling", "grpo", None, "16 prompts (256 shared + 512 own) x 8 samples, 128 new (sampling)"),
+    ("generate", None, 32, "32 rows sharing 4,096 tokens + 64 own, 64 new (greedy)"),
+]
+
+
+def load(name: str) -> list[dict]:
+    path = RESULTS / name
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def runs(records: list[dict], bench: str, workload: str | None, batch: int | None) -> "OrderedDict[str, dict]":
+    """``git_sha -> {peer: record}`` for one workload, in file order (oldest first); the last record of a peer wins."""
+    out: OrderedDict[str, dict] = OrderedDict()
+    for r in records:
+        if r.get("bench") != bench or r.get("status") != "ok":
+            continue
+        if workload is not None and r.get("workload") != workload:
+            continue
+        if batch is not None and r.get("batch") != batch:
+            continue
+        out.setdefault(r["git_sha"], {})[r["peer"]] = r
+    return out
+
+
+def _gib(r: dict | None) -> str:
+    return f"{r['kv_gib']:.2f} GiB" if r and r.get("kv_gib") is not None else "–"
+
+
+def _call(r: dict | None) -> str:
+    return f"{r['total_s']:.2f} s" if r else "–"
+
+
+def headline_rows(records: list[dict]) -> list[dict]:
+    """Per workload, the newest run with the one-argument call, transformers' prefix-reuse recipe and sdpa."""
+    rows = []
+    for bench, workload, batch, label in WORKLOADS:
+        for sha, peers in reversed(runs(records, bench, workload, batch).items()):
+            one = peers.get(ONE_ARG[bench])
+            if one and "hf_prefix_reuse" in peers and "sdpa" in peers:
+                rows.append(dict(label=label, sha=sha, cascade=one, recipe=peers["hf_prefix_reuse"],
+                                 sdpa=peers["sdpa"]))
+                break
+    return rows
+
+
+def headline_table(records: list[dict]) -> str:
+    rows = headline_rows(records)
+    gpus = sorted({r["cascade"]["gpu"] for r in rows})
+    lines = [
+        f"| {' / '.join(gpus)}, Llama-3-8B shape, bf16 | sdpa | transformers' prefix-reuse recipe | hf_cascade "
+        "| vs sdpa | KV: sdpa → hf_cascade |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        c, h, s = r["cascade"], r["recipe"], r["sdpa"]
+        kv_flat = s.get("kv_gib") or h.get("kv_gib")
+        lines.append(
+            f"| {r['label']} (`{r['sha'][:7]}`) | {_call(s)} | {_call(h)} | **{_call(c)}** "
+            f"| **{s['total_s'] / c['total_s']:.1f}x** | {kv_flat:.2f} → {c['kv_gib']:.2f} GiB |"
+        )
+    return "\n".join(lines)
+
+
+def history_table(records: list[dict], bench: str, workload: str | None, batch: int | None) -> str:
+    lines = [
+        "| commit | date | GPU | torch / transformers | hf_cascade (one argument): call / ms per step / KV "
+        "| prefix-reuse recipe | sdpa | vs sdpa |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for sha, peers in runs(records, bench, workload, batch).items():
+        one = peers.get(ONE_ARG[bench]) or peers.get("cascade")
+        if one is None:
+            continue
+        s, h = peers.get("sdpa"), peers.get("hf_prefix_reuse")
+        path = "" if one["peer"] == ONE_ARG[bench] else " (via `shared_prefix_inputs`)"
+        ratio = f"{s['total_s'] / one['total_s']:.1f}x" if s else "–"
+        lines.append(
+            f"| `{sha[:7]}` | {one['date'][:10]} | {one['gpu']} | {one['torch']} / {one['transformers']} "
+            f"| {_call(one)} / {one['decode_ms_per_step']:.1f} ms / {_gib(one)}{path} | {_call(h)} | {_call(s)} "
+            f"| {ratio} |"
+        )
+    return "\n".join(lines)
+
+
+def kernels_table(records: list[dict]) -> str:
+    points = [r for r in records if r.get("bench") == "decode_step" and r.get("form") == "fused"]
+    if not points:
+        return "(no records)"
+    sha = points[-1]["git_sha"]
+    bw = next((r["gbs"] for r in records if r.get("bench") == "copy_bandwidth" and r["git_sha"] == sha), None)
+    lines = [
+        f"{points[-1]['gpu']}, torch {points[-1]['torch']}, triton {points[-1]['triton']}, bf16, d=128, commit "
+        f"`{sha[:7]}`" + (f"; copy bandwidth {bw / 1000:.2f} TB/s measured in the same run" if bw else "") + ".",
+        "",
+        "| heads q/kv | B | P | S | cascade ms | SDPA ms (KV per row) | speedup | % of copy BW (unique bytes) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in points:
+        if r["git_sha"] != sha or not r.get("check_ok"):
+            continue
+        sdpa = r.get("sdpa_ms")
+        sdpa_cell = f"{sdpa:.3f}" if sdpa else r.get("sdpa_status", "–")
+        speedup = f"{sdpa / r['cascade_ms']:.1f}x" if sdpa else "–"
+        lines.append(
+            f"| {r['heads']} | {r['batch']} | {r['prefix']} | {r['suffix']} | {r['cascade_ms']:.3f} "
+            f"| {sdpa_cell} | {speedup} | {r['pct_of_copy']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def generated() -> str:
+    gen = load("generate.jsonl")
+    parts = [
+        "## Headline (newest run per workload with all three peers)",
+        "",
+        headline_table(gen),
+        "",
+        "## Every run of the end-to-end workloads (`benchmarks/results/generate.jsonl`)",
+        "",
+        "Each row is one run with all of its peers in one process; the call is the median of its timed calls where",
+        "the run made several (`total_s_runs`).",
+    ]
+    for bench, workload, batch, label in WORKLOADS:
+        parts += ["", f"### {label}", "", history_table(gen, bench, workload, batch)]
+    parts += ["", "## One decode step of attention (`benchmarks/results/kernels.jsonl`)", "",
+              kernels_table(load("kernels.jsonl"))]
+    return "\n".join(parts)
+
+
+def rendered_doc() -> str:
+    text = DOC.read_text() if DOC.exists() else f"# Benchmarks\n\n{START}\n{END}\n"
+    head, rest = text.split(START, 1)
+    _, tail = rest.split(END, 1)
+    return (f"{head}{START}\n<!-- written by benchmarks/make_docs.py from benchmarks/results/*.jsonl: "
+            f"edit the script, not this part -->\n\n{generated()}\n\n{END}{tail}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--headline", action="store_true", help="print the README's headline table and exit")
+    parser.add_argument("--check", action="store_true", help="exit 1 if docs/benchmarks.md is out of date")
+    args = parser.parse_args(argv)
+    if args.headline:
+        print(headline_table(load("generate.jsonl")))
+        return 0
+    text = rendered_doc()
+    if args.check:
+        if DOC.exists() and DOC.read_text() == text:
+            return 0
+        print(f"{DOC.relative_to(ROOT)} is out of date: run python benchmarks/make_docs.py")
+        return 1
+    DOC.write_text(text)
+    print(f"wrote {DOC.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
