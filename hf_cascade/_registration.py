@@ -44,6 +44,9 @@ def register() -> None:
 
 
 def _register_after_load() -> None:
+    attention = sys.modules.get("hf_cascade.attention")
+    if attention is not None and not hasattr(attention, "register"):
+        return  # transformers' registry was loaded by hf_cascade.attention's own imports: it registers at its end
     try:
         register()
     except Exception as err:  # never break transformers' own import; the model load then names the missing impl

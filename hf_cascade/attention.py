@@ -442,3 +442,10 @@ def _check_kv_as_cached(model: torch.nn.Module, config, argument: str) -> None:
                     "attn_implementation='sdpa' for this model."
                 )
         break  # one layer tells
+
+
+# Imported before transformers' attention registry was (its imports loaded the registry, whose post-import hook
+# then found this module half-built): register now that it is complete. Otherwise a no-op.
+from hf_cascade._registration import register_when_loaded as _register_when_loaded  # noqa: E402
+
+_register_when_loaded()

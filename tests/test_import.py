@@ -43,3 +43,13 @@ def test_public_names_resolve():
     for name in hf_cascade.__all__:
         assert getattr(hf_cascade, name) is not None, name
     assert set(hf_cascade.__all__) <= set(dir(hf_cascade))
+
+
+def test_registers_when_a_submodule_is_imported_first():
+    # hf_cascade.attention imports transformers' registry itself: the post-import hook then finds it half-built,
+    # and it registers at its own end (a test module importing an hf_cascade submodule first hit this).
+    assert run("""
+        import hf_cascade.parallel.ring
+        from transformers import AttentionInterface
+        print("cascade" in AttentionInterface._global_mapping)
+    """) == "True"
