@@ -221,7 +221,8 @@ def cascade_attention_planned(
     softcap: float | None = None,
     compiled: bool = False,
     key_length: Tensor | None = None,
-) -> Tensor:
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Cascade attention of one layer on a :class:`CascadePlan`; causal suffix.
 
     Args:
@@ -230,8 +231,9 @@ def cascade_attention_planned(
         mask: None (causal, bottom-right) or bool ``[B or 1, Lq, S]`` over the suffix keys.
         compiled: go through the custom op with the plan's index tensors (inside ``torch.compile``).
         key_length: the written suffix keys (int64 device scalar; fixed buffers), as in ``cascade_attention``.
+        return_lse: also return the LSE (to merge more states, e.g. attention sinks).
     Returns:
-        ``[B, Lq, Hq, D]`` contiguous, in ``query.dtype``.
+        ``[B, Lq, Hq, D]`` contiguous, in ``query.dtype``; with ``return_lse``, ``(that, lse [B, Hq, Lq] fp32)``.
     """
     if not len(prefix_keys) == len(prefix_values) == len(plan.levels):
         raise ValueError(
@@ -239,11 +241,12 @@ def cascade_attention_planned(
             f"of {len(plan.levels)} levels; pass one of each per prefix level."
         )
     if compiled:
-        out, _ = torch.ops.hf_cascade.cascade_attention(
+        out, lse = torch.ops.hf_cascade.cascade_attention(
             query, key, value, list(prefix_keys), list(prefix_values), plan.op_inputs(query, key, prefix_keys),
             mask, scale, softcap, key_length=key_length,
         )
-        return out
-    out, _ = cascade_attention(query, key, value, plan.prefixes(prefix_keys, prefix_values), scale=scale, mask=mask,
-                               causal=True, softcap=softcap, key_length=key_length)
-    return out.transpose(1, 2).contiguous()
+    else:
+        out, lse = cascade_attention(query, key, value, plan.prefixes(prefix_keys, prefix_values), scale=scale,
+                                     mask=mask, causal=True, softcap=softcap, key_length=key_length)
+        out = out.transpose(1, 2).contiguous()
+    return (out, lse) if return_lse else out
