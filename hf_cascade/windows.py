@@ -152,3 +152,26 @@ def droppable_prefix_tokens(shifts: RowShifts, levels, row_nodes: Tensor | None,
             live_from = min(shifts.first_position[b] - window + 1 + int(shift[level_idx, b]) for b in readers)
             dropped += max(0, min(live_from, starts[node + 1]) - starts[node])
     return dropped
+
+
+def droppable_kv_bytes(cache) -> int:
+    """Bytes of shared-prefix KV that the sliding-window layers of ``cache``'s model could free for its current rows
+    (:func:`droppable_prefix_tokens` per sliding layer, times that layer's K and V bytes per token). hf_cascade keeps
+    them (the full-attention layers and later batches may read them); this is the saving a sliding layer leaves."""
+    if not cache.levels:
+        return 0
+    row_nodes, suffix_start = cache.row_nodes, cache.suffix_start
+    batch = next((t.shape[-1] for t in (row_nodes, suffix_start) if t is not None), 1)
+    shifts = row_shifts(cache.levels, row_nodes, suffix_start, batch, torch.device("cpu"))
+    total, tokens_by_window = 0, {}
+    for layer_idx in range(len(cache.levels[0].keys)):
+        window = layer_window(cache.attention_module(layer_idx))
+        if window is None:
+            continue
+        if window not in tokens_by_window:
+            tokens_by_window[window] = droppable_prefix_tokens(shifts, cache.levels, row_nodes, window)
+        keys, values = cache.levels[0].keys[layer_idx], cache.levels[0].values[layer_idx]
+        per_token = (keys.shape[0] * keys.shape[2] * keys.element_size()
+                     + values.shape[0] * values.shape[2] * values.element_size())
+        total += tokens_by_window[window] * per_token
+    return total
