@@ -803,7 +803,9 @@ class CascadeCache(Cache):
             if self.levels and self._plan is None:
                 self._plan = self._plan_for(query.shape[0], query.device)
             if self._shifts is None:
-                self._shifts = row_shifts(self.levels, self.row_nodes, self.suffix_start, query.shape[0], query.device)
+                last = (key.shape[2] if written is None else written.reshape(())) - 1
+                self._shifts = row_shifts(self.levels, self.row_nodes, self.suffix_start, query.shape[0], query.device,
+                                          kwargs.get("position_ids"), last)
             out, lse = bounded_attend(
                 self._shifts, self._plan if self.levels else None, query, key, value,
                 [level.keys[layer_idx] for level in self.levels], [level.values[layer_idx] for level in self.levels],

@@ -67,9 +67,15 @@ class RowShifts:
 
 
 def row_shifts(levels, row_nodes: Tensor | None, suffix_start: Tensor | None, batch_size: int,
-               device: torch.device) -> RowShifts:
+               device: torch.device, position_ids: Tensor | None = None,
+               last_column: int | Tensor | None = None) -> RowShifts:
     """The :class:`RowShifts` of a batch layout: ``levels`` the cache's :class:`~hf_cascade.prefill.PrefixLevel` list,
-    ``row_nodes`` int64 ``[L, B]`` on the host (None: node 0 of every level), ``suffix_start`` int64 ``[B]`` (None: 0)."""
+    ``row_nodes`` int64 ``[L, B]`` on the host (None: node 0 of every level), ``suffix_start`` int64 ``[B]`` (None: 0).
+
+    ``position_ids`` ``[B or 1, Lq]`` (the forward's, when the model passes them) and ``last_column`` (the suffix
+    column of the forward's last query: written columns - 1): the suffix shift is read from them on the device (the
+    last query of every row is a real token), which also covers padding at the start of a row's suffix columns (a
+    :meth:`~hf_cascade.CascadeCache.from_prefix` cache given rows ``[prefix | pads | suffix]``)."""
     L = len(levels)
     nodes = torch.zeros((L, batch_size), dtype=torch.int64) if row_nodes is None else row_nodes.to(torch.int64)
     node_start = torch.zeros((L, batch_size), dtype=torch.int64)
@@ -83,9 +89,12 @@ def row_shifts(levels, row_nodes: Tensor | None, suffix_start: Tensor | None, ba
     before = node_len.cumsum(0) - node_len  # the row's chain tokens before each level
     chain = node_len.sum(0)
     start = torch.zeros(batch_size, dtype=torch.int64) if suffix_start is None else suffix_start.to(torch.int64)
+    suffix_shift = host_to_device(chain - start, device)
+    if position_ids is not None and last_column is not None:
+        suffix_shift = (position_ids[:, -1].to(device, torch.int64) - last_column).expand(batch_size).clone()
     return RowShifts(
         level_shift=host_to_device(node_start - before, device),
-        suffix_shift=host_to_device(chain - start, device),
+        suffix_shift=suffix_shift,
         first_position=chain.tolist(),
     )
 
