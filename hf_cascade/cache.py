@@ -447,6 +447,10 @@ class CascadeCache(Cache):
         tensors = self.step_buffer_tensors()
         if self._window_dev is None and self._suffix_start_dev is not None:  # read by _suffix_mask only then
             tensors.append(self._suffix_start_dev)
+        if self._shifts is not None:  # layers whose window is shorter than the sequence (hf_cascade.windows)
+            tensors += [self._shifts.level_shift, self._shifts.suffix_shift]
+            if self._plan is not None:
+                tensors += [*self._plan.row_node, *(level.node_starts_dev for level in self._plan.levels)]
         return tensors
 
     def suffix_lengths(self) -> list[torch.Tensor]:

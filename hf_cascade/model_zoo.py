@@ -74,6 +74,11 @@ def tiny_config(family: str = "llama", **overrides):
     if family not in FAMILIES:
         raise ValueError(f"`family` must be one of {sorted(FAMILIES)}; got {family!r}.")
     class_name, _, family_overrides = FAMILIES[family]
+    if not hasattr(transformers, class_name):
+        raise ValueError(
+            f"The tiny {family!r} model needs transformers.{class_name}, which transformers {transformers.__version__} "
+            f"does not have; upgrade transformers, or pick one of {available_families()}."
+        )
     kwargs = dict(
         vocab_size=128,  # 128256 in Llama-3-8B
         hidden_size=64,  # 4096

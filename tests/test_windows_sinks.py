@@ -261,3 +261,46 @@ def test_cache_reports_droppable_sliding_kv_bytes():
     layers = model.config.num_hidden_layers
     # Every row's first own token is at position 20: positions 0..12 are out of every window of 8 from then on.
     assert droppable_kv_bytes(cache) == 13 * per_token * layers
+
+
+@pytest.mark.parametrize("family", ["mistral", "gpt_oss"])
+def test_windowed_models_compiled_decode(family):
+    """generate() compiles the decode step (CPU, aot_eager, fullgraph: a graph break fails): the window bounds move
+    with the written length on the device, the sinks merge in the graph."""
+    if family not in _AVAILABLE:
+        pytest.skip(f"no {family} config in this transformers")
+    from test_compiled_generate import cpu_compile_config
+
+    ref, cas = model_pair(family, sliding_window=6)
+    torch._dynamo.reset()
+    ids, mask = pad_batch(make_prompts(seed=33))
+    want = ref.generate(input_ids=ids, attention_mask=mask, **GEN)
+    inputs = hf_cascade.shared_prefix_inputs(cas, ids, mask, min_shared_tokens=2, max_new_tokens=GEN["max_new_tokens"])
+    got = cas.generate(**inputs, compile_config=cpu_compile_config(), **GEN)
+    assert hasattr(cas, "_compiled_call"), "generate() did not compile the decode step"
+    assert torch.equal(got[:, inputs["input_ids"].shape[1]:], want[:, ids.shape[1]:])
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gpt_oss"])
+def test_windowed_models_in_the_recorded_step_path(family):
+    """The path a recorded step takes (static_step_mode around every decode step, fixed buffers), run eagerly; the
+    bounded layers' layout tensors are part of what a recording is keyed on."""
+    if family not in _AVAILABLE:
+        pytest.skip(f"no {family} config in this transformers")
+    from hf_cascade.captured_step import static_step_mode
+    from test_captured_step import _in_decode_steps
+    from test_generate import tree_prompts
+
+    ref, cas = model_pair(family, sliding_window=5)
+    ids, mask = pad_batch(tree_prompts([(1, 9), (2, 5)], 4, rows=4, seed=83))
+    gen = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    want = ref.generate(ids, attention_mask=mask, **gen)
+    caches = []
+    with _in_decode_steps(cas, static_step_mode) as entered:
+        got = cas.generate(ids, attention_mask=mask, custom_generate=hf_cascade.generate, cascade_caches=caches,
+                           disable_compile=True, cascade_options=dict(min_shared_tokens=2, cost_model=None,
+                                                                      fixed_buffers=True), **gen)
+    assert len(entered) == gen["max_new_tokens"] - 1
+    assert torch.equal(got, want)
+    read = {t.data_ptr() for t in caches[0].static_step_tensors()}
+    assert caches[0]._shifts.level_shift.data_ptr() in read and caches[0]._shifts.suffix_shift.data_ptr() in read
