@@ -144,9 +144,10 @@ class _StaticSuffixLayer(_SuffixLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         shape = (*key_states.shape[:2], self.max_suffix_length, key_states.shape[-1])
+        value_shape = (*shape[:3], value_states.shape[-1])  # K and V head sizes may differ
         # With step buffers: an earlier call's (same addresses: its CUDA graphs replay), cleared.
         self.keys = take_or_new(self.step_buffers, shape, self.dtype, self.device, zeroed=True)
-        self.values = take_or_new(self.step_buffers, shape, self.dtype, self.device, zeroed=True)
+        self.values = take_or_new(self.step_buffers, value_shape, self.dtype, self.device, zeroed=True)
         self.cumulative_length = take_or_new(self.step_buffers, (), torch.int64, self.device, zeroed=True)
         self._host_length, self._host_length_stale = 0, False
         if not torch.compiler.is_compiling():
@@ -404,7 +405,8 @@ class CascadeCache(Cache):
         pad = padded_level_count(len(self.levels)) - len(self.levels) if self.pad_levels else 0
         slots = ([], [])
         for kind, kind_slots in enumerate(slots):  # taken in the order step_buffer_tensors lists them
-            kind_slots += [new((layers, heads, 2, head_dim)) for _ in range(pad)]
+            width = head_dim if kind == 0 else self.levels[0].values[0].shape[-1]  # K and V head sizes may differ
+            kind_slots += [new((layers, heads, 2, width)) for _ in range(pad)]
             for level in self.levels:
                 tensors = level.keys if kind == 0 else level.values
                 stacked = _stacked_base(tensors) if buffers is None else None

@@ -30,7 +30,7 @@ def _cascade_fwd_kernel(
     rows_ptr, row_start_ptr, node_starts_ptr, tile_node_ptr, tile_m0_ptr,  # its schedule
     sk_ptr, sv_ptr, mask_ptr, key_len_ptr,  # suffix KV [B, Hkv, S, D], bool mask as uint8 (MASK_MODE 2), written
     so_ptr, sl_ptr,  # fp32 state slots [slots, Hkv, B*Lq*G, D] / [slots, Hkv, B*Lq*G]
-    Lq, S, G, D, Hkv, num_splits, slot0, suffix_slot, n_prefix, tiles, s_mtiles,
+    Lq, S, G, D, DV, Hkv, num_splits, slot0, suffix_slot, n_prefix, tiles, s_mtiles,
     sm_scale, softcap,
     stride_qb, stride_qh, stride_ql, stride_qd,
     stride_pkh, stride_pkt, stride_pvh, stride_pvt,
@@ -43,11 +43,13 @@ def _cascade_fwd_kernel(
     HAS_SOFTCAP: tl.constexpr,
     HAS_KEY_LEN: tl.constexpr,  # key_len_ptr: int64 count of written suffix keys (the rest are never visible)
     EVEN_D: tl.constexpr,
+    EVEN_DV: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_MP: tl.constexpr,  # prefix tile rows
     BLOCK_MS: tl.constexpr,  # suffix tile rows
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,  # the values' head_dim, padded (DV: K/V head sizes may differ)
 ):
     pid = tl.program_id(0)
     if pid < n_prefix:
@@ -55,10 +57,10 @@ def _cascade_fwd_kernel(
         _prefix_tile(q_ptr, pk_ptr, pv_ptr, so_ptr, sl_ptr,
                      rows_ptr, row_start_ptr, node_starts_ptr, tile_node_ptr, tile_m0_ptr,
                      pid % tiles, rest % Hkv, rest // Hkv,
-                     Lq, G, D, num_splits, slot0, sm_scale, softcap,
+                     Lq, G, D, DV, num_splits, slot0, sm_scale, softcap,
                      stride_qb, stride_qh, stride_ql, stride_qd, stride_pkh, stride_pkt, stride_pvh, stride_pvt,
                      o_s, o_b, o_kvh, o_g, o_l, l_s, l_b, l_kvh, l_g, l_l,
-                     HAS_SOFTCAP, EVEN_D, INPUT_PRECISION, BLOCK_MP, BLOCK_N, BLOCK_D)
+                     HAS_SOFTCAP, EVEN_D, EVEN_DV, INPUT_PRECISION, BLOCK_MP, BLOCK_N, BLOCK_D, BLOCK_DV)
     else:
         sp = pid - n_prefix
         rest = sp // s_mtiles
@@ -66,11 +68,11 @@ def _cascade_fwd_kernel(
         _suffix_tile(q_ptr, sk_ptr, sv_ptr, mask_ptr, key_len_ptr, so_ptr, sl_ptr,
                      so_ptr + slot * o_s, sl_ptr + slot * l_s,
                      sp % s_mtiles, rest % Hkv, rest // Hkv,
-                     Lq, S, G, D, 0, sm_scale, softcap,
+                     Lq, S, G, D, DV, 0, sm_scale, softcap,
                      stride_qb, stride_qh, stride_ql, stride_qd,
                      stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
                      stride_mb, stride_mq, stride_ms,
                      0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,  # no prefix states to seed
                      o_b, o_kvh, o_g, o_l, 1, l_b, l_kvh, l_g, l_l,
-                     MASK_MODE, HAS_SOFTCAP, False, HAS_KEY_LEN, EVEN_D, INPUT_PRECISION, BLOCK_MS, BLOCK_N,
-                     BLOCK_D)
+                     MASK_MODE, HAS_SOFTCAP, False, HAS_KEY_LEN, EVEN_D, EVEN_DV, INPUT_PRECISION, BLOCK_MS, BLOCK_N,
+                     BLOCK_D, BLOCK_DV)

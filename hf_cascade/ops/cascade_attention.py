@@ -51,8 +51,9 @@ def cascade_attention(
 
     Args:
         query: [B, Hq, Lq, D] float32/float16/bfloat16 (any strides).
-        key, value: the per-row suffix KV [B, Hkv, S, D] (S may be 0), query's dtype and device.
-        prefixes: per level ``(prefix_key [Hkv, T, D], prefix_value [Hkv, T, D], plan)``, with
+        key, value: the per-row suffix KV [B, Hkv, S, D] / [B, Hkv, S, Dv] (S may be 0; Dv may differ from D,
+            MLA-style), query's dtype and device.
+        prefixes: per level ``(prefix_key [Hkv, T, D], prefix_value [Hkv, T, Dv], plan)``, with
             ``plan = plan_shared_prefix(row_node, node_starts)`` built once per batch layout.
         scale, mask, causal, softcap: as in :func:`suffix_attention` (mask and causal apply to the
             suffix keys only; every query sees all keys of its prefix nodes).
@@ -62,7 +63,7 @@ def cascade_attention(
             there (a decode step's buffers are read only as far as they are written).
 
     Returns:
-        (out [B, Hq, Lq, D] in query.dtype, memory laid out [B, Lq, Hq, D] so ``out.transpose(1, 2)``
+        (out [B, Hq, Lq, Dv] in query.dtype, memory laid out [B, Lq, Hq, Dv] so ``out.transpose(1, 2)``
         is contiguous; lse [B, Hq, Lq] float32 natural log over all keys; -inf where none).
 
     Example:
@@ -78,6 +79,11 @@ def cascade_attention(
             raise ValueError(
                 f"{_OP}: prefix key heads ({k_pre.shape[0]}) must equal suffix key heads ({key.shape[1]}); "
                 f"prefix key {tuple(k_pre.shape)}, suffix key {tuple(key.shape)}."
+            )
+        if v_pre.shape[-1] != value.shape[-1]:
+            raise ValueError(
+                f"{_OP}: prefix values' head_dim ({v_pre.shape[-1]}) must equal the suffix values' "
+                f"({value.shape[-1]}); prefix value {tuple(v_pre.shape)}, suffix value {tuple(value.shape)}."
             )
         if not isinstance(plan, PrefixPlan):
             raise ValueError(f"{_OP}: each prefix level needs a PrefixPlan (plan_shared_prefix); got {type(plan)}.")
@@ -168,8 +174,8 @@ def launch_cascade(query, key, value, prefix_kv, configs, fuse_suffix, *, scale,
     ``prefix_kv``: per level ``(prefix_key, prefix_value)``; ``configs``: per level from :func:`launch_configs`;
     ``key_length``: as in :func:`cascade_attention` (validated).
     """
-    B, Hq, Lq, D = query.shape
-    Hkv = key.shape[1]
+    B, Hq, Lq, _ = query.shape
+    Hkv, D = key.shape[1], value.shape[-1]  # D: the values' head_dim (the states' and the output's)
     G = Hq // Hkv
     dev = query.device
     slots = sum(cfg[1] for cfg in configs) + (1 if fuse_suffix else 0)
@@ -211,7 +217,7 @@ def _launch_fused(query, k_pre, v_pre, config, key, value, mask, causal, part_ou
 
     sched, splits, block_mp, block_n, num_warps, num_stages = config
     B, Hq, Lq, D = query.shape
-    Hkv, S = key.shape[1], key.shape[2]
+    Hkv, S, Dv = key.shape[1], key.shape[2], value.shape[-1]
     G = Hq // Hkv
     k_pre = k_pre if k_pre.stride(-1) == 1 else k_pre.contiguous()
     v_pre = v_pre if v_pre.stride(-1) == 1 else v_pre.contiguous()
@@ -229,12 +235,12 @@ def _launch_fused(query, k_pre, v_pre, config, key, value, mask, causal, part_ou
         block_ms = min(block_ms, 32)
     s_mtiles = -(-(G * Lq) // block_ms)
     n_prefix = sched.num_tiles * Hkv * splits
-    block_d = padded_head_dim(D)
+    block_d, block_dv = padded_head_dim(D), padded_head_dim(Dv)
     kernels._cascade_fwd_kernel[(n_prefix + B * Hkv * s_mtiles,)](
         query, k_pre, v_pre,
         sched.rows, sched.row_start, sched.node_starts, sched.tile_node, sched.tile_m0,
         key, value, mask_arg, key if key_length is None else key_length, part_out, part_lse,
-        Lq, S, G, D, Hkv, splits, slot0, suffix_slot, n_prefix, sched.num_tiles, s_mtiles,
+        Lq, S, G, D, Dv, Hkv, splits, slot0, suffix_slot, n_prefix, sched.num_tiles, s_mtiles,
         float(scale), float(softcap) if softcap is not None else 1.0,
         *query.stride(), *k_pre.stride()[:2], *v_pre.stride()[:2],
         *key.stride()[:3], *value.stride()[:3], *mask_strides,
@@ -242,9 +248,9 @@ def _launch_fused(query, k_pre, v_pre, config, key, value, mask, causal, part_ou
         MASK_MODE=mode,
         HAS_SOFTCAP=softcap is not None,
         HAS_KEY_LEN=key_length is not None,
-        EVEN_D=block_d == D,
+        EVEN_D=block_d == D, EVEN_DV=block_dv == Dv,
         INPUT_PRECISION=dot_precision(query.dtype),
-        BLOCK_MP=block_mp, BLOCK_MS=block_ms, BLOCK_N=block_n, BLOCK_D=block_d,
+        BLOCK_MP=block_mp, BLOCK_MS=block_ms, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
         num_warps=num_warps, num_stages=num_stages,
     )
 

@@ -156,6 +156,7 @@ def _planned_attention(query, key, value, prefix_keys, prefix_values, plan_tenso
 def _planned_torch(query, key, value, prefix_keys, prefix_values, levels, mask, scale, softcap):
     """fp32 reference from the index tensors alone (no host sync): each row's queries against its node's keys."""
     B, Hq, Lq, D = query.shape
+    Dv = value.shape[-1]
     prefix_out = prefix_lse = None
     for k_pre, v_pre, tensors in zip(prefix_keys, prefix_values, levels):
         node_starts, row_node = tensors[2], tensors[5]
@@ -171,7 +172,7 @@ def _planned_torch(query, key, value, prefix_keys, prefix_values, levels, mask, 
         s = _scores(q, k_pre.float()[None], scale, softcap)  # [B, Hkv, G*Lq, T]
         s = s.masked_fill(~keep[:, None, None, :], float("-inf"))
         o, lse = _softmax_attend(s, v_pre.float()[None])
-        o, lse = o.reshape(B, Hq, Lq, D), lse.reshape(B, Hq, Lq)
+        o, lse = o.reshape(B, Hq, Lq, Dv), lse.reshape(B, Hq, Lq)
         if prefix_out is None:
             prefix_out, prefix_lse = o, lse
         else:
@@ -202,8 +203,8 @@ def _cascade_attention_op(query, key, value, prefix_keys, prefix_values, plan, m
 
 @_cascade_attention_op.register_fake
 def _(query, key, value, prefix_keys, prefix_values, plan, mask, scale, softcap, layer=None, key_length=None):
-    B, Hq, Lq, D = query.shape
-    out = query.new_empty((B, Lq, Hq, D))
+    B, Hq, Lq, _ = query.shape
+    out = query.new_empty((B, Lq, Hq, value.shape[-1]))
     lse = query.new_empty((B, Hq, Lq), dtype=torch.float32)
     return out, lse
 
