@@ -304,3 +304,29 @@ def test_windowed_models_in_the_recorded_step_path(family):
     assert torch.equal(got, want)
     read = {t.data_ptr() for t in caches[0].static_step_tensors()}
     assert caches[0]._shifts.level_shift.data_ptr() in read and caches[0]._shifts.suffix_shift.data_ptr() in read
+
+
+@pytest.mark.parametrize("family", ["gemma3", "gpt_oss"])
+def test_generate_dataset_on_windowed_models(family):
+    """generate_dataset (rows sorted and batched by shared prefixes): per-row reference completions, prompts of
+    ~100 tokens against windows of 16."""
+    if family not in _AVAILABLE:
+        pytest.skip(f"no {family} config in this transformers")
+    pytest.importorskip("datasets")
+    from hf_cascade.dataset_generation import generate_dataset
+    from hf_cascade.tiny import tiny_model as tiny_byte_model
+    from hf_cascade.tiny import tiny_tokenizer
+    from test_dataset_generation import make_dataset, prompt_fn
+
+    tokenizer = tiny_tokenizer()
+    model = tiny_byte_model(family, sliding_window=16)
+    ref = tiny_byte_model(family, attn_implementation=reference_attention(family), sliding_window=16)
+    dataset = make_dataset(n=6, seed=3)
+    expected = []
+    for row in dataset:
+        ids = tokenizer(prompt_fn(row), return_tensors="pt")
+        seq = ref.generate(**ids, max_new_tokens=4, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        expected.append(tokenizer.decode(seq[0, ids["input_ids"].shape[1]:], skip_special_tokens=True))
+    out = generate_dataset(model, tokenizer, dataset, prompt_fn=prompt_fn, progress=False, max_batch_size=3,
+                           generation_kwargs=dict(max_new_tokens=4, do_sample=False))
+    assert out["completion"] == expected
