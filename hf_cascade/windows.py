@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from hf_cascade.ops._backend import host_to_device
+from hf_cascade.ops._backend import host_to_device, resolve_backend
+from hf_cascade.ops.cascade_attention import cascade_attention
 from hf_cascade.ops.bounded import bounded_cascade_attention, lower_positions
 
 
@@ -114,6 +115,7 @@ def bounded_attend(
     window: int | None,
     chunk: int | None,
     key_length: Tensor | None,
+    backend: str = "auto",
 ) -> tuple[Tensor, Tensor]:
     """One layer's cascade attention with its window (or chunk) as a lower bound on every query's keys.
 
@@ -123,6 +125,7 @@ def bounded_attend(
         query: ``[B, Hq, Lq, D]``; key, value: the suffix KV ``[B, Hkv, S, D / Dv]``; prefix_keys/values: per level
             ``[Hkv, T_l, D / Dv]``; mask: bool ``[B or 1, Lq, S]`` over the suffix, or None (causal).
         key_length: the written suffix columns (fixed buffers, int64 device scalar) or None (all S).
+        backend: "auto" (the Triton kernels with the bounds on CUDA, else PyTorch), "triton" or "torch".
     Returns:
         ``(out [B, Lq, Hq, Dv] in query.dtype, lse [B, Hq, Lq] fp32)``.
     """
@@ -132,11 +135,17 @@ def bounded_attend(
     positions = query_columns[None, :] + shifts.suffix_shift[:, None]  # [B, Lq]
     lower = lower_positions(positions, window=window, chunk=chunk)
     key_lower = [lower + shifts.level_shift[level, :, None] for level in range(len(prefix_keys))]
+    suffix_lower = lower - shifts.suffix_shift[:, None]
+    if plan is not None and resolve_backend(backend, query.device, "cascade_attention") == "triton":
+        out, lse = cascade_attention(query, key, value, plan.prefixes(prefix_keys, prefix_values), scale=scale,
+                                     mask=mask, causal=True, softcap=softcap, backend="triton", key_length=key_length,
+                                     key_lower=key_lower, suffix_lower=suffix_lower)
+        return out.transpose(1, 2).contiguous(), lse
     node_starts = [p.node_starts_dev for p in plan.levels] if plan is not None else []
     row_node = list(plan.row_node) if plan is not None else []
     out, lse = bounded_cascade_attention(
         query, key, value, prefix_keys, prefix_values, node_starts, row_node, key_lower,
-        lower - shifts.suffix_shift[:, None], scale=scale, mask=mask, causal=True, softcap=softcap,
+        suffix_lower, scale=scale, mask=mask, causal=True, softcap=softcap,
         key_length=key_length,
     )
     return out.to(query.dtype).transpose(1, 2).contiguous(), lse

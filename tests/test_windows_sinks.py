@@ -23,6 +23,7 @@ from hf_cascade.ops.reference import merge_states_ref
 from hf_cascade.transformers_compat import CACHE_KWARG
 from hf_cascade.windows import bounded_attend, droppable_prefix_tokens, row_shifts
 
+from _ops_common import BACKENDS, needs_triton
 from test_cache import prefix_batch
 from test_generate import assert_logits_close, make_prompts, model_pair, pad_batch, run_pair
 
@@ -80,7 +81,8 @@ def _per_row_f64(q, k_suf, v_suf, pre_k, pre_v, levels, row_nodes, suffix_start,
                                    ("chunk", 7)])
 @pytest.mark.parametrize("dims", [(16, 16), (24, 12), (12, 20)])  # (D, Dv): equal, MLA-like wider q/k, odd
 @pytest.mark.parametrize("lq", [1, 3])
-def test_bounded_attend_matches_per_row_attention(bound, dims, lq):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bounded_attend_matches_per_row_attention(bound, dims, lq, backend):
     torch.manual_seed(0)
     D, Dv = dims
     B, Hkv, G, S = 5, 2, 3, 6
@@ -100,7 +102,7 @@ def test_bounded_attend_matches_per_row_attention(bound, dims, lq):
     scale = D ** -0.5
     out, lse = bounded_attend(shifts, plan, q, k, v, pre_k, pre_v, visible, scale=scale, softcap=None,
                               window=size if kind == "window" else None, chunk=size if kind == "chunk" else None,
-                              key_length=None)
+                              key_length=None, backend=backend)
     lower = lambda p: lower_positions(p, **{kind: size})  # noqa: E731
     want_out, want_lse = _per_row_f64(q, k, v, pre_k, pre_v, levels, row_nodes, suffix_start, visible, lower, scale)
     assert out.shape == (B, lq, Hkv * G, Dv)
@@ -330,3 +332,57 @@ def test_generate_dataset_on_windowed_models(family):
     out = generate_dataset(model, tokenizer, dataset, prompt_fn=prompt_fn, progress=False, max_batch_size=3,
                            generation_kwargs=dict(max_new_tokens=4, do_sample=False))
     assert out["completion"] == expected
+
+
+@needs_triton
+@pytest.mark.parametrize("form", ["fused", "two-pass", "splits"])
+@pytest.mark.parametrize("dims", [(16, 16), (20, 12)])
+def test_triton_bounds_match_the_torch_bounds(form, dims):
+    """The Triton kernels with per-query lower bounds (random ones: below, inside and past every node) in the fused
+    launch, the two-pass form (suffix kernel merging the prefix states) and with several KV splits per level."""
+    from hf_cascade.ops import cascade_attention, plan_shared_prefix
+    from hf_cascade.ops.cascade_attention import _cascade_triton, launch_cascade, launch_configs
+
+    torch.manual_seed(5)
+    D, Dv = dims
+    B, Hkv, G, S, Lq = 4, 2, 2, 11, 3
+    levels, row_nodes = _layout(0, B, [[90], [70, 0, 40]], [[0, 0, 0, -1], [2, 0, 1, 0]])
+    pre_k = [torch.randn(Hkv, lv.node_starts[-1], D) for lv in levels]
+    pre_v = [torch.randn(Hkv, lv.node_starts[-1], Dv) for lv in levels]
+    plans = [plan_shared_prefix(row_nodes[i], torch.tensor(lv.node_starts)) for i, lv in enumerate(levels)]
+    q = torch.randn(B, Hkv * G, Lq, D)
+    k, v = torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, Dv)
+    key_lower = [torch.randint(-5, lv.node_starts[-1] + 5, (B, Lq)) for lv in levels]
+    suffix_lower = torch.randint(-2, S + 2, (B, Lq))
+    mask = torch.ones(1, Lq, S, dtype=torch.bool).tril(S - Lq)
+    prefixes = [(kk, vv, p) for kk, vv, p in zip(pre_k, pre_v, plans)]
+    want = cascade_attention(q, k, v, prefixes, scale=0.2, mask=mask, backend="torch", key_lower=key_lower,
+                             suffix_lower=suffix_lower)
+    if form == "fused":
+        got = cascade_attention(q, k, v, prefixes, scale=0.2, mask=mask, backend="triton", key_lower=key_lower,
+                                suffix_lower=suffix_lower)
+    elif form == "two-pass":
+        got = _cascade_triton(q, k, v, prefixes, scale=0.2, mask=mask, causal=True, softcap=None, fuse_suffix=False,
+                              key_lower=key_lower, suffix_lower=suffix_lower)
+    else:
+        fuse, configs = launch_configs(q, k, prefixes, fuse_suffix=True)
+        configs = [(sched, 3, block_m, 16, warps, stages) for sched, _, block_m, _, warps, stages in configs]
+        got = launch_cascade(q, k, v, [(kk, vv) for kk, vv, _ in prefixes], configs, True, scale=0.2, mask=mask,
+                             causal=True, softcap=None, key_lower=key_lower, suffix_lower=suffix_lower)
+    torch.testing.assert_close(got[0], want[0], atol=2e-5, rtol=2e-5)
+    assert torch.equal(torch.isneginf(got[1]), torch.isneginf(want[1]))
+    finite = ~torch.isneginf(want[1])
+    torch.testing.assert_close(got[1][finite], want[1][finite], atol=2e-5, rtol=2e-5)
+
+
+def test_cascade_attention_rejects_half_given_bounds():
+    from hf_cascade.ops import cascade_attention, plan_shared_prefix
+
+    q, k = torch.randn(2, 2, 1, 8), torch.randn(2, 1, 3, 8)
+    plan = plan_shared_prefix(torch.tensor([0, 0]), torch.tensor([0, 4]))
+    level = (torch.randn(1, 4, 8), torch.randn(1, 4, 8), plan)
+    with pytest.raises(ValueError, match="`key_lower`.*`suffix_lower`.*together"):
+        cascade_attention(q, k, k, [level], scale=0.3, key_lower=[torch.zeros(2, 1, dtype=torch.int64)])
+    with pytest.raises(ValueError, match=r"`suffix_lower` must be int64 \[B, Lq\] = \[2, 1\]"):
+        cascade_attention(q, k, k, [level], scale=0.3, key_lower=[torch.zeros(2, 1, dtype=torch.int64)],
+                          suffix_lower=torch.zeros(2, 1, dtype=torch.int32))

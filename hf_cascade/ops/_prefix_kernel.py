@@ -73,18 +73,56 @@ def _prefix_block(q, k_ptrs, v_ptrs, start, hi, m_i, l_i, acc, qk_scale, sm_scal
 
 
 @triton.jit
+def _prefix_block_bounded(q, k_ptrs, v_ptrs, start, hi, bound, m_i, l_i, acc, qk_scale, sm_scale, softcap,
+                          stride_kt, stride_vt, D, DV,
+                          HAS_SOFTCAP: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+                          INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                          BLOCK_DV: tl.constexpr):
+    """:func:`_prefix_block` where query row m sees only the key columns >= ``bound[m]`` (sliding windows, chunks):
+    a row may see nothing in a block, so its running max may stay -inf (shift 0 then)."""
+    n = start + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    n_ok = n < hi
+    if EVEN_D:
+        k = tl.load(k_ptrs + start * stride_kt, mask=n_ok[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs + start * stride_kt, mask=n_ok[:, None] & (d[None, :] < D), other=0.0)
+    if EVEN_DV:
+        v = tl.load(v_ptrs + start * stride_vt, mask=n_ok[:, None], other=0.0)
+    else:
+        v = tl.load(v_ptrs + start * stride_vt, mask=n_ok[:, None] & (dv[None, :] < DV), other=0.0)
+    qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
+    if HAS_SOFTCAP:
+        x = qk * (sm_scale / softcap)
+        qk = (softcap * LOG2E) * (2.0 * tl.sigmoid(2.0 * x) - 1.0)  # tanh(x), Triton-3.6 safe
+    else:
+        qk = qk * qk_scale
+    qk = tl.where(n_ok[None, :] & (n[None, :] >= bound[:, None]), qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(qk - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=INPUT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _prefix_tile(
     q_ptr, k_ptr, v_ptr, o_ptr, l_ptr,
-    rows_ptr, row_start_ptr, node_starts_ptr, tile_node_ptr, tile_m0_ptr,
+    rows_ptr, row_start_ptr, node_starts_ptr, tile_node_ptr, tile_m0_ptr, lower_ptr,
     tile, kvh, split,
     Lq, G, D, DV, num_splits, slot0,
     sm_scale, softcap,
     stride_qb, stride_qh, stride_ql, stride_qd,
     stride_kh, stride_kt,
     stride_vh, stride_vt,
+    lw_b, lw_l,
     o_s, o_b, o_kvh, o_g, o_l,
     l_s, l_b, l_kvh, l_g, l_l,
     HAS_SOFTCAP: tl.constexpr,
+    HAS_LOWER: tl.constexpr,
     EVEN_D: tl.constexpr,
     EVEN_DV: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
@@ -93,7 +131,8 @@ def _prefix_tile(
     BLOCK_D: tl.constexpr,
     BLOCK_DV: tl.constexpr,
 ):
-    """One program of the prefix pass: BLOCK_M folded query rows of one node x one KV split."""
+    """One program of the prefix pass: BLOCK_M folded query rows of one node x one KV split. ``HAS_LOWER``: query
+    (row, q) sees only the level's key columns from ``lower[row, q]`` (int64) on (sliding windows, chunks)."""
     # Decode this tile's M axis into (batch row, group, position).
     node = tl.load(tile_node_ptr + tile)
     m = tl.load(tile_m0_ptr + tile) + tl.arange(0, BLOCK_M)
@@ -134,14 +173,22 @@ def _prefix_tile(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
-    for start in range(lo, full_hi, BLOCK_N):
-        m_i, l_i, acc = _prefix_block(q, k_ptrs, v_ptrs, start, hi, m_i, l_i, acc, qk_scale, sm_scale, softcap,
-                                      stride_kt, stride_vt, D, DV, False, HAS_SOFTCAP, EVEN_D, EVEN_DV,
-                                      INPUT_PRECISION, BLOCK_N, BLOCK_D, BLOCK_DV)
-    if full_hi < hi:  # the node's last, partial block
-        m_i, l_i, acc = _prefix_block(q, k_ptrs, v_ptrs, full_hi, hi, m_i, l_i, acc, qk_scale, sm_scale, softcap,
-                                      stride_kt, stride_vt, D, DV, True, HAS_SOFTCAP, EVEN_D, EVEN_DV,
-                                      INPUT_PRECISION, BLOCK_N, BLOCK_D, BLOCK_DV)
+    if HAS_LOWER:
+        bound = tl.load(lower_ptr + row * lw_b + pos.to(tl.int64) * lw_l, mask=valid, other=0)
+        first = tl.maximum(lo, tl.min(tl.where(valid, bound, hi), 0))  # blocks below every row's bound: skipped
+        for start in range(first, hi, BLOCK_N):
+            m_i, l_i, acc = _prefix_block_bounded(q, k_ptrs, v_ptrs, start, hi, bound, m_i, l_i, acc, qk_scale,
+                                                  sm_scale, softcap, stride_kt, stride_vt, D, DV, HAS_SOFTCAP,
+                                                  EVEN_D, EVEN_DV, INPUT_PRECISION, BLOCK_N, BLOCK_D, BLOCK_DV)
+    else:
+        for start in range(lo, full_hi, BLOCK_N):
+            m_i, l_i, acc = _prefix_block(q, k_ptrs, v_ptrs, start, hi, m_i, l_i, acc, qk_scale, sm_scale, softcap,
+                                          stride_kt, stride_vt, D, DV, False, HAS_SOFTCAP, EVEN_D, EVEN_DV,
+                                          INPUT_PRECISION, BLOCK_N, BLOCK_D, BLOCK_DV)
+        if full_hi < hi:  # the node's last, partial block
+            m_i, l_i, acc = _prefix_block(q, k_ptrs, v_ptrs, full_hi, hi, m_i, l_i, acc, qk_scale, sm_scale,
+                                          softcap, stride_kt, stride_vt, D, DV, True, HAS_SOFTCAP, EVEN_D, EVEN_DV,
+                                          INPUT_PRECISION, BLOCK_N, BLOCK_D, BLOCK_DV)
 
     # Normalise; an empty key range leaves l_i == 0: out 0, lse -inf.
     has_keys = l_i > 0
@@ -162,14 +209,17 @@ def _prefix_fwd_kernel(
     q_ptr, k_ptr, v_ptr,
     o_ptr, l_ptr,  # outputs (final or partials, see module docstring), fp32
     rows_ptr, row_start_ptr, node_starts_ptr, tile_node_ptr, tile_m0_ptr,
+    lower_ptr,  # int64 [B, Lq]: each query's first visible key column of this level (HAS_LOWER)
     Lq, G, D, DV, num_splits, slot0,
     sm_scale, softcap,
     stride_qb, stride_qh, stride_ql, stride_qd,
     stride_kh, stride_kt,
     stride_vh, stride_vt,
+    lw_b, lw_l,
     o_s, o_b, o_kvh, o_g, o_l,
     l_s, l_b, l_kvh, l_g, l_l,
     HAS_SOFTCAP: tl.constexpr,
+    HAS_LOWER: tl.constexpr,
     EVEN_D: tl.constexpr,  # D == BLOCK_D: no head_dim mask (queries, keys)
     EVEN_DV: tl.constexpr,  # DV == BLOCK_DV: no mask over the values' head_dim
     INPUT_PRECISION: tl.constexpr,
@@ -180,12 +230,12 @@ def _prefix_fwd_kernel(
 ):
     # grid = (tiles, Hkv, kv splits)
     _prefix_tile(q_ptr, k_ptr, v_ptr, o_ptr, l_ptr,
-                 rows_ptr, row_start_ptr, node_starts_ptr, tile_node_ptr, tile_m0_ptr,
+                 rows_ptr, row_start_ptr, node_starts_ptr, tile_node_ptr, tile_m0_ptr, lower_ptr,
                  tl.program_id(0), tl.program_id(1), tl.program_id(2),
                  Lq, G, D, DV, num_splits, slot0, sm_scale, softcap,
-                 stride_qb, stride_qh, stride_ql, stride_qd, stride_kh, stride_kt, stride_vh, stride_vt,
+                 stride_qb, stride_qh, stride_ql, stride_qd, stride_kh, stride_kt, stride_vh, stride_vt, lw_b, lw_l,
                  o_s, o_b, o_kvh, o_g, o_l, l_s, l_b, l_kvh, l_g, l_l,
-                 HAS_SOFTCAP, EVEN_D, EVEN_DV, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
+                 HAS_SOFTCAP, HAS_LOWER, EVEN_D, EVEN_DV, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
 
 
 @triton.jit

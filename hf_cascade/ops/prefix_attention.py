@@ -317,11 +317,12 @@ def _prefix_launch_config(query: Tensor, key: Tensor, plan: PrefixPlan, num_spli
 
 def launch_prefix(query: Tensor, key: Tensor, value: Tensor, plan: PrefixPlan, config, o: Tensor,
                   lse: Tensor, o_strides, lse_strides, slot0: int, *, scale: float,
-                  softcap: float | None) -> None:
+                  softcap: float | None, lower: Tensor | None = None) -> None:
     """One prefix-kernel launch writing every (row, head, position) state into o / lse.
 
     ``o_strides`` = (slot, b, kvh, group, q) element strides of ``o`` (head_dim stride 1),
-    ``lse_strides`` the same for ``lse``; split s goes to slot ``slot0 + s``.
+    ``lse_strides`` the same for ``lse``; split s goes to slot ``slot0 + s``. ``lower``: None, or int64 ``[B, Lq]``,
+    each query's first visible column of ``key`` (sliding windows, chunks).
     """
     from . import _prefix_kernel as kernels  # lazy: triton is optional
 
@@ -337,11 +338,14 @@ def launch_prefix(query: Tensor, key: Tensor, value: Tensor, plan: PrefixPlan, c
     kernels._prefix_fwd_kernel[(sched.num_tiles, Hkv, splits)](
         query, key, value, o, lse,
         sched.rows, sched.row_start, sched.node_starts, sched.tile_node, sched.tile_m0,
+        sched.rows if lower is None else lower,
         Lq, Hq // Hkv, D, Dv, splits, slot0,
         float(scale), float(softcap) if softcap is not None else 1.0,
         *query.stride(), *key.stride()[:2], *value.stride()[:2],
+        *((0, 0) if lower is None else lower.stride()),
         *o_strides, *lse_strides,
         HAS_SOFTCAP=softcap is not None,
+        HAS_LOWER=lower is not None,
         EVEN_D=block_d == D, EVEN_DV=block_dv == Dv,
         INPUT_PRECISION=dot_precision(query.dtype),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,

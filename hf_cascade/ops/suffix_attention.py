@@ -213,9 +213,11 @@ def launch_suffix(
     num_warps: int | None = None,
     num_stages: int | None = None,
     key_length: Tensor | None = None,
+    lower: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Launch the suffix kernel (inputs already validated); ``states`` seeds it with prefix states;
-    ``key_length``: int64 device scalar, the keys from it on unwritten (the kernel stops reading there).
+    ``key_length``: int64 device scalar, the keys from it on unwritten (the kernel stops reading there);
+    ``lower``: int64 ``[B, Lq]``, each query's first visible key column (sliding windows, chunks), or None.
 
     ``states = (out fp32, lse fp32, num_states, out strides (slot, b, kvh, group, q, d),
     lse strides (slot, b, kvh, group, q))``: every state slot is merged exactly into the result.
@@ -258,15 +260,18 @@ def launch_suffix(
     block_d, block_dv = padded_head_dim(D), padded_head_dim(Dv)
     grid = (-(-(G * Lq) // block_m), Hkv, B)
     kernels._suffix_fwd_kernel[grid](
-        query, key, value, mask_arg, key if key_length is None else key_length, po, pl, out, lse,
+        query, key, value, mask_arg, key if key_length is None else key_length, key if lower is None else lower,
+        po, pl, out, lse,
         Lq, S, G, D, Dv, n_states,
         float(scale), float(softcap) if softcap is not None else 1.0,
         *query.stride(), *key.stride()[:3], *value.stride()[:3], *mask_strides,
+        *((0, 0) if lower is None else lower.stride()),
         *po_strides, *pl_strides, *out.stride(), *lse.stride(),
         MASK_MODE=mode,
         HAS_SOFTCAP=softcap is not None,
         HAS_PREFIX=states is not None,
         HAS_KEY_LEN=key_length is not None,
+        HAS_LOWER=lower is not None,
         EVEN_D=block_d == D, EVEN_DV=block_dv == Dv,
         INPUT_PRECISION=dot_precision(query.dtype),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
