@@ -42,7 +42,7 @@ from hf_cascade.ops.reference import write_suffix_kv_ref
 from hf_cascade.prefill import PrefixLevel, prefill_levels, validate_token_ids
 from hf_cascade.step_buffers import StepBuffers, take_or_new
 from hf_cascade.ops.bounded import merge_sink
-from hf_cascade.windows import bounded_attend, layer_sinks, layer_window, row_shifts
+from hf_cascade.windows import cache_bounded_attend, layer_sinks, layer_window
 
 
 class _SuffixLayer(CacheLayerMixin):
@@ -805,19 +805,10 @@ class CascadeCache(Cache):
         attention_mask = self._suffix_mask(attention_mask, layer, query.shape[2], key.shape[2])
         # Fixed buffers: the kernels read the suffix only as far as it is written (the mask hides the rest anyway).
         written = layer.cumulative_length if isinstance(layer, _StaticSuffixLayer) and layer.is_initialized else None
-        if bounded:
-            if self.levels and self._plan is None:
-                self._plan = self._plan_for(query.shape[0], query.device)
-            if self._shifts is None:
-                last = (key.shape[2] if written is None else written.reshape(())) - 1
-                self._shifts = row_shifts(self.levels, self.row_nodes, self.suffix_start, query.shape[0], query.device,
-                                          kwargs.get("position_ids"), last)
-            out, lse = bounded_attend(
-                self._shifts, self._plan if self.levels else None, query, key, value,
-                [level.keys[layer_idx] for level in self.levels], [level.values[layer_idx] for level in self.levels],
-                attention_mask, scale=scaling, softcap=softcap, window=window if chunk is None else None, chunk=chunk,
-                key_length=written,
-            )
+        if bounded:  # (Triton in eager forwards; the PyTorch path in compiled / recorded steps, for now)
+            out, lse = cache_bounded_attend(self, layer_idx, query, key, value, attention_mask, scale=scaling,
+                                            softcap=softcap, window=window, chunk=chunk, key_length=written,
+                                            position_ids=kwargs.get("position_ids"), static=compiling)
             return out if sinks is None else merge_sink(out, lse, sinks, heads_dim=2)[0]
         if compiling and self._compiled_prefix is not None:
             # The padded levels: the graph reads no level count (a tree of 1 to 4 levels is the same graph).

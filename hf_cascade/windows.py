@@ -151,6 +151,26 @@ def bounded_attend(
     return out.to(query.dtype).transpose(1, 2).contiguous(), lse
 
 
+def cache_bounded_attend(cache, layer_idx: int, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, *,
+                         scale: float, softcap: float | None, window: int | None, chunk: int | None,
+                         key_length: Tensor | None, position_ids: Tensor | None, static: bool) -> tuple[Tensor, Tensor]:
+    """:func:`bounded_attend` for one layer of a :class:`~hf_cascade.cache.CascadeCache` (its rows' plan and
+    :class:`RowShifts`, built at the first bounded layer of the layout and kept on the cache). ``static``: a compiled
+    or recorded step (the PyTorch path: the Triton wrappers plan on the host)."""
+    if cache.levels and cache._plan is None:
+        cache._plan = cache._plan_for(query.shape[0], query.device)
+    if cache._shifts is None:
+        last = (key.shape[2] if key_length is None else key_length.reshape(())) - 1
+        cache._shifts = row_shifts(cache.levels, cache.row_nodes, cache.suffix_start, query.shape[0], query.device,
+                                   position_ids, last)
+    return bounded_attend(
+        cache._shifts, cache._plan if cache.levels else None, query, key, value,
+        [level.keys[layer_idx] for level in cache.levels], [level.values[layer_idx] for level in cache.levels], mask,
+        scale=scale, softcap=softcap, window=window if chunk is None else None, chunk=chunk, key_length=key_length,
+        backend="torch" if static else "auto",
+    )
+
+
 def droppable_prefix_tokens(shifts: RowShifts, levels, row_nodes: Tensor | None, window: int) -> int:
     """Prefix tokens (summed over the levels' packed columns) that no row's current or later query can see in a
     sliding layer of ``window``: every query of row ``b`` sits at position >= ``first_position[b]``, so the columns of
