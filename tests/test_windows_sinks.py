@@ -386,3 +386,19 @@ def test_cascade_attention_rejects_half_given_bounds():
     with pytest.raises(ValueError, match=r"`suffix_lower` must be int64 \[B, Lq\] = \[2, 1\]"):
         cascade_attention(q, k, k, [level], scale=0.3, key_lower=[torch.zeros(2, 1, dtype=torch.int64)],
                           suffix_lower=torch.zeros(2, 1, dtype=torch.int32))
+
+
+@needs_triton
+@pytest.mark.parametrize("family, overrides", _params([("gpt_oss", dict(sliding_window=6)),
+                                                       ("gemma2", dict(sliding_window=5)),
+                                                       ("llama4", dict(attention_chunk_size=6))]))
+def test_windowed_models_through_the_triton_kernels(family, overrides, monkeypatch):
+    """The eager bounded layers as they run on CUDA: the Triton kernels with per-query lower bounds (interpreter)."""
+    import hf_cascade.windows as windows
+
+    monkeypatch.setattr(windows, "resolve_backend", lambda *args: "triton")
+    ref, cas = model_pair(family, **overrides)
+    rows = make_prompts(seed=7)
+    want, got, want_new, got_new, _ = run_pair(ref, cas, rows, dict(do_sample=False))
+    assert torch.equal(got_new, want_new)
+    assert_logits_close(want, got)
