@@ -203,6 +203,24 @@ def plain_attention(
     return out.transpose(1, 2)
 
 
+def sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                   sinks: torch.Tensor, *, scale: float, softcap: float | None = None) -> torch.Tensor:
+    """Attention over ``key``/``value`` as given with one sink per head (GPT-OSS's ``s_aux``: a logit in the softmax
+    denominator whose value is zero), merged into the state's LSE.
+
+    Args:
+        query: ``[B, Hq, Lq, D]``; key, value: ``[B, Hkv, S, D / Dv]``; mask: bool ``[B or 1, Lq, S]`` (True =
+            attend) or None (causal, bottom-right); sinks: ``[Hq]``.
+    Returns:
+        ``[B, Lq, Hq, Dv]`` in ``query.dtype``.
+    """
+    from hf_cascade.ops.bounded import merge_sink
+    from hf_cascade.ops.suffix_attention import suffix_attention
+
+    out, lse = suffix_attention(query, key, value, scale=scale, mask=mask, causal=True, softcap=softcap)
+    return merge_sink(out.transpose(1, 2), lse, sinks, heads_dim=2)[0]
+
+
 def cascade_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -228,15 +246,19 @@ def cascade_attention_forward(
         scaling = float(scaling if scaling is not None else query.shape[-1] ** -0.5)
         return torch.ops.hf_cascade.layer_step_attention(query, key, value, attention_mask, module.layer_idx,
                                                          scaling, softcap), None
-    if kwargs.get("s_aux") is not None:
-        raise NotImplementedError(
-            "Attention sinks (`s_aux`, e.g. GPT-OSS) are not supported by attn_implementation='cascade'; "
-            "load this model with attn_implementation='eager' or 'sdpa'."
-        )
     provider = bound_provider(module, key, value)
     if provider is None:
         if query.shape[0] > 1 and query.shape[2] > 1 and getattr(module, "layer_idx", None) == 0:
             _suggest_custom_generate()
+        if kwargs.get("s_aux") is not None:  # attention sinks (GPT-OSS): the mask holds any sliding window
+            if dropout and module.training:
+                raise NotImplementedError(
+                    "The cascade attention does not implement attention dropout with attention sinks (`s_aux`) in "
+                    "training mode; call `model.eval()` or train with attn_implementation='eager'."
+                )
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            return sink_attention(query, key, value, _as_bool_mask(attention_mask), kwargs["s_aux"], scale=scale,
+                                  softcap=softcap), None
         out = plain_attention(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, softcap=softcap, **kwargs
         )

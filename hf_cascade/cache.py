@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from hf_cascade.attention import ATTENTION_NAME, bind_layer, check_model_uses_cascade, plain_attention
+from hf_cascade.attention import ATTENTION_NAME, bind_layer, check_model_uses_cascade, plain_attention, sink_attention
 from hf_cascade.captured_step import static_step
 from hf_cascade.compiled_layers import outside_layer_graphs
 from hf_cascade.model_scan import attention_modules
@@ -41,6 +41,8 @@ from hf_cascade.ops.plan import CascadePlan, cascade_attention_planned, padded_l
 from hf_cascade.ops.reference import write_suffix_kv_ref
 from hf_cascade.prefill import PrefixLevel, prefill_levels, validate_token_ids
 from hf_cascade.step_buffers import StepBuffers, take_or_new
+from hf_cascade.ops.bounded import merge_sink
+from hf_cascade.windows import cache_bounded_attend, layer_sinks, layer_window
 
 
 class _SuffixLayer(CacheLayerMixin):
@@ -142,9 +144,10 @@ class _StaticSuffixLayer(_SuffixLayer):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         shape = (*key_states.shape[:2], self.max_suffix_length, key_states.shape[-1])
+        value_shape = (*shape[:3], value_states.shape[-1])  # K and V head sizes may differ
         # With step buffers: an earlier call's (same addresses: its CUDA graphs replay), cleared.
         self.keys = take_or_new(self.step_buffers, shape, self.dtype, self.device, zeroed=True)
-        self.values = take_or_new(self.step_buffers, shape, self.dtype, self.device, zeroed=True)
+        self.values = take_or_new(self.step_buffers, value_shape, self.dtype, self.device, zeroed=True)
         self.cumulative_length = take_or_new(self.step_buffers, (), torch.int64, self.device, zeroed=True)
         self._host_length, self._host_length_stale = 0, False
         if not torch.compiler.is_compiling():
@@ -402,7 +405,8 @@ class CascadeCache(Cache):
         pad = padded_level_count(len(self.levels)) - len(self.levels) if self.pad_levels else 0
         slots = ([], [])
         for kind, kind_slots in enumerate(slots):  # taken in the order step_buffer_tensors lists them
-            kind_slots += [new((layers, heads, 2, head_dim)) for _ in range(pad)]
+            width = head_dim if kind == 0 else self.levels[0].values[0].shape[-1]  # K and V head sizes may differ
+            kind_slots += [new((layers, heads, 2, width)) for _ in range(pad)]
             for level in self.levels:
                 tensors = level.keys if kind == 0 else level.values
                 stacked = _stacked_base(tensors) if buffers is None else None
@@ -445,6 +449,10 @@ class CascadeCache(Cache):
         tensors = self.step_buffer_tensors()
         if self._window_dev is None and self._suffix_start_dev is not None:  # read by _suffix_mask only then
             tensors.append(self._suffix_start_dev)
+        if self._shifts is not None:  # layers whose window is shorter than the sequence (hf_cascade.windows)
+            tensors += [self._shifts.level_shift, self._shifts.suffix_shift]
+            if self._plan is not None:
+                tensors += [*self._plan.row_node, *(level.node_starts_dev for level in self._plan.levels)]
         return tensors
 
     def suffix_lengths(self) -> list[torch.Tensor]:
@@ -657,6 +665,7 @@ class CascadeCache(Cache):
         self._plans: dict[int, CascadePlan] = {}
         self._plan: CascadePlan | None = None
         self._op_inputs: list[torch.Tensor] | None = None
+        self._shifts = None  # hf_cascade.windows.RowShifts of these rows, built by the first bounded layer
 
     def _row_state(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         return self.row_nodes, self.suffix_start, self.window
@@ -782,27 +791,12 @@ class CascadeCache(Cache):
         if not compiling:  # checked eagerly at prefill; a compiled step is bound to this model
             self._check_module(module)
         layer_idx = module.layer_idx
-        chunk = _attention_chunk(module)
-        if (sliding_window is not None or chunk is not None) and self.levels and not compiling:  # fixed: at prefill
-            last_column = self.prefix_length + (key.shape[2] if self.max_suffix_length is None else
-                                                self.max_suffix_length) - 1
-            if chunk is not None and last_column >= chunk:
-                raise NotImplementedError(
-                    f"{self._model_name} layer {layer_idx} uses chunked attention (chunks of {chunk} tokens, "
-                    f"`config.attention_chunk_size`), and this sequence ({last_column + 1} tokens with the shared "
-                    f"prefix{', counting max_suffix_length' if self.max_suffix_length is not None else ''}) is longer "
-                    "than one chunk: the cascade attention reads the whole shared prefix and would ignore the chunk "
-                    "boundaries. Keep prompt + new tokens within one chunk, or use attn_implementation='sdpa' for "
-                    "this model."
-                )
-            if sliding_window is not None and last_column >= sliding_window:
-                raise NotImplementedError(
-                    f"{type(module).__name__} (layer {layer_idx}) uses a sliding window of {sliding_window} tokens, "
-                    f"and this sequence ({last_column + 1} tokens with the shared prefix"
-                    f"{', counting max_suffix_length' if self.max_suffix_length is not None else ''}) is longer: the "
-                    "cascade cache does not yet drop prefix tokens that slide out of the window. Keep prompt + new "
-                    "tokens within the window, or use attn_implementation='sdpa' for this model."
-                )
+        window, chunk = layer_window(module, sliding_window), _attention_chunk(module)
+        sinks = layer_sinks(module, kwargs.get("s_aux"))
+        # A window (or chunk) shorter than the sequence: each query's keys start at a lower bound (hf_cascade.windows).
+        last_column = self.prefix_length + (key.shape[2] if self.max_suffix_length is None else
+                                            self.max_suffix_length) - 1
+        bounded = any(size is not None and last_column >= size for size in (window, chunk))
         layer = self.layers[layer_idx]
         if not self.rows_verified and not self._positions_checked and not compiling:
             if layer.host_length == query.shape[2]:  # the first forward over an empty suffix (the prefill)
@@ -811,15 +805,23 @@ class CascadeCache(Cache):
         attention_mask = self._suffix_mask(attention_mask, layer, query.shape[2], key.shape[2])
         # Fixed buffers: the kernels read the suffix only as far as it is written (the mask hides the rest anyway).
         written = layer.cumulative_length if isinstance(layer, _StaticSuffixLayer) and layer.is_initialized else None
+        if bounded:  # (Triton in eager forwards; the PyTorch path in compiled / recorded steps, for now)
+            out, lse = cache_bounded_attend(self, layer_idx, query, key, value, attention_mask, scale=scaling,
+                                            softcap=softcap, window=window, chunk=chunk, key_length=written,
+                                            position_ids=kwargs.get("position_ids"), static=compiling)
+            return out if sinks is None else merge_sink(out, lse, sinks, heads_dim=2)[0]
         if compiling and self._compiled_prefix is not None:
             # The padded levels: the graph reads no level count (a tree of 1 to 4 levels is the same graph).
             # L + 1 Triton launches (see ops/cascade_attention.launch_cascade).
             prefix_keys, prefix_values = self._compiled_prefix  # every layer's; the op reads this layer's
-            return torch.ops.hf_cascade.cascade_attention(
+            out, lse = torch.ops.hf_cascade.cascade_attention(
                 query, key, value, prefix_keys, prefix_values, self._op_inputs, attention_mask, scaling, softcap,
                 layer_idx, written,
-            )[0]
+            )
+            return out if sinks is None else merge_sink(out, lse, sinks, heads_dim=2)[0]
         if not self.levels:  # nothing shared (e.g. prefilling a tree's first level): the fastest exact kernel
+            if sinks is not None:
+                return sink_attention(query, key, value, attention_mask, sinks, scale=scaling, softcap=softcap)
             mask = None if attention_mask is None else attention_mask[:, None]
             return plain_attention(module, query, key, value, mask, scaling=scaling, softcap=softcap)
         prefix_keys = [level.keys[layer_idx] for level in self.levels]
@@ -829,7 +831,8 @@ class CascadeCache(Cache):
             self._op_inputs = self._plan.op_inputs(query[:, :, -1:], key,
                                                    [slot[layer_idx] for slot in self._compiled_prefix[0]],
                                                    buffers=self._step_buffers)
-        return cascade_attention_planned(
+        out, lse = cascade_attention_planned(
             query, key, value, prefix_keys, prefix_values, self._plan, scale=scaling, mask=attention_mask,
-            softcap=softcap, key_length=written,
+            softcap=softcap, key_length=written, return_lse=True,
         )
+        return out if sinks is None else merge_sink(out, lse, sinks, heads_dim=2)[0]

@@ -164,7 +164,6 @@ def generate(
     if attention_mask is None:  # transformers >= 5.18 drops an all-ones mask
         attention_mask = torch.ones_like(input_ids)
     max_new_tokens = generation_config.max_length - input_ids.shape[1]
-    _check_chunked_attention(model, input_ids.shape[1], max_new_tokens)
     if isinstance(user_cache, CascadeCache) and user_cache.rows_verified:
         # Already planned for these rows (shared_prefix_inputs): check the room it has before any work.
         cache = user_cache
@@ -413,22 +412,6 @@ def _unshareable_request(input_ids: torch.Tensor, generation_config, model_kwarg
     if generation_config.return_dict_in_generate and generation_config.output_hidden_states:
         return "`output_hidden_states=True` (the hidden states of every prompt column, as sdpa gives)"
     return None
-
-
-def _check_chunked_attention(model, width: int, max_new_tokens: int) -> None:
-    """Chunked attention (Llama 4): exact only while every token is in the first chunk; refuse before any work."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    chunk = getattr(config, "attention_chunk_size", None)
-    if not chunk or "chunked_attention" not in (getattr(config, "layer_types", None) or ()):
-        return
-    needed = width + max_new_tokens - 1  # the last new token is never fed back
-    if needed > chunk:
-        raise NotImplementedError(
-            f"{type(model).__name__} uses chunked attention (chunks of {chunk} tokens, `config.attention_chunk_size`) "
-            f"and this generate() spans {needed} tokens ({width} prompt columns + max_new_tokens={max_new_tokens}): "
-            "the cascade attention reads the whole shared prefix and would ignore the chunk boundaries. Keep prompt + "
-            "new tokens within one chunk, or call generate() without `custom_generate=hf_cascade.generate`."
-        )
 
 
 def _check_capacity(cache: CascadeCache, width: int, max_new_tokens: int) -> None:

@@ -31,7 +31,40 @@ FAMILIES = {
             "sliding_window": 4096,
         },
     ),
+    # Families of issue 33 (each guarded: a transformers without the config class leaves it out).
+    "gpt_oss": (
+        "GptOssConfig",
+        "eager",  # transformers' sdpa path has no attention sinks
+        {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2,  # 64, 128, 4 in gpt-oss-20b
+         "num_hidden_layers": 4, "sliding_window": 8},  # 24 layers, window 128: alternate sliding/full as the real one
+    ),
+    "gemma3": (
+        "Gemma3TextConfig",
+        "sdpa",
+        {"head_dim": 16, "query_pre_attn_scalar": 16,  # 256 in Gemma-3-4B
+         "num_hidden_layers": 6, "sliding_window": 8},  # 34 layers, window 1024: five sliding layers, then a full one
+    ),
+    "smollm3": ("SmolLM3Config", "sdpa", {"num_hidden_layers": 4}),  # 36 layers; every 4th layer without rotary (NoPE)
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "sdpa",
+        {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},  # 128, 128, 8, 768
+    ),
+    "llama4": (
+        "Llama4TextConfig",
+        "sdpa",
+        {"num_local_experts": 2, "intermediate_size_mlp": 128, "head_dim": 16,  # 16, 16384, 128 in Llama-4-Scout
+         "num_hidden_layers": 4, "attention_chunk_size": 8},  # 48 layers, chunks of 8192; every 4th layer NoPE, full
+    ),
 }
+
+
+def available_families() -> list[str]:
+    """The :data:`FAMILIES` whose config class this transformers has (Gemma 3, GPT-OSS, SmolLM3, Qwen3-MoE and Llama 4
+    need newer releases than the oldest supported one)."""
+    import transformers
+
+    return sorted(f for f, (name, _, _) in FAMILIES.items() if hasattr(transformers, name))
 
 
 def tiny_config(family: str = "llama", **overrides):
@@ -41,6 +74,11 @@ def tiny_config(family: str = "llama", **overrides):
     if family not in FAMILIES:
         raise ValueError(f"`family` must be one of {sorted(FAMILIES)}; got {family!r}.")
     class_name, _, family_overrides = FAMILIES[family]
+    if not hasattr(transformers, class_name):
+        raise ValueError(
+            f"The tiny {family!r} model needs transformers.{class_name}, which transformers {transformers.__version__} "
+            f"does not have; upgrade transformers, or pick one of {available_families()}."
+        )
     kwargs = dict(
         vocab_size=128,  # 128256 in Llama-3-8B
         hidden_size=64,  # 4096

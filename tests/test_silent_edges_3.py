@@ -146,33 +146,22 @@ def test_a_value_not_the_cached_one_is_refused():
 
 
 # ------------------------------------------------------------------ Llama 4 chunked attention
-def test_llama4_chunked_attention_exact_within_a_chunk_refused_beyond():
+@pytest.mark.parametrize("chunk", [64, 8, 5])  # 8192 in Llama 4 Scout; within one chunk, and across several
+def test_llama4_chunked_attention_exact_at_any_length(chunk):
+    """Chunked attention was refused past the first chunk (issue 33: each query's keys start at its chunk's first
+    position, a lower bound per level and suffix); now exact at any length, one argument or a hand-built cache."""
     rows = make_prompts(seed=2)  # 20 to 23 tokens
     ids, mask = pad_batch(rows)
-    ref, cas = _pair(_config("llama4", attention_chunk_size=64))
+    ref, cas = _pair(_config("llama4", attention_chunk_size=chunk))
     assert "chunked_attention" in cas.config.layer_types
     assert torch.equal(cas.generate(ids, attention_mask=mask, **GEN, **ONE_ARGUMENT),
                        ref.generate(ids, attention_mask=mask, **GEN))
 
-    ref, cas = _pair(_config("llama4", attention_chunk_size=ids.shape[1] + 2))
-    want = ref.generate(ids, attention_mask=mask, **GEN)  # crosses a chunk boundary while decoding
-    forwards, handle = _count_forwards(cas)
-    try:
-        with pytest.raises(NotImplementedError, match=rf"chunks of {ids.shape[1] + 2} tokens.*spans "
-                                                      rf"{ids.shape[1] + 3} tokens"):
-            cas.generate(ids, attention_mask=mask, **GEN, **ONE_ARGUMENT)
-    finally:
-        handle.remove()
-    assert forwards == []
-    assert torch.equal(cas.generate(ids, attention_mask=mask, **GEN), want)  # plain generate(): sdpa's
-
-    # A cache built by hand and given to generate() directly: refused at the first forward past the chunk.
     prefix = random_tokens(9, 5)
     ids, mask = prefix_batch(prefix, [random_tokens(3, 6), random_tokens(5, 7)])
-    ref, cas = _pair(_config("llama4", attention_chunk_size=8))
     cache = CascadeCache.from_prefix(cas, prefix)
-    with pytest.raises(NotImplementedError, match="Llama4ForCausalLM layer 0 uses chunked attention"):
-        cas.generate(ids, attention_mask=mask, **{CACHE_KWARG: cache}, **GEN)
+    assert torch.equal(cas.generate(ids, attention_mask=mask, **{CACHE_KWARG: cache}, **GEN),
+                       ref.generate(ids, attention_mask=mask, **GEN))
 
 
 # ------------------------------------------------------------------ user position_ids, hidden states, attentions

@@ -28,49 +28,55 @@ def _cascade_fwd_kernel(
     q_ptr,
     pk_ptr, pv_ptr,  # prefix level KV [Hkv, T, D]
     rows_ptr, row_start_ptr, node_starts_ptr, tile_node_ptr, tile_m0_ptr,  # its schedule
+    plower_ptr, slower_ptr,  # int64 [B, Lq]: first visible column of the level / of the suffix (HAS_LOWER)
     sk_ptr, sv_ptr, mask_ptr, key_len_ptr,  # suffix KV [B, Hkv, S, D], bool mask as uint8 (MASK_MODE 2), written
     so_ptr, sl_ptr,  # fp32 state slots [slots, Hkv, B*Lq*G, D] / [slots, Hkv, B*Lq*G]
-    Lq, S, G, D, Hkv, num_splits, slot0, suffix_slot, n_prefix, tiles, s_mtiles,
+    Lq, S, G, D, DV, Hkv, num_splits, slot0, suffix_slot, n_prefix, tiles, s_mtiles,
     sm_scale, softcap,
     stride_qb, stride_qh, stride_ql, stride_qd,
     stride_pkh, stride_pkt, stride_pvh, stride_pvt,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
     stride_mb, stride_mq, stride_ms,
+    plw_b, plw_l, slw_b, slw_l,
     o_s, o_b, o_kvh, o_g, o_l,
     l_s, l_b, l_kvh, l_g, l_l,
     MASK_MODE: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr,
     HAS_KEY_LEN: tl.constexpr,  # key_len_ptr: int64 count of written suffix keys (the rest are never visible)
+    HAS_LOWER: tl.constexpr,  # per-query lower bounds on the visible key columns (sliding windows, chunks)
     EVEN_D: tl.constexpr,
+    EVEN_DV: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_MP: tl.constexpr,  # prefix tile rows
     BLOCK_MS: tl.constexpr,  # suffix tile rows
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,  # the values' head_dim, padded (DV: K/V head sizes may differ)
 ):
     pid = tl.program_id(0)
     if pid < n_prefix:
         rest = pid // tiles
         _prefix_tile(q_ptr, pk_ptr, pv_ptr, so_ptr, sl_ptr,
-                     rows_ptr, row_start_ptr, node_starts_ptr, tile_node_ptr, tile_m0_ptr,
+                     rows_ptr, row_start_ptr, node_starts_ptr, tile_node_ptr, tile_m0_ptr, plower_ptr,
                      pid % tiles, rest % Hkv, rest // Hkv,
-                     Lq, G, D, num_splits, slot0, sm_scale, softcap,
+                     Lq, G, D, DV, num_splits, slot0, sm_scale, softcap,
                      stride_qb, stride_qh, stride_ql, stride_qd, stride_pkh, stride_pkt, stride_pvh, stride_pvt,
+                     plw_b, plw_l,
                      o_s, o_b, o_kvh, o_g, o_l, l_s, l_b, l_kvh, l_g, l_l,
-                     HAS_SOFTCAP, EVEN_D, INPUT_PRECISION, BLOCK_MP, BLOCK_N, BLOCK_D)
+                     HAS_SOFTCAP, HAS_LOWER, EVEN_D, EVEN_DV, INPUT_PRECISION, BLOCK_MP, BLOCK_N, BLOCK_D, BLOCK_DV)
     else:
         sp = pid - n_prefix
         rest = sp // s_mtiles
         slot = tl.zeros([], dtype=tl.int64) + suffix_slot  # int64 even when suffix_slot is specialised to 1
-        _suffix_tile(q_ptr, sk_ptr, sv_ptr, mask_ptr, key_len_ptr, so_ptr, sl_ptr,
+        _suffix_tile(q_ptr, sk_ptr, sv_ptr, mask_ptr, key_len_ptr, slower_ptr, so_ptr, sl_ptr,
                      so_ptr + slot * o_s, sl_ptr + slot * l_s,
                      sp % s_mtiles, rest % Hkv, rest // Hkv,
-                     Lq, S, G, D, 0, sm_scale, softcap,
+                     Lq, S, G, D, DV, 0, sm_scale, softcap,
                      stride_qb, stride_qh, stride_ql, stride_qd,
                      stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-                     stride_mb, stride_mq, stride_ms,
+                     stride_mb, stride_mq, stride_ms, slw_b, slw_l,
                      0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,  # no prefix states to seed
                      o_b, o_kvh, o_g, o_l, 1, l_b, l_kvh, l_g, l_l,
-                     MASK_MODE, HAS_SOFTCAP, False, HAS_KEY_LEN, EVEN_D, INPUT_PRECISION, BLOCK_MS, BLOCK_N,
-                     BLOCK_D)
+                     MASK_MODE, HAS_SOFTCAP, False, HAS_KEY_LEN, HAS_LOWER, EVEN_D, EVEN_DV, INPUT_PRECISION, BLOCK_MS, BLOCK_N,
+                     BLOCK_D, BLOCK_DV)

@@ -13,7 +13,7 @@ Every program writes a normalised state (out, natural-log lse) for its rows and 
 pseudo-node's programs read no keys and write out 0 / lse -inf, so every output element is written
 and the wrapper needs no zero-fill launch. Outputs are addressed as
 ``o + slot*o_s + row*o_b + kvh*o_kvh + group*o_g + q*o_l + d`` (same for lse without d): the final
-[B, Hq, Lq, D] tensor when there is one split, else fp32 partials [slots, Hkv, B*Lq*G, D] in batch
+[B, Hq, Lq, DV] tensor when there is one split, else fp32 partials [slots, Hkv, B*Lq*G, DV] in batch
 row order, reduced by ``_state_combine_kernel`` or by the suffix kernel's prologue (flash-decoding).
 """
 
@@ -30,24 +30,30 @@ LN2 = tl.constexpr(0.6931471805599453)  # ln(2): back to natural-log LSE on the 
 
 @triton.jit
 def _prefix_block(q, k_ptrs, v_ptrs, start, hi, m_i, l_i, acc, qk_scale, sm_scale, softcap,
-                  stride_kt, stride_vt, D,
-                  MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr, EVEN_D: tl.constexpr,
-                  INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr):
-    """One KV block of the online softmax; MASKED only for the last, partial block of a node."""
+                  stride_kt, stride_vt, D, DV,
+                  MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+                  INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_DV: tl.constexpr):
+    """One KV block of the online softmax; MASKED only for the last, partial block of a node. Keys are D wide,
+    values DV wide (MLA-style K/V head sizes may differ)."""
     offs_n = tl.arange(0, BLOCK_N)
     d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
     n_ok = start + offs_n < hi
     if EVEN_D:
         if MASKED:
             k = tl.load(k_ptrs + start * stride_kt, mask=n_ok[:, None], other=0.0)
-            v = tl.load(v_ptrs + start * stride_vt, mask=n_ok[:, None], other=0.0)
         else:
             k = tl.load(k_ptrs + start * stride_kt)
+    else:
+        k = tl.load(k_ptrs + start * stride_kt, mask=n_ok[:, None] & (d[None, :] < D), other=0.0)
+    if EVEN_DV:
+        if MASKED:
+            v = tl.load(v_ptrs + start * stride_vt, mask=n_ok[:, None], other=0.0)
+        else:
             v = tl.load(v_ptrs + start * stride_vt)
     else:
-        kv_mask = n_ok[:, None] & (d[None, :] < D)
-        k = tl.load(k_ptrs + start * stride_kt, mask=kv_mask, other=0.0)
-        v = tl.load(v_ptrs + start * stride_vt, mask=kv_mask, other=0.0)
+        v = tl.load(v_ptrs + start * stride_vt, mask=n_ok[:, None] & (dv[None, :] < DV), other=0.0)
     qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
     if HAS_SOFTCAP:
         x = qk * (sm_scale / softcap)
@@ -67,25 +73,66 @@ def _prefix_block(q, k_ptrs, v_ptrs, start, hi, m_i, l_i, acc, qk_scale, sm_scal
 
 
 @triton.jit
+def _prefix_block_bounded(q, k_ptrs, v_ptrs, start, hi, bound, m_i, l_i, acc, qk_scale, sm_scale, softcap,
+                          stride_kt, stride_vt, D, DV,
+                          HAS_SOFTCAP: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+                          INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                          BLOCK_DV: tl.constexpr):
+    """:func:`_prefix_block` where query row m sees only the key columns >= ``bound[m]`` (sliding windows, chunks):
+    a row may see nothing in a block, so its running max may stay -inf (shift 0 then)."""
+    n = start + tl.arange(0, BLOCK_N)
+    d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
+    n_ok = n < hi
+    if EVEN_D:
+        k = tl.load(k_ptrs + start * stride_kt, mask=n_ok[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs + start * stride_kt, mask=n_ok[:, None] & (d[None, :] < D), other=0.0)
+    if EVEN_DV:
+        v = tl.load(v_ptrs + start * stride_vt, mask=n_ok[:, None], other=0.0)
+    else:
+        v = tl.load(v_ptrs + start * stride_vt, mask=n_ok[:, None] & (dv[None, :] < DV), other=0.0)
+    qk = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
+    if HAS_SOFTCAP:
+        x = qk * (sm_scale / softcap)
+        qk = (softcap * LOG2E) * (2.0 * tl.sigmoid(2.0 * x) - 1.0)  # tanh(x), Triton-3.6 safe
+    else:
+        qk = qk * qk_scale
+    qk = tl.where(n_ok[None, :] & (n[None, :] >= bound[:, None]), qk, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(qk - m_safe[:, None])
+    alpha = tl.exp2(m_i - m_safe)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=INPUT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _prefix_tile(
     q_ptr, k_ptr, v_ptr, o_ptr, l_ptr,
-    rows_ptr, row_start_ptr, node_starts_ptr, tile_node_ptr, tile_m0_ptr,
+    rows_ptr, row_start_ptr, node_starts_ptr, tile_node_ptr, tile_m0_ptr, lower_ptr,
     tile, kvh, split,
-    Lq, G, D, num_splits, slot0,
+    Lq, G, D, DV, num_splits, slot0,
     sm_scale, softcap,
     stride_qb, stride_qh, stride_ql, stride_qd,
     stride_kh, stride_kt,
     stride_vh, stride_vt,
+    lw_b, lw_l,
     o_s, o_b, o_kvh, o_g, o_l,
     l_s, l_b, l_kvh, l_g, l_l,
     HAS_SOFTCAP: tl.constexpr,
+    HAS_LOWER: tl.constexpr,
     EVEN_D: tl.constexpr,
+    EVEN_DV: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
-    """One program of the prefix pass: BLOCK_M folded query rows of one node x one KV split."""
+    """One program of the prefix pass: BLOCK_M folded query rows of one node x one KV split. ``HAS_LOWER``: query
+    (row, q) sees only the level's key columns from ``lower[row, q]`` (int64) on (sliding windows, chunks)."""
     # Decode this tile's M axis into (batch row, group, position).
     node = tl.load(tile_node_ptr + tile)
     m = tl.load(tile_m0_ptr + tile) + tl.arange(0, BLOCK_M)
@@ -97,14 +144,19 @@ def _prefix_tile(
     row = tl.load(rows_ptr + r_start + m // (G * Lq), mask=valid, other=0).to(tl.int64)
     head = (kvh * G + group).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
     if EVEN_D:
-        qo_mask = valid[:, None]
+        q_mask = valid[:, None]
     else:
-        qo_mask = valid[:, None] & (d[None, :] < D)
+        q_mask = valid[:, None] & (d[None, :] < D)
+    if EVEN_DV:
+        o_mask = valid[:, None]
+    else:
+        o_mask = valid[:, None] & (dv[None, :] < DV)
 
     # Gather the tile's queries: the rows of a node need not be contiguous in the batch.
     q = tl.load(q_ptr + (row * stride_qb + head * stride_qh + pos.to(tl.int64) * stride_ql)[:, None]
-                + d[None, :] * stride_qd, mask=qo_mask, other=0.0)
+                + d[None, :] * stride_qd, mask=q_mask, other=0.0)
 
     # This split's chunk of the node's keys (rounded to BLOCK_N; trailing splits may be empty).
     k_start = tl.load(node_starts_ptr + node)
@@ -116,19 +168,27 @@ def _prefix_tile(
 
     offs_n = tl.arange(0, BLOCK_N)
     k_ptrs = k_ptr + kvh.to(tl.int64) * stride_kh + (offs_n * stride_kt)[:, None] + d[None, :]
-    v_ptrs = v_ptr + kvh.to(tl.int64) * stride_vh + (offs_n * stride_vt)[:, None] + d[None, :]
+    v_ptrs = v_ptr + kvh.to(tl.int64) * stride_vh + (offs_n * stride_vt)[:, None] + dv[None, :]
     qk_scale = sm_scale * LOG2E
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    for start in range(lo, full_hi, BLOCK_N):
-        m_i, l_i, acc = _prefix_block(q, k_ptrs, v_ptrs, start, hi, m_i, l_i, acc, qk_scale, sm_scale, softcap,
-                                      stride_kt, stride_vt, D, False, HAS_SOFTCAP, EVEN_D, INPUT_PRECISION,
-                                      BLOCK_N, BLOCK_D)
-    if full_hi < hi:  # the node's last, partial block
-        m_i, l_i, acc = _prefix_block(q, k_ptrs, v_ptrs, full_hi, hi, m_i, l_i, acc, qk_scale, sm_scale, softcap,
-                                      stride_kt, stride_vt, D, True, HAS_SOFTCAP, EVEN_D, INPUT_PRECISION,
-                                      BLOCK_N, BLOCK_D)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+    if HAS_LOWER:
+        bound = tl.load(lower_ptr + row * lw_b + pos.to(tl.int64) * lw_l, mask=valid, other=0)
+        first = tl.maximum(lo, tl.min(tl.where(valid, bound, hi), 0))  # blocks below every row's bound: skipped
+        for start in range(first, hi, BLOCK_N):
+            m_i, l_i, acc = _prefix_block_bounded(q, k_ptrs, v_ptrs, start, hi, bound, m_i, l_i, acc, qk_scale,
+                                                  sm_scale, softcap, stride_kt, stride_vt, D, DV, HAS_SOFTCAP,
+                                                  EVEN_D, EVEN_DV, INPUT_PRECISION, BLOCK_N, BLOCK_D, BLOCK_DV)
+    else:
+        for start in range(lo, full_hi, BLOCK_N):
+            m_i, l_i, acc = _prefix_block(q, k_ptrs, v_ptrs, start, hi, m_i, l_i, acc, qk_scale, sm_scale, softcap,
+                                          stride_kt, stride_vt, D, DV, False, HAS_SOFTCAP, EVEN_D, EVEN_DV,
+                                          INPUT_PRECISION, BLOCK_N, BLOCK_D, BLOCK_DV)
+        if full_hi < hi:  # the node's last, partial block
+            m_i, l_i, acc = _prefix_block(q, k_ptrs, v_ptrs, full_hi, hi, m_i, l_i, acc, qk_scale, sm_scale,
+                                          softcap, stride_kt, stride_vt, D, DV, True, HAS_SOFTCAP, EVEN_D, EVEN_DV,
+                                          INPUT_PRECISION, BLOCK_N, BLOCK_D, BLOCK_DV)
 
     # Normalise; an empty key range leaves l_i == 0: out 0, lse -inf.
     has_keys = l_i > 0
@@ -137,7 +197,7 @@ def _prefix_tile(
     lse = tl.where(has_keys, (m_i + tl.log2(l_safe)) * LN2, float("-inf"))
     slot = (slot0 + split).to(tl.int64)
     o_off = slot * o_s + row * o_b + kvh.to(tl.int64) * o_kvh + group.to(tl.int64) * o_g + pos.to(tl.int64) * o_l
-    tl.store(o_ptr + o_off[:, None] + d[None, :], o, mask=qo_mask)
+    tl.store(o_ptr + o_off[:, None] + dv[None, :], o, mask=o_mask)
     l_off = slot * l_s + row * l_b + kvh.to(tl.int64) * l_kvh + group.to(tl.int64) * l_g + pos.to(tl.int64) * l_l
     tl.store(l_ptr + l_off, lse, mask=valid)
 
@@ -149,28 +209,33 @@ def _prefix_fwd_kernel(
     q_ptr, k_ptr, v_ptr,
     o_ptr, l_ptr,  # outputs (final or partials, see module docstring), fp32
     rows_ptr, row_start_ptr, node_starts_ptr, tile_node_ptr, tile_m0_ptr,
-    Lq, G, D, num_splits, slot0,
+    lower_ptr,  # int64 [B, Lq]: each query's first visible key column of this level (HAS_LOWER)
+    Lq, G, D, DV, num_splits, slot0,
     sm_scale, softcap,
     stride_qb, stride_qh, stride_ql, stride_qd,
     stride_kh, stride_kt,
     stride_vh, stride_vt,
+    lw_b, lw_l,
     o_s, o_b, o_kvh, o_g, o_l,
     l_s, l_b, l_kvh, l_g, l_l,
     HAS_SOFTCAP: tl.constexpr,
-    EVEN_D: tl.constexpr,  # D == BLOCK_D: no head_dim mask
+    HAS_LOWER: tl.constexpr,
+    EVEN_D: tl.constexpr,  # D == BLOCK_D: no head_dim mask (queries, keys)
+    EVEN_DV: tl.constexpr,  # DV == BLOCK_DV: no mask over the values' head_dim
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     # grid = (tiles, Hkv, kv splits)
     _prefix_tile(q_ptr, k_ptr, v_ptr, o_ptr, l_ptr,
-                 rows_ptr, row_start_ptr, node_starts_ptr, tile_node_ptr, tile_m0_ptr,
+                 rows_ptr, row_start_ptr, node_starts_ptr, tile_node_ptr, tile_m0_ptr, lower_ptr,
                  tl.program_id(0), tl.program_id(1), tl.program_id(2),
-                 Lq, G, D, num_splits, slot0, sm_scale, softcap,
-                 stride_qb, stride_qh, stride_ql, stride_qd, stride_kh, stride_kt, stride_vh, stride_vt,
+                 Lq, G, D, DV, num_splits, slot0, sm_scale, softcap,
+                 stride_qb, stride_qh, stride_ql, stride_qd, stride_kh, stride_kt, stride_vh, stride_vt, lw_b, lw_l,
                  o_s, o_b, o_kvh, o_g, o_l, l_s, l_b, l_kvh, l_g, l_l,
-                 HAS_SOFTCAP, EVEN_D, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_D)
+                 HAS_SOFTCAP, HAS_LOWER, EVEN_D, EVEN_DV, INPUT_PRECISION, BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV)
 
 
 @triton.jit

@@ -29,16 +29,17 @@ MASK_TENSOR = tl.constexpr(2)  # bool mask [B, Lq, S] (read as uint8), True = at
 
 @triton.jit
 def _suffix_tile(
-    q_ptr, k_ptr, v_ptr, mask_ptr, key_len_ptr,
+    q_ptr, k_ptr, v_ptr, mask_ptr, key_len_ptr, lower_ptr,
     po_ptr, pl_ptr,  # prefix states, fp32 (see module docstring); unused when HAS_PREFIX is False
     out_ptr, lse_ptr,  # output state (query dtype or fp32) / lse (fp32), already offset to its slot
     pid_m, kvh, b,
-    Lq, S, G, D, num_prefix,
+    Lq, S, G, D, DV, num_prefix,
     sm_scale, softcap,
     stride_qb, stride_qh, stride_ql, stride_qd,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
     stride_mb, stride_mq, stride_ms,
+    lw_b, lw_l,  # strides of the lower bounds [B, Lq] (HAS_LOWER)
     po_s, po_b, po_kvh, po_g, po_l, po_d,
     pl_s, pl_b, pl_kvh, pl_g, pl_l,
     o_b, o_kvh, o_g, o_l, o_d,  # output strides of (b, kvh, group, q, d)
@@ -47,14 +48,19 @@ def _suffix_tile(
     HAS_SOFTCAP: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
     HAS_KEY_LEN: tl.constexpr,
+    HAS_LOWER: tl.constexpr,
     EVEN_D: tl.constexpr,
+    EVEN_DV: tl.constexpr,
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     """One program of the suffix pass: BLOCK_M folded (position, group) rows of batch row b, KV head kvh.
-    ``HAS_KEY_LEN``: the keys from ``*key_len_ptr`` (int64) on are unwritten (invisible): the loop stops there."""
+    ``HAS_KEY_LEN``: the keys from ``*key_len_ptr`` (int64) on are unwritten (invisible): the loop stops there.
+    ``HAS_LOWER``: query (b, q) sees only the keys from column ``lower[b, q]`` (int64; sliding windows, chunks) on:
+    the loop starts at the tile's smallest bound."""
     b = b.to(tl.int64)
     m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     valid = m < Lq * G
@@ -62,23 +68,28 @@ def _suffix_tile(
     group = m % G
     head = (kvh * G + group).to(tl.int64)
     d = tl.arange(0, BLOCK_D)
+    dv = tl.arange(0, BLOCK_DV)
     if EVEN_D:
+        q_ok = valid[:, None]
+    else:
+        q_ok = valid[:, None] & (d[None, :] < D)
+    if EVEN_DV:
         tile_ok = valid[:, None]
     else:
-        tile_ok = valid[:, None] & (d[None, :] < D)
+        tile_ok = valid[:, None] & (dv[None, :] < DV)
 
     q = tl.load(q_ptr + b * stride_qb + head[:, None] * stride_qh + pos[:, None] * stride_ql
-                + d[None, :] * stride_qd, mask=tile_ok, other=0.0)
+                + d[None, :] * stride_qd, mask=q_ok, other=0.0)
 
     # Running state in base 2, seeded with the prefix states (split combine + merge, fused).
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     if HAS_PREFIX:
         kvh64 = kvh.to(tl.int64)
         pl_base = pl_ptr + b * pl_b + kvh64 * pl_kvh + group * pl_g + pos * pl_l
         po_base = (po_ptr + b * po_b + kvh64 * po_kvh + (group * po_g + pos * po_l)[:, None]
-                   + d[None, :] * po_d)
+                   + dv[None, :] * po_d)
         for slot in range(0, num_prefix):
             ls = tl.load(pl_base + slot * pl_s, mask=valid, other=float("-inf"))
             # Empty guard: +inf (FlashAttention-2's empty rows) and NaN mean "no keys".
@@ -102,19 +113,28 @@ def _suffix_tile(
         written = tl.load(key_len_ptr).to(tl.int32)
         hi = tl.minimum(hi, written)
 
+    lo = 0
+    if HAS_LOWER:
+        bound = tl.load(lower_ptr + b * lw_b + pos * lw_l, mask=valid, other=0)
+        lo = tl.maximum(tl.min(tl.where(valid, bound, S), 0), 0).to(tl.int32) // BLOCK_N * BLOCK_N
+
     offs_n = tl.arange(0, BLOCK_N)
     k_ptrs = k_ptr + b * stride_kb + kvh.to(tl.int64) * stride_kh + (offs_n * stride_ks)[:, None] + d[None, :]
-    v_ptrs = v_ptr + b * stride_vb + kvh.to(tl.int64) * stride_vh + (offs_n * stride_vs)[:, None] + d[None, :]
-    for start in range(0, hi, BLOCK_N):
+    v_ptrs = v_ptr + b * stride_vb + kvh.to(tl.int64) * stride_vh + (offs_n * stride_vs)[:, None] + dv[None, :]
+    for start in range(lo, hi, BLOCK_N):
         n = start + offs_n
         n_ok = n < S
         if HAS_KEY_LEN:
             n_ok = n_ok & (n < written)
         if EVEN_D:
-            kv_mask = n_ok[:, None]
+            k_mask = n_ok[:, None]
         else:
-            kv_mask = n_ok[:, None] & (d[None, :] < D)
-        k = tl.load(k_ptrs + start * stride_ks, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+            k_mask = n_ok[:, None] & (d[None, :] < D)
+        if EVEN_DV:
+            v_mask = n_ok[:, None]
+        else:
+            v_mask = n_ok[:, None] & (dv[None, :] < DV)
+        k = tl.load(k_ptrs + start * stride_ks, mask=k_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         # Scores in base 2: s2 = log2(e) * (softcapped) scale * q.k
         s = tl.dot(q, tl.trans(k), input_precision=INPUT_PRECISION)
         if HAS_SOFTCAP:
@@ -130,6 +150,8 @@ def _suffix_tile(
             mk = tl.load(mask_ptr + b * stride_mb + pos[:, None] * stride_mq + n[None, :] * stride_ms,
                          mask=see, other=0)
             see = see & (mk != 0)
+        if HAS_LOWER:
+            see = see & (n[None, :] >= bound[:, None])
         s = tl.where(see, s, float("-inf"))
         # Online softmax; a row with nothing visible so far keeps m = -inf (use 0 as its shift).
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -137,7 +159,7 @@ def _suffix_tile(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptrs + start * stride_vs, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_ptrs + start * stride_vs, mask=v_mask, other=0.0)  # [BLOCK_N, BLOCK_DV]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=INPUT_PRECISION)
         m_i = m_new
 
@@ -147,7 +169,7 @@ def _suffix_tile(
     lse2 = tl.where(has_keys, m_i + tl.log2(l_safe), float("-inf"))
     o = acc / l_safe[:, None]
     o_off = b * o_b + kvh.to(tl.int64) * o_kvh + (group * o_g + pos * o_l).to(tl.int64)
-    tl.store(out_ptr + o_off[:, None] + d[None, :] * o_d, o.to(out_ptr.dtype.element_ty), mask=tile_ok)
+    tl.store(out_ptr + o_off[:, None] + dv[None, :] * o_d, o.to(out_ptr.dtype.element_ty), mask=tile_ok)
     l_off = b * ls_b + kvh.to(tl.int64) * ls_kvh + (group * ls_g + pos * ls_l).to(tl.int64)
     tl.store(lse_ptr + l_off, lse2 * LN2, mask=valid)
 
@@ -156,15 +178,16 @@ def _suffix_tile(
 # them (== 1, divisible by 16), several per new sharing tree (seconds each, in a stream of layouts).
 @triton.jit(do_not_specialize=["S", "num_prefix", "stride_mb", "stride_mq"])
 def _suffix_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, mask_ptr, key_len_ptr,
+    q_ptr, k_ptr, v_ptr, mask_ptr, key_len_ptr, lower_ptr,
     po_ptr, pl_ptr,  # prefix states, fp32 (see module docstring); unused when NUM_PREFIX == 0
-    out_ptr, lse_ptr,  # [B, Hq, Lq, D] query dtype / [B, Hq, Lq] fp32
-    Lq, S, G, D, num_prefix,
+    out_ptr, lse_ptr,  # [B, Hq, Lq, DV] query dtype / [B, Hq, Lq] fp32
+    Lq, S, G, D, DV, num_prefix,
     sm_scale, softcap,
     stride_qb, stride_qh, stride_ql, stride_qd,
     stride_kb, stride_kh, stride_ks,
     stride_vb, stride_vh, stride_vs,
     stride_mb, stride_mq, stride_ms,
+    lw_b, lw_l,
     po_s, po_b, po_kvh, po_g, po_l, po_d,
     pl_s, pl_b, pl_kvh, pl_g, pl_l,
     stride_ob, stride_oh, stride_ol, stride_od,
@@ -173,21 +196,24 @@ def _suffix_fwd_kernel(
     HAS_SOFTCAP: tl.constexpr,
     HAS_PREFIX: tl.constexpr,
     HAS_KEY_LEN: tl.constexpr,  # key_len_ptr: int64 count of written keys (the rest are never visible)
-    EVEN_D: tl.constexpr,  # D == BLOCK_D: no head_dim mask
+    HAS_LOWER: tl.constexpr,  # lower_ptr: int64 [B, Lq], each query's first visible key column
+    EVEN_D: tl.constexpr,  # D == BLOCK_D: no head_dim mask (queries, keys)
+    EVEN_DV: tl.constexpr,  # DV == BLOCK_DV: no mask over the values' head_dim
     INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
 ):
     # grid = (M tiles, Hkv, B)
-    _suffix_tile(q_ptr, k_ptr, v_ptr, mask_ptr, key_len_ptr, po_ptr, pl_ptr, out_ptr, lse_ptr,
+    _suffix_tile(q_ptr, k_ptr, v_ptr, mask_ptr, key_len_ptr, lower_ptr, po_ptr, pl_ptr, out_ptr, lse_ptr,
                  tl.program_id(0), tl.program_id(1), tl.program_id(2),
-                 Lq, S, G, D, num_prefix, sm_scale, softcap,
+                 Lq, S, G, D, DV, num_prefix, sm_scale, softcap,
                  stride_qb, stride_qh, stride_ql, stride_qd,
                  stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
-                 stride_mb, stride_mq, stride_ms,
+                 stride_mb, stride_mq, stride_ms, lw_b, lw_l,
                  po_s, po_b, po_kvh, po_g, po_l, po_d, pl_s, pl_b, pl_kvh, pl_g, pl_l,
                  stride_ob, G * stride_oh, stride_oh, stride_ol, stride_od,
                  stride_lb, G * stride_lh, stride_lh, stride_ll,
-                 MASK_MODE, HAS_SOFTCAP, HAS_PREFIX, HAS_KEY_LEN, EVEN_D, INPUT_PRECISION, BLOCK_M, BLOCK_N,
-                 BLOCK_D)
+                 MASK_MODE, HAS_SOFTCAP, HAS_PREFIX, HAS_KEY_LEN, HAS_LOWER, EVEN_D, EVEN_DV, INPUT_PRECISION, BLOCK_M, BLOCK_N,
+                 BLOCK_D, BLOCK_DV)

@@ -41,6 +41,8 @@ def cascade_attention(
     softcap: float | None = None,
     backend: str = "auto",
     key_length: Tensor | None = None,
+    key_lower: Sequence[Tensor] | None = None,
+    suffix_lower: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Attention of every row over its shared-prefix levels and its own suffix, merged exactly.
 
@@ -51,8 +53,9 @@ def cascade_attention(
 
     Args:
         query: [B, Hq, Lq, D] float32/float16/bfloat16 (any strides).
-        key, value: the per-row suffix KV [B, Hkv, S, D] (S may be 0), query's dtype and device.
-        prefixes: per level ``(prefix_key [Hkv, T, D], prefix_value [Hkv, T, D], plan)``, with
+        key, value: the per-row suffix KV [B, Hkv, S, D] / [B, Hkv, S, Dv] (S may be 0; Dv may differ from D,
+            MLA-style), query's dtype and device.
+        prefixes: per level ``(prefix_key [Hkv, T, D], prefix_value [Hkv, T, Dv], plan)``, with
             ``plan = plan_shared_prefix(row_node, node_starts)`` built once per batch layout.
         scale, mask, causal, softcap: as in :func:`suffix_attention` (mask and causal apply to the
             suffix keys only; every query sees all keys of its prefix nodes).
@@ -60,9 +63,12 @@ def cascade_attention(
         key_length: None, or an int64 tensor of one element on the device: the suffix keys from this index on
             are not written yet (fixed buffers) and never visible, as if masked; the Triton kernels stop reading
             there (a decode step's buffers are read only as far as they are written).
+        key_lower, suffix_lower: None, or (both) per level and for the suffix an int64 ``[B, Lq]`` tensor: the first
+            column of that level's packed keys / of the suffix keys each query sees (sliding windows, chunked
+            attention; see :mod:`hf_cascade.ops.bounded`). The kernels skip the blocks below a tile's bounds.
 
     Returns:
-        (out [B, Hq, Lq, D] in query.dtype, memory laid out [B, Lq, Hq, D] so ``out.transpose(1, 2)``
+        (out [B, Hq, Lq, Dv] in query.dtype, memory laid out [B, Lq, Hq, Dv] so ``out.transpose(1, 2)``
         is contiguous; lse [B, Hq, Lq] float32 natural log over all keys; -inf where none).
 
     Example:
@@ -79,15 +85,50 @@ def cascade_attention(
                 f"{_OP}: prefix key heads ({k_pre.shape[0]}) must equal suffix key heads ({key.shape[1]}); "
                 f"prefix key {tuple(k_pre.shape)}, suffix key {tuple(key.shape)}."
             )
+        if v_pre.shape[-1] != value.shape[-1]:
+            raise ValueError(
+                f"{_OP}: prefix values' head_dim ({v_pre.shape[-1]}) must equal the suffix values' "
+                f"({value.shape[-1]}); prefix value {tuple(v_pre.shape)}, suffix value {tuple(value.shape)}."
+            )
         if not isinstance(plan, PrefixPlan):
             raise ValueError(f"{_OP}: each prefix level needs a PrefixPlan (plan_shared_prefix); got {type(plan)}.")
         _check_plan(plan, query, k_pre)
+    bounded = _check_bounds(key_lower, suffix_lower, query, prefixes)
+    if bounded and (resolve_backend(backend, query.device, _OP) == "torch" or not prefixes):
+        from .bounded import bounded_cascade_attention
+
+        out, lse = bounded_cascade_attention(
+            query, key, value, [k for k, _, _ in prefixes], [v for _, v, _ in prefixes],
+            [plan.node_starts_dev for _, _, plan in prefixes],
+            [torch.tensor(plan.row_node, dtype=torch.int64, device=query.device) for _, _, plan in prefixes],
+            key_lower, suffix_lower, scale=scale, mask=mask, causal=causal, softcap=softcap, key_length=key_length)
+        return out.to(query.dtype), lse
     if resolve_backend(backend, query.device, _OP) == "torch" or not prefixes:
         mask = mask_with_key_length(mask, key_length, query.shape[2], key.shape[2], causal, key.device)
         return _cascade_unfused(query, key, value, prefixes, scale=scale, mask=mask, causal=causal,
                                 softcap=softcap, backend=backend)
     return _cascade_triton(query, key, value, prefixes, scale=scale, mask=mask, causal=causal, softcap=softcap,
-                           key_length=key_length)
+                           key_length=key_length, key_lower=key_lower, suffix_lower=suffix_lower)
+
+
+def _check_bounds(key_lower, suffix_lower, query: Tensor, prefixes) -> bool:
+    """Validate the per-query lower bounds (see :func:`cascade_attention`); True when given."""
+    if key_lower is None and suffix_lower is None:
+        return False
+    B, Lq = query.shape[0], query.shape[2]
+    if key_lower is None or suffix_lower is None or len(key_lower) != len(prefixes):
+        raise ValueError(
+            f"{_OP}: pass `key_lower` (one int64 [B, Lq] tensor per prefix level: {len(prefixes)}) and "
+            f"`suffix_lower` (int64 [B, Lq]) together; got {None if key_lower is None else len(key_lower)} level "
+            f"bounds and {'no' if suffix_lower is None else 'a'} suffix bound."
+        )
+    for name, bound in [*((f"key_lower[{i}]", b) for i, b in enumerate(key_lower)), ("suffix_lower", suffix_lower)]:
+        if bound.dtype != torch.int64 or tuple(bound.shape) != (B, Lq) or bound.device != query.device:
+            raise ValueError(
+                f"{_OP}: `{name}` must be int64 [B, Lq] = [{B}, {Lq}] on {query.device} (the first visible key "
+                f"column of each query); got {bound.dtype} {tuple(bound.shape)} on {bound.device}."
+            )
+    return True
 
 
 _FUSE_MIN_ROWS = 64  # prefix query rows per KV head and node (rows x G x Lq) below which fusing never paid
@@ -152,24 +193,26 @@ def launch_configs(query: Tensor, key: Tensor, prefixes, fuse_suffix: bool | Non
 
 
 def _cascade_triton(query, key, value, prefixes, *, scale, mask, causal, softcap, fuse_suffix: bool | None = None,
-                    key_length: Tensor | None = None):
+                    key_length: Tensor | None = None, key_lower=None, suffix_lower=None):
     """Triton launches with the launch choices of this layout (see :func:`launch_cascade`)."""
     fuse_suffix, configs = launch_configs(query, key, prefixes, fuse_suffix)
     return launch_cascade(query, key, value, [(k, v) for k, v, _ in prefixes], configs, fuse_suffix,
-                          scale=scale, mask=mask, causal=causal, softcap=softcap, key_length=key_length)
+                          scale=scale, mask=mask, causal=causal, softcap=softcap, key_length=key_length,
+                          key_lower=key_lower, suffix_lower=suffix_lower)
 
 
 def launch_cascade(query, key, value, prefix_kv, configs, fuse_suffix, *, scale, mask, causal, softcap,
-                   key_length: Tensor | None = None):
+                   key_length: Tensor | None = None, key_lower=None, suffix_lower=None):
     """Triton launches of one cascade attention call. ``fuse_suffix``: the last level's prefix programs and the
     suffix programs share one launch and a combine kernel merges all states (L + 1 launches); else the suffix
     kernel merges the prefix states in its prologue (also L + 1 launches, no overlap of the two passes).
 
     ``prefix_kv``: per level ``(prefix_key, prefix_value)``; ``configs``: per level from :func:`launch_configs`;
-    ``key_length``: as in :func:`cascade_attention` (validated).
+    ``key_length``, ``key_lower``, ``suffix_lower``: as in :func:`cascade_attention` (validated).
     """
-    B, Hq, Lq, D = query.shape
-    Hkv = key.shape[1]
+    lowers = [None] * len(prefix_kv) if key_lower is None else list(key_lower)
+    B, Hq, Lq, _ = query.shape
+    Hkv, D = key.shape[1], value.shape[-1]  # D: the values' head_dim (the states' and the output's)
     G = Hq // Hkv
     dev = query.device
     slots = sum(cfg[1] for cfg in configs) + (1 if fuse_suffix else 0)
@@ -179,39 +222,42 @@ def launch_cascade(query, key, value, prefix_kv, configs, fuse_suffix, *, scale,
     o_strides, l_strides = partial_strides(part_out, part_lse, Lq, G, D)
     if not fuse_suffix:
         slot0 = 0
-        for (k_pre, v_pre), cfg in zip(prefix_kv, configs):
+        for (k_pre, v_pre), cfg, lower in zip(prefix_kv, configs, lowers):
             if m_total:
                 launch_prefix(query, k_pre, v_pre, None, cfg, part_out, part_lse, o_strides, l_strides, slot0,
-                              scale=scale, softcap=softcap)
+                              scale=scale, softcap=softcap, lower=lower)
             slot0 += cfg[1]
         return launch_suffix(query, key, value, scale=scale, mask=mask, causal=causal, softcap=softcap,
-                             states=(part_out, part_lse, slots, (*o_strides, 1), l_strides), key_length=key_length)
+                             states=(part_out, part_lse, slots, (*o_strides, 1), l_strides), key_length=key_length,
+                             lower=suffix_lower)
     # [B, Lq, Hq, D] memory so that transformers' out.transpose(1, 2) is free.
     out = torch.empty((B, Lq, Hq, D), dtype=query.dtype, device=dev).transpose(1, 2)
     lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=dev)
     if m_total == 0:
         return out, lse
     slot0 = 0
-    for (k_pre, v_pre), cfg in zip(prefix_kv[:-1], configs[:-1]):
+    for (k_pre, v_pre), cfg, lower in zip(prefix_kv[:-1], configs[:-1], lowers[:-1]):
         launch_prefix(query, k_pre, v_pre, None, cfg, part_out, part_lse, o_strides, l_strides, slot0,
-                      scale=scale, softcap=softcap)
+                      scale=scale, softcap=softcap, lower=lower)
         slot0 += cfg[1]
     k_pre, v_pre = prefix_kv[-1]
     _launch_fused(query, k_pre, v_pre, configs[-1], key, value, mask, causal, part_out, part_lse,
-                  o_strides, l_strides, slot0, slots - 1, scale=scale, softcap=softcap, key_length=key_length)
+                  o_strides, l_strides, slot0, slots - 1, scale=scale, softcap=softcap, key_length=key_length,
+                  lowers=None if key_lower is None else (lowers[-1], suffix_lower))
     launch_combine(out, lse, part_out, part_lse, G)
     return out, lse
 
 
 def _launch_fused(query, k_pre, v_pre, config, key, value, mask, causal, part_out, part_lse, o_strides,
-                  l_strides, slot0, suffix_slot, *, scale, softcap, key_length=None):
-    """One launch: the prefix programs of one level (slots slot0...) + the suffix programs (suffix_slot)."""
+                  l_strides, slot0, suffix_slot, *, scale, softcap, key_length=None, lowers=None):
+    """One launch: the prefix programs of one level (slots slot0...) + the suffix programs (suffix_slot).
+    ``lowers``: None, or (the level's, the suffix's) per-query lower bounds int64 [B, Lq]."""
     from . import _cascade_kernel as kernels  # lazy: triton is optional
     from ._suffix_kernel import MASK_CAUSAL, MASK_FULL, MASK_TENSOR
 
     sched, splits, block_mp, block_n, num_warps, num_stages = config
     B, Hq, Lq, D = query.shape
-    Hkv, S = key.shape[1], key.shape[2]
+    Hkv, S, Dv = key.shape[1], key.shape[2], value.shape[-1]
     G = Hq // Hkv
     k_pre = k_pre if k_pre.stride(-1) == 1 else k_pre.contiguous()
     v_pre = v_pre if v_pre.stride(-1) == 1 else v_pre.contiguous()
@@ -229,22 +275,25 @@ def _launch_fused(query, k_pre, v_pre, config, key, value, mask, causal, part_ou
         block_ms = min(block_ms, 32)
     s_mtiles = -(-(G * Lq) // block_ms)
     n_prefix = sched.num_tiles * Hkv * splits
-    block_d = padded_head_dim(D)
+    block_d, block_dv = padded_head_dim(D), padded_head_dim(Dv)
     kernels._cascade_fwd_kernel[(n_prefix + B * Hkv * s_mtiles,)](
         query, k_pre, v_pre,
         sched.rows, sched.row_start, sched.node_starts, sched.tile_node, sched.tile_m0,
+        *((sched.rows, sched.rows) if lowers is None else lowers),
         key, value, mask_arg, key if key_length is None else key_length, part_out, part_lse,
-        Lq, S, G, D, Hkv, splits, slot0, suffix_slot, n_prefix, sched.num_tiles, s_mtiles,
+        Lq, S, G, D, Dv, Hkv, splits, slot0, suffix_slot, n_prefix, sched.num_tiles, s_mtiles,
         float(scale), float(softcap) if softcap is not None else 1.0,
         *query.stride(), *k_pre.stride()[:2], *v_pre.stride()[:2],
         *key.stride()[:3], *value.stride()[:3], *mask_strides,
+        *((0, 0, 0, 0) if lowers is None else (*lowers[0].stride(), *lowers[1].stride())),
         *o_strides, *l_strides,
         MASK_MODE=mode,
         HAS_SOFTCAP=softcap is not None,
         HAS_KEY_LEN=key_length is not None,
-        EVEN_D=block_d == D,
+        HAS_LOWER=lowers is not None,
+        EVEN_D=block_d == D, EVEN_DV=block_dv == Dv,
         INPUT_PRECISION=dot_precision(query.dtype),
-        BLOCK_MP=block_mp, BLOCK_MS=block_ms, BLOCK_N=block_n, BLOCK_D=block_d,
+        BLOCK_MP=block_mp, BLOCK_MS=block_ms, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
         num_warps=num_warps, num_stages=num_stages,
     )
 

@@ -19,8 +19,9 @@ def write_suffix_kv(key: Tensor, value: Tensor, keys: Tensor, values: Tensor, po
     """``keys[:, :, positions] = key``, ``values[:, :, positions] = value``, ``length += Q``, in place.
 
     Args:
-        key, value: the new tokens' KV ``[B, H, Q, D]`` (any strides), dtype of the buffers.
-        keys, values: the fixed buffers ``[B, H, S, D]``, last dimension contiguous.
+        key, value: the new tokens' KV ``[B, H, Q, D]`` / ``[B, H, Q, Dv]`` (any strides; Dv may differ from D),
+            dtype of the buffers.
+        keys, values: the fixed buffers ``[B, H, S, D]`` / ``[B, H, S, Dv]``, last dimension contiguous.
         positions: int64 ``[Q]`` on the buffers' device, distinct buffer columns in ``[0, S)`` (not checked on the
             host: that would wait for the GPU).
         length: int64 scalar tensor on the buffers' device, the written length; advanced by ``Q``.
@@ -38,20 +39,22 @@ def write_suffix_kv(key: Tensor, value: Tensor, keys: Tensor, values: Tensor, po
     key = key if key.stride(-1) == 1 else key.contiguous()
     value = value if value.stride(-1) == 1 else value.contiguous()
     kernels._write_suffix_kv_kernel[(B * H, Q)](
-        key, value, keys, values, positions, length, H, Q, D,
+        key, value, keys, values, positions, length, H, Q, D, value.shape[-1],
         key.stride(0), key.stride(1), key.stride(2), value.stride(0), value.stride(1), value.stride(2),
         keys.stride(0), keys.stride(1), keys.stride(2), values.stride(0), values.stride(1), values.stride(2),
-        BLOCK_D=padded_head_dim(D), num_warps=1,
+        BLOCK_D=padded_head_dim(D), BLOCK_DV=padded_head_dim(value.shape[-1]), num_warps=1,
     )
 
 
 def _validate(key: Tensor, value: Tensor, keys: Tensor, values: Tensor, positions: Tensor, length: Tensor) -> None:
-    if key.dim() != 4 or key.shape != value.shape:
-        raise ValueError(f"{_OP}: key and value must be [B, H, Q, D] of one shape; got {tuple(key.shape)} and "
+    if key.dim() != 4 or value.dim() != 4 or key.shape[:3] != value.shape[:3]:
+        raise ValueError(f"{_OP}: key and value must be [B, H, Q, D] and [B, H, Q, Dv]; got {tuple(key.shape)} and "
                          f"{tuple(value.shape)}.")
-    if keys.dim() != 4 or keys.shape != values.shape or keys.shape[:2] != key.shape[:2] or keys.shape[3] != key.shape[3]:
-        raise ValueError(f"{_OP}: keys and values must be buffers [B, H, S, D] matching key {tuple(key.shape)} in B, H "
-                         f"and D; got {tuple(keys.shape)} and {tuple(values.shape)}.")
+    if (keys.dim() != 4 or values.dim() != 4 or keys.shape[:3] != values.shape[:3] or keys.shape[:2] != key.shape[:2]
+            or keys.shape[3] != key.shape[3] or values.shape[3] != value.shape[3]):
+        raise ValueError(f"{_OP}: keys and values must be buffers [B, H, S, D] / [B, H, S, Dv] matching key "
+                         f"{tuple(key.shape)} and value {tuple(value.shape)} in B, H and head_dim; got "
+                         f"{tuple(keys.shape)} and {tuple(values.shape)}.")
     if keys.stride(-1) != 1 or values.stride(-1) != 1:
         raise ValueError(f"{_OP}: the buffers' last dimension must be contiguous; got strides {keys.stride()} and "
                          f"{values.stride()}.")

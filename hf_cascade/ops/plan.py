@@ -156,6 +156,7 @@ def _planned_attention(query, key, value, prefix_keys, prefix_values, plan_tenso
 def _planned_torch(query, key, value, prefix_keys, prefix_values, levels, mask, scale, softcap):
     """fp32 reference from the index tensors alone (no host sync): each row's queries against its node's keys."""
     B, Hq, Lq, D = query.shape
+    Dv = value.shape[-1]
     prefix_out = prefix_lse = None
     for k_pre, v_pre, tensors in zip(prefix_keys, prefix_values, levels):
         node_starts, row_node = tensors[2], tensors[5]
@@ -171,7 +172,7 @@ def _planned_torch(query, key, value, prefix_keys, prefix_values, levels, mask, 
         s = _scores(q, k_pre.float()[None], scale, softcap)  # [B, Hkv, G*Lq, T]
         s = s.masked_fill(~keep[:, None, None, :], float("-inf"))
         o, lse = _softmax_attend(s, v_pre.float()[None])
-        o, lse = o.reshape(B, Hq, Lq, D), lse.reshape(B, Hq, Lq)
+        o, lse = o.reshape(B, Hq, Lq, Dv), lse.reshape(B, Hq, Lq)
         if prefix_out is None:
             prefix_out, prefix_lse = o, lse
         else:
@@ -202,8 +203,8 @@ def _cascade_attention_op(query, key, value, prefix_keys, prefix_values, plan, m
 
 @_cascade_attention_op.register_fake
 def _(query, key, value, prefix_keys, prefix_values, plan, mask, scale, softcap, layer=None, key_length=None):
-    B, Hq, Lq, D = query.shape
-    out = query.new_empty((B, Lq, Hq, D))
+    B, Hq, Lq, _ = query.shape
+    out = query.new_empty((B, Lq, Hq, value.shape[-1]))
     lse = query.new_empty((B, Hq, Lq), dtype=torch.float32)
     return out, lse
 
@@ -221,7 +222,8 @@ def cascade_attention_planned(
     softcap: float | None = None,
     compiled: bool = False,
     key_length: Tensor | None = None,
-) -> Tensor:
+    return_lse: bool = False,
+) -> Tensor | tuple[Tensor, Tensor]:
     """Cascade attention of one layer on a :class:`CascadePlan`; causal suffix.
 
     Args:
@@ -230,8 +232,9 @@ def cascade_attention_planned(
         mask: None (causal, bottom-right) or bool ``[B or 1, Lq, S]`` over the suffix keys.
         compiled: go through the custom op with the plan's index tensors (inside ``torch.compile``).
         key_length: the written suffix keys (int64 device scalar; fixed buffers), as in ``cascade_attention``.
+        return_lse: also return the LSE (to merge more states, e.g. attention sinks).
     Returns:
-        ``[B, Lq, Hq, D]`` contiguous, in ``query.dtype``.
+        ``[B, Lq, Hq, D]`` contiguous, in ``query.dtype``; with ``return_lse``, ``(that, lse [B, Hq, Lq] fp32)``.
     """
     if not len(prefix_keys) == len(prefix_values) == len(plan.levels):
         raise ValueError(
@@ -239,11 +242,12 @@ def cascade_attention_planned(
             f"of {len(plan.levels)} levels; pass one of each per prefix level."
         )
     if compiled:
-        out, _ = torch.ops.hf_cascade.cascade_attention(
+        out, lse = torch.ops.hf_cascade.cascade_attention(
             query, key, value, list(prefix_keys), list(prefix_values), plan.op_inputs(query, key, prefix_keys),
             mask, scale, softcap, key_length=key_length,
         )
-        return out
-    out, _ = cascade_attention(query, key, value, plan.prefixes(prefix_keys, prefix_values), scale=scale, mask=mask,
-                               causal=True, softcap=softcap, key_length=key_length)
-    return out.transpose(1, 2).contiguous()
+    else:
+        out, lse = cascade_attention(query, key, value, plan.prefixes(prefix_keys, prefix_values), scale=scale,
+                                     mask=mask, causal=True, softcap=softcap, key_length=key_length)
+        out = out.transpose(1, 2).contiguous()
+    return (out, lse) if return_lse else out

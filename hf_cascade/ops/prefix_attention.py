@@ -192,7 +192,8 @@ def shared_prefix_attention(
 
     Args:
         query: [B, Hq, Lq, D] float32/float16/bfloat16 (any strides).
-        key, value: [Hkv, T, D], query's dtype and device: the packed KV of all N nodes of one
+        key, value: [Hkv, T, D] / [Hkv, T, Dv] (Dv may differ from D: MLA-style 192/128), query's dtype and
+            device: the packed KV of all N nodes of one
             prefix level; node n owns ``key[:, node_starts[n]:node_starts[n+1]]`` (may be empty).
         row_node: int64 [B]; node each batch row attends, -1 = none (that row: out 0, lse -inf).
         node_starts: int64 [N+1] (CPU or device), nondecreasing, node_starts[0] = 0, [N] = T.
@@ -204,7 +205,7 @@ def shared_prefix_attention(
             sees all keys of its node.
 
     Returns:
-        (out [B, Hq, Lq, D] float32, lse [B, Hq, Lq] float32 natural log). out is fp32 on purpose:
+        (out [B, Hq, Lq, Dv] float32, lse [B, Hq, Lq] float32 natural log). out is fp32 on purpose:
         it is merged with the suffix state next.
 
     Example:
@@ -227,9 +228,9 @@ def shared_prefix_attention(
 def _validate(query: Tensor, key: Tensor, value: Tensor, scale: float, softcap: float | None) -> None:
     if query.dim() != 4:
         raise ValueError(f"{_OP}: query must be [B, Hq, Lq, D]; got shape {tuple(query.shape)}.")
-    if key.dim() != 3 or key.shape != value.shape:
+    if key.dim() != 3 or value.dim() != 3 or key.shape[:2] != value.shape[:2]:
         raise ValueError(
-            f"{_OP}: key and value must both be [Hkv, T, D] (the packed prefix KV, no batch dim); got "
+            f"{_OP}: key and value must be [Hkv, T, D] and [Hkv, T, Dv] (the packed prefix KV, no batch dim); got "
             f"{tuple(key.shape)} and {tuple(value.shape)}."
         )
     check_float_dtype("query", query, _OP)
@@ -316,11 +317,12 @@ def _prefix_launch_config(query: Tensor, key: Tensor, plan: PrefixPlan, num_spli
 
 def launch_prefix(query: Tensor, key: Tensor, value: Tensor, plan: PrefixPlan, config, o: Tensor,
                   lse: Tensor, o_strides, lse_strides, slot0: int, *, scale: float,
-                  softcap: float | None) -> None:
+                  softcap: float | None, lower: Tensor | None = None) -> None:
     """One prefix-kernel launch writing every (row, head, position) state into o / lse.
 
     ``o_strides`` = (slot, b, kvh, group, q) element strides of ``o`` (head_dim stride 1),
-    ``lse_strides`` the same for ``lse``; split s goes to slot ``slot0 + s``.
+    ``lse_strides`` the same for ``lse``; split s goes to slot ``slot0 + s``. ``lower``: None, or int64 ``[B, Lq]``,
+    each query's first visible column of ``key`` (sliding windows, chunks).
     """
     from . import _prefix_kernel as kernels  # lazy: triton is optional
 
@@ -331,18 +333,22 @@ def launch_prefix(query: Tensor, key: Tensor, value: Tensor, plan: PrefixPlan, c
         key = key.contiguous()
     if value.stride(-1) != 1:
         value = value.contiguous()
-    block_d = padded_head_dim(D)
+    Dv = value.shape[-1]
+    block_d, block_dv = padded_head_dim(D), padded_head_dim(Dv)
     kernels._prefix_fwd_kernel[(sched.num_tiles, Hkv, splits)](
         query, key, value, o, lse,
         sched.rows, sched.row_start, sched.node_starts, sched.tile_node, sched.tile_m0,
-        Lq, Hq // Hkv, D, splits, slot0,
+        sched.rows if lower is None else lower,
+        Lq, Hq // Hkv, D, Dv, splits, slot0,
         float(scale), float(softcap) if softcap is not None else 1.0,
         *query.stride(), *key.stride()[:2], *value.stride()[:2],
+        *((0, 0) if lower is None else lower.stride()),
         *o_strides, *lse_strides,
         HAS_SOFTCAP=softcap is not None,
-        EVEN_D=block_d == D,
+        HAS_LOWER=lower is not None,
+        EVEN_D=block_d == D, EVEN_DV=block_dv == Dv,
         INPUT_PRECISION=dot_precision(query.dtype),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
         num_warps=num_warps, num_stages=num_stages,
     )
 
@@ -366,8 +372,8 @@ def _prefix_triton(
     block_n: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Triton launch. ``num_splits`` / ``block_m`` / ``block_n`` override the heuristics (tests)."""
-    B, Hq, Lq, D = query.shape
-    Hkv = key.shape[0]
+    B, Hq, Lq, _ = query.shape
+    Hkv, D = key.shape[0], value.shape[-1]  # D: the values' head_dim (the output's)
     G = Hq // Hkv
     dev = query.device
     out = torch.empty((B, Hq, Lq, D), dtype=torch.float32, device=dev)

@@ -114,19 +114,19 @@ def shared_prefix_attention_ref(
 
     Args:
         query: [B, Hq, Lq, D] float.
-        key, value: [Hkv, T, D] float; node n owns ``key[:, node_starts[n]:node_starts[n+1]]``.
+        key, value: [Hkv, T, D] / [Hkv, T, Dv] float; node n owns ``key[:, node_starts[n]:node_starts[n+1]]``.
         row_node: int64 [B]; node of each row, -1 for none (out 0, lse -inf).
         node_starts: int64 [N+1], nondecreasing, 0 .. T (or a host sequence of ints: no sync).
         rows_by_node: optional precomputed ``[rows of node n as int64 index tensor or None]``
             (``PrefixPlan`` holds it) to avoid a host sync per call.
 
     Returns:
-        (out [B, Hq, Lq, D] float32, lse [B, Hq, Lq] float32).
+        (out [B, Hq, Lq, Dv] float32, lse [B, Hq, Lq] float32).
     """
     B, Hq, Lq, D = query.shape
-    Hkv = key.shape[0]
+    Hkv, Dv = key.shape[0], value.shape[-1]
     g = Hq // Hkv
-    out = query.new_zeros((B, Hq, Lq, D), dtype=torch.float32)
+    out = query.new_zeros((B, Hq, Lq, Dv), dtype=torch.float32)
     lse = query.new_full((B, Hq, Lq), _NEG_INF, dtype=torch.float32)
     starts = [int(x) for x in (node_starts.tolist() if isinstance(node_starts, Tensor) else node_starts)]
     if rows_by_node is None:
@@ -146,7 +146,7 @@ def shared_prefix_attention_ref(
         k = key[:, lo:hi].float()
         v = value[:, lo:hi].float()
         o, l = _softmax_attend(_scores(q, k, scale, softcap), v)
-        o = o.view(Hkv, r, g * Lq, D).transpose(0, 1).reshape(r, Hq, Lq, D)
+        o = o.view(Hkv, r, g * Lq, Dv).transpose(0, 1).reshape(r, Hq, Lq, Dv)
         l = l.view(Hkv, r, g * Lq).transpose(0, 1).reshape(r, Hq, Lq)
         out.index_copy_(0, rows, o)
         lse.index_copy_(0, rows, l)
@@ -186,21 +186,21 @@ def suffix_attention_ref(
 
     Args:
         query: [B, Hq, Lq, D] float.
-        key, value: [B, Hkv, S, D] float (S may be 0).
+        key, value: [B, Hkv, S, D] / [B, Hkv, S, Dv] float (S may be 0).
         mask: None or bool [B, Lq, S] / [B, 1, Lq, S] (True = attend; batch dim may be 1).
         causal: without a mask, True = causal aligned bottom-right, False = full attention.
-        prefix_out: optional [B, Hq, Lq, D] float; prefix_lse: optional fp32 [B, Hq, Lq].
+        prefix_out: optional [B, Hq, Lq, Dv] float; prefix_lse: optional fp32 [B, Hq, Lq].
 
     Returns:
-        (out [B, Hq, Lq, D] float32, lse [B, Hq, Lq] float32; merged when a prefix is given).
+        (out [B, Hq, Lq, Dv] float32, lse [B, Hq, Lq] float32; merged when a prefix is given).
     """
     B, Hq, Lq, D = query.shape
-    Hkv, S = key.shape[1], key.shape[2]
+    Hkv, S, Dv = key.shape[1], key.shape[2], value.shape[-1]
     g = Hq // Hkv
     if mask is not None and mask.dim() == 4:
         mask = mask.squeeze(1)
     if S == 0:
-        out = query.new_zeros((B, Hq, Lq, D), dtype=torch.float32)
+        out = query.new_zeros((B, Hq, Lq, Dv), dtype=torch.float32)
         lse = query.new_full((B, Hq, Lq), _NEG_INF, dtype=torch.float32)
     else:
         # Fold GQA: [B, Hkv, g*Lq, D] against [B, Hkv, S, D].
@@ -210,7 +210,7 @@ def suffix_attention_ref(
         if visible is not None:
             s = s.masked_fill(~visible.view(B, 1, 1, Lq, S), _NEG_INF)
         out, lse = _softmax_attend(s.view(B, Hkv, g * Lq, S), value.float())
-        out = out.view(B, Hq, Lq, D)
+        out = out.view(B, Hq, Lq, Dv)
         lse = lse.view(B, Hq, Lq)
     if prefix_out is not None:
         out, lse = merge_attention_states_ref(prefix_out, prefix_lse, out, lse)

@@ -30,19 +30,20 @@ def suffix_attention(
 
     Args:
         query: [B, Hq, Lq, D] float32/float16/bfloat16 (any strides).
-        key, value: [B, Hkv, S, D], query's dtype and device; S may be 0. Hq = Hkv * G.
+        key, value: [B, Hkv, S, D] / [B, Hkv, S, Dv] (Dv may differ from D), query's dtype and device; S may
+            be 0. Hq = Hkv * G.
         scale: softmax scale.
         mask: None, or bool [B, Lq, S] / [B, 1, Lq, S] (True = attend; a batch dim of 1
             broadcasts). When given, ``causal`` is ignored.
         causal: with ``mask=None``: True = causal aligned bottom-right (query i sees keys
             ``j <= S - Lq + i``), False = full attention.
         softcap: if given, ``scores = softcap * tanh(scale * q.k / softcap)`` (Gemma 2).
-        prefix_out: optional float32 [B, Hq, Lq, D]; prefix_lse: optional float32 [B, Hq, Lq]
+        prefix_out: optional float32 [B, Hq, Lq, Dv]; prefix_lse: optional float32 [B, Hq, Lq]
             (both or neither). Merged exactly into the result (fused in the Triton epilogue).
         backend: "auto" (Triton on CUDA when available, else torch), "triton" or "torch".
 
     Returns:
-        (out [B, Hq, Lq, D] in query.dtype, lse [B, Hq, Lq] float32 natural log; the merged LSE
+        (out [B, Hq, Lq, Dv] in query.dtype, lse [B, Hq, Lq] float32 natural log; the merged LSE
         when a prefix state is given). A query row that sees no key (fully masked, or S == 0) has
         suffix LSE -inf. The Triton path allocates ``out`` with memory laid out [B, Lq, Hq, D], so
         ``out.transpose(1, 2)`` (the layout transformers wants) is contiguous; do not assume
@@ -93,10 +94,10 @@ def _validate(query, key, value, scale, mask, softcap, prefix_out, prefix_lse) -
     """Check shapes, dtypes and devices; return the mask as bool [B or 1, Lq, S] (or None)."""
     if query.dim() != 4:
         raise ValueError(f"{_OP}: query must be [B, Hq, Lq, D]; got shape {tuple(query.shape)}.")
-    if key.dim() != 4 or key.shape != value.shape:
+    if key.dim() != 4 or value.dim() != 4 or key.shape[:3] != value.shape[:3]:
         raise ValueError(
-            f"{_OP}: key and value must both be [B, Hkv, S, D]; got {tuple(key.shape)} and "
-            f"{tuple(value.shape)}."
+            f"{_OP}: key and value must be [B, Hkv, S, D] and [B, Hkv, S, Dv] (Dv may differ from D); got "
+            f"{tuple(key.shape)} and {tuple(value.shape)}."
         )
     check_float_dtype("query", query, _OP)
     if key.dtype != query.dtype or value.dtype != query.dtype:
@@ -135,9 +136,10 @@ def _validate(query, key, value, scale, mask, softcap, prefix_out, prefix_lse) -
     if (prefix_out is None) != (prefix_lse is None):
         raise ValueError(f"{_OP}: pass both prefix_out and prefix_lse, or neither.")
     if prefix_out is not None:
-        if tuple(prefix_out.shape) != (B, Hq, Lq, D) or prefix_out.dtype != torch.float32:
+        Dv = value.shape[-1]
+        if tuple(prefix_out.shape) != (B, Hq, Lq, Dv) or prefix_out.dtype != torch.float32:
             raise ValueError(
-                f"{_OP}: prefix_out must be float32 [B, Hq, Lq, D] = {(B, Hq, Lq, D)}; got "
+                f"{_OP}: prefix_out must be float32 [B, Hq, Lq, Dv] = {(B, Hq, Lq, Dv)}; got "
                 f"{prefix_out.dtype} with shape {tuple(prefix_out.shape)} (use shared_prefix_attention's out)."
             )
         check_lse("prefix_lse", prefix_lse, (B, Hq, Lq), _OP)
@@ -177,8 +179,8 @@ def _suffix_triton(
     block_n: int | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Triton launch. ``block_m`` / ``block_n`` override the heuristics (tests)."""
-    B, Hq, Lq, D = query.shape
-    S = key.shape[2]
+    B, Hq, Lq, _ = query.shape
+    S, D = key.shape[2], value.shape[-1]
     G = Hq // key.shape[1]
     if prefix_out is None:
         states = None
@@ -211,20 +213,22 @@ def launch_suffix(
     num_warps: int | None = None,
     num_stages: int | None = None,
     key_length: Tensor | None = None,
+    lower: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Launch the suffix kernel (inputs already validated); ``states`` seeds it with prefix states;
-    ``key_length``: int64 device scalar, the keys from it on unwritten (the kernel stops reading there).
+    ``key_length``: int64 device scalar, the keys from it on unwritten (the kernel stops reading there);
+    ``lower``: int64 ``[B, Lq]``, each query's first visible key column (sliding windows, chunks), or None.
 
     ``states = (out fp32, lse fp32, num_states, out strides (slot, b, kvh, group, q, d),
     lse strides (slot, b, kvh, group, q))``: every state slot is merged exactly into the result.
     ``block_m`` / ``block_n`` / ``num_warps`` / ``num_stages`` override the heuristics (tests, tuning).
     """
     B, Hq, Lq, D = query.shape
-    Hkv, S = key.shape[1], key.shape[2]
+    Hkv, S, Dv = key.shape[1], key.shape[2], value.shape[-1]
     G = Hq // Hkv
     dev = query.device
-    # [B, Lq, Hq, D] memory so that transformers' out.transpose(1, 2) is free.
-    out = torch.empty((B, Lq, Hq, D), dtype=query.dtype, device=dev).transpose(1, 2)
+    # [B, Lq, Hq, Dv] memory so that transformers' out.transpose(1, 2) is free.
+    out = torch.empty((B, Lq, Hq, Dv), dtype=query.dtype, device=dev).transpose(1, 2)
     lse = torch.empty((B, Hq, Lq), dtype=torch.float32, device=dev)
     if out.numel() == 0:
         return out, lse
@@ -237,7 +241,7 @@ def launch_suffix(
         key = key.contiguous()
     if value.stride(-1) != 1:
         value = value.contiguous()
-    cfg_m, cfg_n, cfg_warps, cfg_stages = _suffix_config(D, G * Lq, dev)
+    cfg_m, cfg_n, cfg_warps, cfg_stages = _suffix_config(max(D, Dv), G * Lq, dev)
     block_m = block_m or cfg_m
     block_n = block_n or cfg_n
     num_warps = num_warps or cfg_warps
@@ -253,21 +257,24 @@ def launch_suffix(
         po, pl, n_states, po_strides, pl_strides = out, lse, 0, (0,) * 6, (0,) * 5
     else:
         po, pl, n_states, po_strides, pl_strides = states
-    block_d = padded_head_dim(D)
+    block_d, block_dv = padded_head_dim(D), padded_head_dim(Dv)
     grid = (-(-(G * Lq) // block_m), Hkv, B)
     kernels._suffix_fwd_kernel[grid](
-        query, key, value, mask_arg, key if key_length is None else key_length, po, pl, out, lse,
-        Lq, S, G, D, n_states,
+        query, key, value, mask_arg, key if key_length is None else key_length, key if lower is None else lower,
+        po, pl, out, lse,
+        Lq, S, G, D, Dv, n_states,
         float(scale), float(softcap) if softcap is not None else 1.0,
         *query.stride(), *key.stride()[:3], *value.stride()[:3], *mask_strides,
+        *((0, 0) if lower is None else lower.stride()),
         *po_strides, *pl_strides, *out.stride(), *lse.stride(),
         MASK_MODE=mode,
         HAS_SOFTCAP=softcap is not None,
         HAS_PREFIX=states is not None,
         HAS_KEY_LEN=key_length is not None,
-        EVEN_D=block_d == D,
+        HAS_LOWER=lower is not None,
+        EVEN_D=block_d == D, EVEN_DV=block_dv == Dv,
         INPUT_PRECISION=dot_precision(query.dtype),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out, lse

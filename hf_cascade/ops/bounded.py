@@ -1,0 +1,174 @@
+"""Cascade attention with a lower bound on each query's visible keys (sliding windows, chunked attention), and the
+attention-sink merge (GPT-OSS).
+
+**Windows as a lower bound.** A sliding-window layer of window ``W`` lets the query at position ``p`` see the keys
+at positions ``(p - W, p]``; a chunked layer (Llama 4) of chunk ``C`` the keys at ``[p - p mod C, p]``. Causality
+already gives the upper end, so both are one *lower bound* per query. In the cascade each key lives in a column of
+a prefix level (packed nodes) or of the row's suffix; the bound becomes, per level and per (row, query), the first
+visible column: ``key_lower[l][b, i]`` over level ``l``'s packed columns, ``suffix_lower[b, i]`` over the suffix
+columns. A node wholly below every bound contributes nothing (its state is empty: lse -inf).
+
+**Sinks as a merge operand.** A sink is one more logit ``s_h`` per head in the softmax denominator with a zero
+value: the state ``(out 0, lse s_h)``. Merged into ``(out, lse)``: ``out * sigmoid(lse - s_h)``, ``logaddexp(lse,
+s_h)`` — no kernel change.
+
+Every function here is plain PyTorch in fp32 (traceable by ``torch.compile``; no host synchronisation), the path
+every device runs for a layer whose window is shorter than the sequence. LSE is the natural log, fp32.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .reference import _scores, _softmax_attend, merge_attention_states_ref, suffix_visibility
+
+__all__ = ["bounded_cascade_attention", "lower_positions", "merge_sink"]
+
+_OP = "bounded_cascade_attention"
+
+
+def lower_positions(query_positions: Tensor, *, window: int | None = None, chunk: int | None = None) -> Tensor:
+    """The first key position each query sees (int64, ``query_positions``' shape).
+
+    ``window``: sliding window (keys in ``(p - window, p]``); ``chunk``: chunked attention (keys in
+    ``[p - p mod chunk, p]``). Exactly one of them.
+    """
+    if (window is None) == (chunk is None):
+        raise ValueError(f"lower_positions: pass exactly one of `window` ({window}) and `chunk` ({chunk}).")
+    size = window if window is not None else chunk
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise ValueError(f"lower_positions: the window or chunk must be a positive int; got {size!r}.")
+    if window is not None:
+        return query_positions - (window - 1)
+    return query_positions - torch.remainder(query_positions, chunk)
+
+
+def merge_sink(out: Tensor, lse: Tensor, sinks: Tensor, *, heads_dim: int = 1) -> tuple[Tensor, Tensor]:
+    """Merge one attention sink per head (logit ``sinks[h]``, value 0) into an attention state.
+
+    Args:
+        out: ``[..., Dv]`` any float dtype; its head axis is ``heads_dim`` of ``lse`` mapped onto ``out``: pass
+            ``out`` ``[B, Hq, Lq, Dv]`` with ``heads_dim=1`` or ``[B, Lq, Hq, Dv]`` with ``heads_dim=2``.
+        lse: fp32 natural-log LSE ``[B, Hq, Lq]`` (-inf: no keys; the result is then out 0, lse ``s_h``).
+        sinks: ``[Hq]`` any float dtype (GPT-OSS: ``module.sinks``).
+    Returns:
+        ``(out in out.dtype, lse fp32 [B, Hq, Lq])``, exactly ``merge_states_ref`` of the two states.
+    """
+    if lse.dim() != 3 or sinks.dim() != 1 or sinks.shape[0] != lse.shape[1]:
+        raise ValueError(
+            f"merge_sink: `lse` must be [B, Hq, Lq] and `sinks` [Hq]; got lse {tuple(lse.shape)}, sinks "
+            f"{tuple(sinks.shape)}. Pass the layer's per-head sink logits (GPT-OSS: `module.sinks`)."
+        )
+    s = sinks.float().view(1, -1, 1)
+    weight = torch.sigmoid(lse - s)  # exp(lse) / (exp(lse) + exp(s)); 0 where lse = -inf
+    if heads_dim == 2:
+        weight = weight.transpose(1, 2)
+    elif heads_dim != 1:
+        raise ValueError(f"merge_sink: `heads_dim` must be 1 ([B, Hq, Lq, Dv]) or 2 ([B, Lq, Hq, Dv]); got {heads_dim}.")
+    merged = out.float() * weight.unsqueeze(-1)
+    return merged.to(out.dtype), torch.logaddexp(lse, s.expand_as(lse))
+
+
+def bounded_cascade_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    prefix_keys: Sequence[Tensor],
+    prefix_values: Sequence[Tensor],
+    node_starts: Sequence[Tensor],
+    row_node: Sequence[Tensor],
+    key_lower: Sequence[Tensor],
+    suffix_lower: Tensor,
+    *,
+    scale: float,
+    mask: Tensor | None = None,
+    causal: bool = True,
+    softcap: float | None = None,
+    key_length: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Cascade attention (prefix levels + suffix, merged exactly) where each query sees only the keys at or after a
+    lower bound: fp32 PyTorch, no host synchronisation.
+
+    Args:
+        query: ``[B, Hq, Lq, D]``; key: the suffix keys ``[B, Hkv, S, D]``; value ``[B, Hkv, S, Dv]`` (Dv may differ
+            from D).
+        prefix_keys, prefix_values: per level ``[Hkv, T_l, D]`` / ``[Hkv, T_l, Dv]`` (nodes packed).
+        node_starts: per level int64 ``[N_l + 1]`` column offsets of the nodes; row_node: per level int64 ``[B]``
+            (-1: the row has no node there).
+        key_lower: per level int64 ``[B, Lq]``: the first column of ``prefix_keys[l]`` each query sees (columns of
+            the row's node below it are not visible).
+        suffix_lower: int64 ``[B, Lq]``: the first suffix column each query sees.
+        mask, causal: over the suffix keys as in :func:`~hf_cascade.ops.suffix_attention` (bool ``[B or 1, Lq,
+            S]``, or None: causal bottom-right / full); ``key_length``: int64 device scalar, suffix columns from it on
+            are not written (fixed buffers).
+    Returns:
+        ``(out [B, Hq, Lq, Dv] fp32, lse [B, Hq, Lq] fp32)``; lse -inf (out 0) where a query sees no key.
+    """
+    _validate(query, key, value, prefix_keys, prefix_values, node_starts, row_node, key_lower, suffix_lower)
+    B, Hq, Lq, D = query.shape
+    Hkv, S, Dv = key.shape[1], key.shape[2], value.shape[-1]
+    G = Hq // Hkv
+    q = query.float().reshape(B, Hkv, G * Lq, D)
+    state = None
+    for k_pre, v_pre, starts, nodes, lower in zip(prefix_keys, prefix_values, node_starts, row_node, key_lower):
+        T = k_pre.shape[1]
+        has_node = nodes >= 0
+        node = nodes.clamp(min=0)
+        start = torch.where(has_node, starts[node], 0)
+        end = torch.where(has_node, starts[(node + 1).clamp(max=starts.numel() - 1)], 0)
+        columns = torch.arange(T, device=query.device)
+        keep = (columns >= start[:, None]) & (columns < end[:, None])  # [B, T]
+        keep = keep[:, None, :] & (columns >= lower[:, :, None])  # [B, Lq, T]
+        s = _scores(q, k_pre.float()[None], scale, softcap).view(B, Hkv, G, Lq, T)
+        s = s.masked_fill(~keep[:, None, None], float("-inf"))
+        o, lse = _softmax_attend(s.view(B, Hkv, G * Lq, T), v_pre.float()[None])
+        o, lse = o.reshape(B, Hq, Lq, Dv), lse.reshape(B, Hq, Lq)
+        state = (o, lse) if state is None else merge_attention_states_ref(*state, o, lse)
+    columns = torch.arange(S, device=query.device)
+    visible = columns >= suffix_lower[:, :, None]  # [B, Lq, S]
+    base = suffix_visibility(B, Lq, S, mask, causal, query.device)
+    if base is not None:
+        visible = visible & base
+    if key_length is not None:
+        visible = visible & (columns < key_length.reshape(()))
+    s = _scores(q, key.float(), scale, softcap).view(B, Hkv, G, Lq, S)
+    s = s.masked_fill(~visible[:, None, None], float("-inf"))
+    o, lse = _softmax_attend(s.view(B, Hkv, G * Lq, S), value.float())
+    o, lse = o.reshape(B, Hq, Lq, Dv), lse.reshape(B, Hq, Lq)
+    return (o, lse) if state is None else merge_attention_states_ref(*state, o, lse)
+
+
+def _validate(query, key, value, prefix_keys, prefix_values, node_starts, row_node, key_lower, suffix_lower):
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        raise ValueError(
+            f"{_OP}: query must be [B, Hq, Lq, D], key [B, Hkv, S, D], value [B, Hkv, S, Dv]; got "
+            f"{tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}."
+        )
+    B, Hq, Lq, D = query.shape
+    if key.shape[0] != B or key.shape[-1] != D or value.shape[:3] != key.shape[:3] or Hq % key.shape[1]:
+        raise ValueError(
+            f"{_OP}: key {tuple(key.shape)} must be [B={B}, Hkv, S, D={D}] with Hq={Hq} a multiple of Hkv, and value "
+            f"{tuple(value.shape)} [B, Hkv, S, Dv]."
+        )
+    levels = len(prefix_keys)
+    if not len(prefix_values) == len(node_starts) == len(row_node) == len(key_lower) == levels:
+        raise ValueError(
+            f"{_OP}: pass one prefix value, node_starts, row_node and key_lower per prefix level; got "
+            f"{levels} keys, {len(prefix_values)} values, {len(node_starts)} node_starts, {len(row_node)} row_node, "
+            f"{len(key_lower)} key_lower."
+        )
+    for k, v in zip(prefix_keys, prefix_values):
+        if k.dim() != 3 or k.shape[0] != key.shape[1] or k.shape[2] != D or v.shape != (*k.shape[:2], value.shape[-1]):
+            raise ValueError(
+                f"{_OP}: a prefix level must be key [Hkv={key.shape[1]}, T, D={D}] and value [Hkv, T, "
+                f"Dv={value.shape[-1]}]; got {tuple(k.shape)} and {tuple(v.shape)}."
+            )
+    for lower in (*key_lower, suffix_lower):
+        if lower.shape != (B, Lq) or lower.dtype.is_floating_point:
+            raise ValueError(
+                f"{_OP}: `key_lower` / `suffix_lower` must be integer [B, Lq] = [{B}, {Lq}] (first visible column per "
+                f"query); got {lower.dtype} {tuple(lower.shape)}."
+            )

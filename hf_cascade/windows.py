@@ -1,0 +1,215 @@
+"""Sliding windows, chunked attention and attention sinks in a :class:`~hf_cascade.cache.CascadeCache`.
+
+A layer whose window (or chunk) is shorter than the sequence runs :func:`~hf_cascade.ops.bounded
+.bounded_cascade_attention`: the query at position ``p`` sees the keys at positions ``(p - W, p]`` (chunked:
+``[p - p mod C, p]``), expressed as a first visible column per level and per suffix. Positions are what generate()
+gives (``attention_mask.cumsum(-1) - 1``): a row's chain of shared nodes holds its first tokens (positions 0 ..
+chain - 1), its own tokens follow from ``suffix_start`` in the suffix columns. So, per row ``b``:
+
+* column ``t`` of prefix level ``l`` (inside the row's node) holds position ``t - level_shift[l, b]``, with
+  ``level_shift = node_start - (tokens of the row's chain before level l)``;
+* suffix column ``c`` holds position ``c + suffix_shift[b]``, with ``suffix_shift = chain - suffix_start``.
+
+Both are host data of the batch layout (built once per layout, like the cascade plan); the query columns move with
+the written suffix length, so decode steps move every bound by one per step with no host work.
+
+Attention sinks (GPT-OSS ``s_aux``) are merged into the final state: :func:`~hf_cascade.ops.bounded.merge_sink`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from hf_cascade.ops._backend import host_to_device, resolve_backend
+from hf_cascade.ops.cascade_attention import cascade_attention
+from hf_cascade.ops.bounded import bounded_cascade_attention, lower_positions
+
+
+def layer_window(module: torch.nn.Module, sliding_window: int | None = None) -> int | None:
+    """The sliding window of ``module``'s layer: ``sliding_window`` when the model passed it to the attention, else the
+    module's own ``sliding_window`` (Qwen2/3, Gemma 2/3, GPT-OSS: None on full-attention layers), else its config's
+    (Mistral, Mixtral, Phi3: every layer). None: full attention."""
+    if sliding_window is not None:
+        return int(sliding_window)
+    if hasattr(module, "sliding_window"):
+        window = module.sliding_window
+    else:
+        window = getattr(getattr(module, "config", None), "sliding_window", None)
+    return int(window) if window else None
+
+
+def layer_sinks(module: torch.nn.Module, s_aux: Tensor | None = None) -> Tensor | None:
+    """The per-head sink logits ``[Hq]`` of ``module``'s layer: ``s_aux`` as the model passed it, else GPT-OSS's
+    ``module.sinks`` (a compiled layer step does not forward the model's keyword arguments), else None."""
+    if s_aux is not None:
+        return s_aux
+    sinks = getattr(module, "sinks", None)
+    if isinstance(sinks, Tensor) and getattr(getattr(module, "config", None), "model_type", None) == "gpt_oss":
+        return sinks
+    return None
+
+
+@dataclass(eq=False)
+class RowShifts:
+    """Per row, where its tokens' positions sit in the cascade's columns (see the module docstring).
+
+    Attributes:
+        level_shift: int64 ``[L, B]`` on the device: position = column - level_shift (inside the row's node).
+        suffix_shift: int64 ``[B]`` on the device: position = suffix column + suffix_shift.
+        first_position: host list of ``B`` ints, the position of each row's first own token (its chain length).
+    """
+
+    level_shift: Tensor
+    suffix_shift: Tensor
+    first_position: list[int]
+
+
+def row_shifts(levels, row_nodes: Tensor | None, suffix_start: Tensor | None, batch_size: int,
+               device: torch.device, position_ids: Tensor | None = None,
+               last_column: int | Tensor | None = None) -> RowShifts:
+    """The :class:`RowShifts` of a batch layout: ``levels`` the cache's :class:`~hf_cascade.prefill.PrefixLevel` list,
+    ``row_nodes`` int64 ``[L, B]`` on the host (None: node 0 of every level), ``suffix_start`` int64 ``[B]`` (None: 0).
+
+    ``position_ids`` ``[B or 1, Lq]`` (the forward's, when the model passes them) and ``last_column`` (the suffix
+    column of the forward's last query: written columns - 1): the suffix shift is read from them on the device (the
+    last query of every row is a real token), which also covers padding at the start of a row's suffix columns (a
+    :meth:`~hf_cascade.CascadeCache.from_prefix` cache given rows ``[prefix | pads | suffix]``)."""
+    L = len(levels)
+    nodes = torch.zeros((L, batch_size), dtype=torch.int64) if row_nodes is None else row_nodes.to(torch.int64)
+    node_start = torch.zeros((L, batch_size), dtype=torch.int64)
+    node_len = torch.zeros((L, batch_size), dtype=torch.int64)
+    for level_idx, (level, level_nodes) in enumerate(zip(levels, nodes)):
+        starts = torch.tensor(list(level.node_starts), dtype=torch.int64)
+        has = level_nodes >= 0
+        index = level_nodes.clamp(min=0)
+        node_start[level_idx] = torch.where(has, starts[index], 0)
+        node_len[level_idx] = torch.where(has, starts[index + 1] - starts[index], 0)
+    before = node_len.cumsum(0) - node_len  # the row's chain tokens before each level
+    chain = node_len.sum(0)
+    start = torch.zeros(batch_size, dtype=torch.int64) if suffix_start is None else suffix_start.to(torch.int64)
+    suffix_shift = host_to_device(chain - start, device)
+    if position_ids is not None and last_column is not None:
+        suffix_shift = (position_ids[:, -1].to(device, torch.int64) - last_column).expand(batch_size).clone()
+    return RowShifts(
+        level_shift=host_to_device(node_start - before, device),
+        suffix_shift=suffix_shift,
+        first_position=chain.tolist(),
+    )
+
+
+def bounded_attend(
+    shifts: RowShifts,
+    plan,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    prefix_keys: list[Tensor],
+    prefix_values: list[Tensor],
+    mask: Tensor | None,
+    *,
+    scale: float,
+    softcap: float | None,
+    window: int | None,
+    chunk: int | None,
+    key_length: Tensor | None,
+    backend: str = "auto",
+) -> tuple[Tensor, Tensor]:
+    """One layer's cascade attention with its window (or chunk) as a lower bound on every query's keys.
+
+    Args:
+        shifts: the batch layout's :class:`RowShifts`; plan: its :class:`~hf_cascade.ops.plan.CascadePlan` (None
+            without prefix levels).
+        query: ``[B, Hq, Lq, D]``; key, value: the suffix KV ``[B, Hkv, S, D / Dv]``; prefix_keys/values: per level
+            ``[Hkv, T_l, D / Dv]``; mask: bool ``[B or 1, Lq, S]`` over the suffix, or None (causal).
+        key_length: the written suffix columns (fixed buffers, int64 device scalar) or None (all S).
+        backend: "auto" (the Triton kernels with the bounds on CUDA, else PyTorch), "triton" or "torch".
+    Returns:
+        ``(out [B, Lq, Hq, Dv] in query.dtype, lse [B, Hq, Lq] fp32)``.
+    """
+    B, Lq = query.shape[0], query.shape[2]
+    written = key.shape[2] if key_length is None else key_length.reshape(())
+    query_columns = written - Lq + torch.arange(Lq, device=query.device)  # [Lq]
+    positions = query_columns[None, :] + shifts.suffix_shift[:, None]  # [B, Lq]
+    lower = lower_positions(positions, window=window, chunk=chunk)
+    key_lower = [lower + shifts.level_shift[level, :, None] for level in range(len(prefix_keys))]
+    suffix_lower = lower - shifts.suffix_shift[:, None]
+    if plan is not None and resolve_backend(backend, query.device, "cascade_attention") == "triton":
+        out, lse = cascade_attention(query, key, value, plan.prefixes(prefix_keys, prefix_values), scale=scale,
+                                     mask=mask, causal=True, softcap=softcap, backend="triton", key_length=key_length,
+                                     key_lower=key_lower, suffix_lower=suffix_lower)
+        return out.transpose(1, 2).contiguous(), lse
+    node_starts = [p.node_starts_dev for p in plan.levels] if plan is not None else []
+    row_node = list(plan.row_node) if plan is not None else []
+    out, lse = bounded_cascade_attention(
+        query, key, value, prefix_keys, prefix_values, node_starts, row_node, key_lower,
+        suffix_lower, scale=scale, mask=mask, causal=True, softcap=softcap,
+        key_length=key_length,
+    )
+    return out.to(query.dtype).transpose(1, 2).contiguous(), lse
+
+
+def cache_bounded_attend(cache, layer_idx: int, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, *,
+                         scale: float, softcap: float | None, window: int | None, chunk: int | None,
+                         key_length: Tensor | None, position_ids: Tensor | None, static: bool) -> tuple[Tensor, Tensor]:
+    """:func:`bounded_attend` for one layer of a :class:`~hf_cascade.cache.CascadeCache` (its rows' plan and
+    :class:`RowShifts`, built at the first bounded layer of the layout and kept on the cache). ``static``: a compiled
+    or recorded step (the PyTorch path: the Triton wrappers plan on the host)."""
+    if cache.levels and cache._plan is None:
+        cache._plan = cache._plan_for(query.shape[0], query.device)
+    if cache._shifts is None:
+        last = (key.shape[2] if key_length is None else key_length.reshape(())) - 1
+        cache._shifts = row_shifts(cache.levels, cache.row_nodes, cache.suffix_start, query.shape[0], query.device,
+                                   position_ids, last)
+    return bounded_attend(
+        cache._shifts, cache._plan if cache.levels else None, query, key, value,
+        [level.keys[layer_idx] for level in cache.levels], [level.values[layer_idx] for level in cache.levels], mask,
+        scale=scale, softcap=softcap, window=window if chunk is None else None, chunk=chunk, key_length=key_length,
+        backend="torch" if static else "auto",
+    )
+
+
+def droppable_prefix_tokens(shifts: RowShifts, levels, row_nodes: Tensor | None, window: int) -> int:
+    """Prefix tokens (summed over the levels' packed columns) that no row's current or later query can see in a
+    sliding layer of ``window``: every query of row ``b`` sits at position >= ``first_position[b]``, so the columns of
+    its node below ``first_position[b] - window + 1`` are dead for it, and a column is dead when every row reading it
+    has it dead. A sliding layer could free those columns' KV."""
+    shift = shifts.level_shift.cpu()
+    dropped = 0
+    for level_idx, level in enumerate(levels):
+        starts = list(level.node_starts)
+        for node in range(len(starts) - 1):
+            readers = [b for b in range(len(shifts.first_position))
+                       if (0 if row_nodes is None else int(row_nodes[level_idx, b])) == node]
+            if not readers:
+                dropped += starts[node + 1] - starts[node]
+                continue
+            # first live column of the node: the smallest over its readers of (their first lower bound + shift)
+            live_from = min(shifts.first_position[b] - window + 1 + int(shift[level_idx, b]) for b in readers)
+            dropped += max(0, min(live_from, starts[node + 1]) - starts[node])
+    return dropped
+
+
+def droppable_kv_bytes(cache) -> int:
+    """Bytes of shared-prefix KV that the sliding-window layers of ``cache``'s model could free for its current rows
+    (:func:`droppable_prefix_tokens` per sliding layer, times that layer's K and V bytes per token). hf_cascade keeps
+    them (the full-attention layers and later batches may read them); this is the saving a sliding layer leaves."""
+    if not cache.levels:
+        return 0
+    row_nodes, suffix_start = cache.row_nodes, cache.suffix_start
+    batch = next((t.shape[-1] for t in (row_nodes, suffix_start) if t is not None), 1)
+    shifts = row_shifts(cache.levels, row_nodes, suffix_start, batch, torch.device("cpu"))
+    total, tokens_by_window = 0, {}
+    for layer_idx in range(len(cache.levels[0].keys)):
+        window = layer_window(cache.attention_module(layer_idx))
+        if window is None:
+            continue
+        if window not in tokens_by_window:
+            tokens_by_window[window] = droppable_prefix_tokens(shifts, cache.levels, row_nodes, window)
+        keys, values = cache.levels[0].keys[layer_idx], cache.levels[0].values[layer_idx]
+        per_token = (keys.shape[0] * keys.shape[2] * keys.element_size()
+                     + values.shape[0] * values.shape[2] * values.element_size())
+        total += tokens_by_window[window] * per_token
+    return total
