@@ -78,6 +78,8 @@ KERNELS = [
           EVEN_DV=True, INPUT_PRECISION="tf32", BLOCK_M=64, BLOCK_N=32, BLOCK_D=256, BLOCK_DV=256),
      dict(num_warps=8, num_stages=2)),
     ("_merge_kernel", "_merge_attention_states_kernel", dict(BLOCK_R=16, BLOCK_D=128), dict(num_warps=4)),
+    # The context-parallel combine's N-way merge of the gathered states (ops/merge_states.py).
+    ("_merge_kernel", "_merge_states_kernel", dict(BLOCK_R=16, BLOCK_D=128), dict(num_warps=4)),
     ("_kv_write_kernel", "_write_suffix_kv_kernel", dict(BLOCK_D=128, BLOCK_DV=128), dict(num_warps=1)),
 ]
 
