@@ -35,6 +35,8 @@ __all__ = [
     "GenerationInterrupted",
     "GenerationStats",
     "register",
+    "score",
+    "ScoreOutput",
     "shared_prefix_inputs",
     "write_custom_generate",
 ]
@@ -46,4 +48,8 @@ def __getattr__(name):
         import hf_cascade.parallel
 
         return getattr(hf_cascade.parallel, name)
+    if name in ("score", "ScoreOutput"):  # shared-prefix scoring (log-likelihoods), imported on first use
+        import hf_cascade.scoring
+
+        return getattr(hf_cascade.scoring, name)
     raise AttributeError(f"module 'hf_cascade' has no attribute {name!r}")
