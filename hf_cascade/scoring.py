@@ -22,6 +22,7 @@ The last context token is never shared: its logits predict the first continuatio
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,7 +31,7 @@ import torch
 from hf_cascade.attention import check_model_uses_cascade
 from hf_cascade.cache import CascadeCache
 from hf_cascade.prefill import PrefixLevel, prefill_levels
-from hf_cascade.prefix_tree import PrefixTree, _token_tuple, find_shared_prefixes
+from hf_cascade.prefix_tree import PrefixTree, find_shared_prefixes
 from hf_cascade.transformers_compat import CACHE_KWARG
 
 DEFAULT_MAX_BATCH_TOKENS = 4096  # query tokens per forward (padding included); a row or segment longer runs alone
@@ -326,15 +327,12 @@ def _ids(tokens, name: str) -> tuple[int, ...]:
     if kind not in "iu":
         raise ValueError(f"`{name}` must hold integer token ids; got an array of dtype {tokens.dtype}.")
     try:
-        out = _token_tuple(tokens)
-    except (TypeError, ValueError):
+        return tuple(map(operator.index, tokens))  # ints (numpy ints too); a float raises TypeError
+    except TypeError:
         raise ValueError(
             f"`{name}` must be a sequence of int token ids (or a string with `tokenizer=`); got "
-            f"{type(tokens).__name__}."
+            f"{type(tokens).__name__}{' holding other values than ints' if hasattr(tokens, '__iter__') else ''}."
         ) from None
-    if any(type(t) is not int for t in out):
-        raise ValueError(f"`{name}` must hold int token ids; got {type(tokens).__name__} of other values.")
-    return out
 
 
 def _encode_pair(tokenizer, context: str, continuation: str, add_special_tokens: bool):
