@@ -24,9 +24,9 @@ TOL = 1e-5  # nats, per request: the tiny model's rounding differences are ~4e-6
 
 @pytest.fixture(scope="module")
 def tasks(tmp_path_factory):
-    """``(TaskManager, multiple-choice task, generation task)``: 16 questions x 4 choices, 3 shots shared by all."""
+    """``(TaskManager, multiple-choice task, generation task)``: 10 questions x 4 choices, 3 shots shared by all."""
     folder = tmp_path_factory.mktemp("tasks")
-    mc = write_arithmetic_task(str(folder / "mc"), questions=16, shots=3, name="arith_mc")
+    mc = write_arithmetic_task(str(folder / "mc"), questions=10, shots=3, name="arith_mc")
     gen = write_arithmetic_task(str(folder / "gen"), questions=6, shots=3, name="arith_gen", generate=True)
     # include_defaults=False: lm-eval's thousands of built-in task files are not indexed (~9 s)
     return TaskManager(include_path=[str(folder / "mc"), str(folder / "gen")], include_defaults=False), mc, gen
