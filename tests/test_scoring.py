@@ -201,3 +201,26 @@ def test_real_model_multiple_choice(smollm2):
     best = out.logprobs.view(len(questions), len(choices)).argmax(-1).tolist()
     assert best == [0, 2, 3]  # " 5", " Dog", " Cold"
     assert out.stats["tokens_run"] < out.stats["tokens_unshared"] / 4
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_many_node_prefix_level_gathered_equals_reference(softcap):
+    """The torch path runs a level of many short nodes as one gather (hf_cascade.score's question nodes): the same
+    result as the per-node reference, rows without a node and an empty node included."""
+    from hf_cascade.ops.prefix_attention import _GATHER_MIN_NODES, plan_shared_prefix, shared_prefix_attention
+    from hf_cascade.ops.reference import shared_prefix_attention_ref
+
+    g = torch.Generator().manual_seed(0)
+    lengths = [3, 9, 0, 5, 7, 1, 9, 4, 6, 2]
+    assert len(lengths) >= _GATHER_MIN_NODES
+    starts = torch.tensor([0] + lengths).cumsum(0)
+    row_node = torch.tensor([0, 1, 1, -1, 3, 4, 5, 6, 6, 7, 8, 9, 2, 0, 4])
+    q = torch.randn(len(row_node), 8, 3, 16, generator=g)  # GQA 8/2, 3 query positions
+    k, v = torch.randn(2, int(starts[-1]), 16, generator=g), torch.randn(2, int(starts[-1]), 16, generator=g)
+    plan = plan_shared_prefix(row_node, starts, device=q.device)
+    assert plan.batch_size * plan.max_node_len <= 2 * plan.key_row_pairs  # the gathered path runs
+    out, lse = shared_prefix_attention(q, k, v, row_node, starts, scale=0.25, softcap=softcap, plan=plan)
+    ref_out, ref_lse = shared_prefix_attention_ref(q, k, v, row_node, starts, scale=0.25, softcap=softcap)
+    torch.testing.assert_close(out, ref_out, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(lse, ref_lse, atol=1e-6, rtol=1e-6)
+    assert torch.isneginf(lse[3]).all() and torch.isneginf(lse[12]).all() and not out[3].any()
