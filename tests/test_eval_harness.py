@@ -109,3 +109,17 @@ def test_real_model_multiple_choice_same_as_hf(tasks, smollm2):
 def test_attn_implementation_other_than_cascade_refused(tiny_path):
     with pytest.raises(ValueError, match="runs attn_implementation='cascade'; got attn_implementation='sdpa'"):
         CascadeLM(tiny_path, device="cpu", attn_implementation="sdpa")
+
+
+def test_example_runs_on_the_tiny_model(capsys):
+    """examples/score_multiple_choice.py end to end (tiny model, 8 questions): both parts, the same accuracy."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "score_multiple_choice.py"
+    spec = importlib.util.spec_from_file_location("score_multiple_choice", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    assert example.main(["--model", "tiny", "--questions", "8", "--shots", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "hf_cascade.score: 32 pairs" in out and "same accuracy: yes" in out
