@@ -28,6 +28,8 @@ _LAZY = {
     "shared_prefix_inputs": "hf_cascade.inputs",
     "PrefixTree": "hf_cascade.prefix_tree",
     "find_shared_prefixes": "hf_cascade.prefix_tree",
+    "score": "hf_cascade.scoring",
+    "ScoreOutput": "hf_cascade.scoring",
 }
 
 __all__ = ["ATTENTION_NAME", "register", *_LAZY]
