@@ -23,32 +23,17 @@ import time
 
 import torch
 import torch.distributed as dist
+from common import copy_bandwidth_gbs, cuda_time
 
 
 def _cuda_time(fn, reps: int = 20, warmup: int = 3) -> float:
-    """Median seconds of ``fn()`` by CUDA events."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1000.0)
-    times.sort()
-    return times[len(times) // 2]
+    """Median seconds of ``fn()`` by CUDA events (:func:`common.cuda_time`)."""
+    return cuda_time(fn, warmup=warmup, repeat=reps)["ms"] / 1e3
 
 
 def copy_bandwidth() -> float:
-    """Bytes per second of a 2 GiB device-to-device copy (read + write counted)."""
-    src = torch.randn(2**29, device="cuda")  # 2 GiB fp32
-    dst = torch.empty_like(src)
-    seconds = _cuda_time(lambda: dst.copy_(src), reps=10)
-    del src, dst
-    return 2 * 2**31 / seconds
+    """Bytes per second of a 2 GiB device-to-device copy, read + write counted (:func:`common.copy_bandwidth_gbs`)."""
+    return copy_bandwidth_gbs() * 1e9
 
 
 def combine_latency(group, n: int, heads: int = 32, head_dim: int = 128, layers: int = 32) -> dict:
