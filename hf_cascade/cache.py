@@ -794,9 +794,13 @@ class CascadeCache(Cache):
         window, chunk = layer_window(module, sliding_window), _attention_chunk(module)
         sinks = layer_sinks(module, kwargs.get("s_aux"))
         # A window (or chunk) shorter than the sequence: each query's keys start at a lower bound (hf_cascade.windows).
-        last_column = self.prefix_length + (key.shape[2] if self.max_suffix_length is None else
-                                            self.max_suffix_length) - 1
-        bounded = any(size is not None and last_column >= size for size in (window, chunk))
+        # Read only for such layers: a compiled step guards on the host ints it reads (a layout's prefix length would
+        # then compile a graph per layout for every model).
+        bounded = False
+        if window is not None or chunk is not None:
+            last_column = self.prefix_length + (key.shape[2] if self.max_suffix_length is None else
+                                                self.max_suffix_length) - 1
+            bounded = any(size is not None and last_column >= size for size in (window, chunk))
         layer = self.layers[layer_idx]
         if not self.rows_verified and not self._positions_checked and not compiling:
             if layer.host_length == query.shape[2]:  # the first forward over an empty suffix (the prefill)
