@@ -150,8 +150,12 @@ def generate(
     decode_step = options.pop("decode_step", DEFAULT_DECODE_STEP)
     compile_prefill = options.pop("compile_prefill", None)
     threads_policy = check_threads(options.pop("cpu_decode_threads", DEFAULT_CPU_DECODE_THREADS))
-    probe = ContentionProbe(input_ids.device, threads_policy)
     compiles = _compiles_decode(model, input_ids, generation_config, method_name)
+    if compiles and threads_policy == "auto":
+        # A compiled step guards on torch's thread count (dynamo's global state): a count chosen per call by the
+        # load would compile the step again whenever the load changes. Compiled CPU steps keep torch's setting.
+        threads_policy = None
+    probe = ContentionProbe(input_ids.device, threads_policy)
     if method_name == "_sample" and decode_step == "auto":
         decode_step = "layers"
 
