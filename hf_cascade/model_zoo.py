@@ -67,6 +67,22 @@ def available_families() -> list[str]:
     return sorted(f for f, (name, _, _) in FAMILIES.items() if hasattr(transformers, name))
 
 
+# The sizes every tiny config shares (Llama-3-8B's in the comments); families add their own overrides.
+TINY_SIZES = dict(
+    vocab_size=128,  # 128256 in Llama-3-8B
+    hidden_size=64,  # 4096
+    intermediate_size=128,  # 14336
+    num_hidden_layers=2,  # 32
+    num_attention_heads=4,  # 32
+    num_key_value_heads=2,  # 8 (GQA)
+    max_position_embeddings=512,  # 8192
+    initializer_range=0.1,  # 0.02; larger so that random models make varied, tie-free predictions
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+
 def tiny_config(family: str = "llama", **overrides):
     """A real transformers config of ``family`` shrunk to test size (fp32 CPU friendly)."""
     import transformers
@@ -79,19 +95,7 @@ def tiny_config(family: str = "llama", **overrides):
             f"The tiny {family!r} model needs transformers.{class_name}, which transformers {transformers.__version__} "
             f"does not have; upgrade transformers, or pick one of {available_families()}."
         )
-    kwargs = dict(
-        vocab_size=128,  # 128256 in Llama-3-8B
-        hidden_size=64,  # 4096
-        intermediate_size=128,  # 14336
-        num_hidden_layers=2,  # 32
-        num_attention_heads=4,  # 32
-        num_key_value_heads=2,  # 8 (GQA)
-        max_position_embeddings=512,  # 8192
-        initializer_range=0.1,  # 0.02; larger so that random models make varied, tie-free predictions
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
+    kwargs = dict(TINY_SIZES)
     kwargs.update(family_overrides)
     kwargs.update(overrides)
     return getattr(transformers, class_name)(**kwargs)

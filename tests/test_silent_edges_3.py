@@ -12,7 +12,7 @@ import transformers
 
 import hf_cascade
 from hf_cascade import CascadeCache
-from hf_cascade.model_zoo import tiny_model
+from hf_cascade.model_zoo import TINY_SIZES, tiny_model
 from hf_cascade.transformers_compat import CACHE_KWARG
 
 from test_cache import prefix_batch, random_tokens
@@ -20,19 +20,7 @@ from test_generate import make_prompts, model_pair, pad_batch
 
 GEN = dict(max_new_tokens=4, pad_token_id=0, do_sample=False)
 ONE_ARGUMENT = dict(custom_generate=hf_cascade.generate, cascade_options=dict(min_shared_tokens=2))
-BASE = dict(
-    vocab_size=128,  # 128256 in Llama-3-8B
-    hidden_size=64,  # 4096
-    intermediate_size=128,  # 14336
-    num_hidden_layers=2,  # 32
-    num_attention_heads=4,  # 32
-    num_key_value_heads=2,  # 8
-    max_position_embeddings=512,
-    initializer_range=0.1,
-    bos_token_id=1,
-    eos_token_id=2,
-    pad_token_id=0,
-)
+BASE = TINY_SIZES  # model_zoo's tiny sizes, for families outside model_zoo.FAMILIES
 
 
 def _config(name: str, **overrides):

@@ -21,10 +21,24 @@ import torch
 from torch import Tensor
 
 
-__all__ = ["fused_attention", "fused_attention_applies", "FUSED_BACKEND_NAME"]
+__all__ = ["KERNEL_CHOICES", "fused_attention", "fused_attention_applies", "use_fused_attention"]
 
-FUSED_BACKEND_NAME = {"cuda": "torch flash (FlashAttention-2, aten._scaled_dot_product_flash_attention)",
-                      "cpu": "torch flash for CPU (aten._scaled_dot_product_flash_attention_for_cpu)"}
+KERNEL_CHOICES = ("auto", "fused", "suffix")  # the `kernels` / `block_backend` option of context parallelism
+
+
+def use_fused_attention(query: Tensor, key: Tensor, choice: str, *, mask: Tensor | None = None,
+                        softcap: float | None = None) -> bool:
+    """Whether a block of a caller that offers :data:`KERNEL_CHOICES` runs :func:`fused_attention`: ``"auto"`` on
+    CUDA where it applies, ``"fused"`` wherever it applies (CPU too: tests), ``"suffix"`` never.
+
+    Raises:
+        ValueError: ``choice`` is not one of :data:`KERNEL_CHOICES`.
+    """
+    if choice not in KERNEL_CHOICES:
+        raise ValueError(f"`kernels` must be one of {KERNEL_CHOICES}; got {choice!r}.")
+    if choice == "suffix" or (choice == "auto" and query.device.type != "cuda"):
+        return False
+    return fused_attention_applies(query, key, mask=mask, softcap=softcap)
 
 
 def fused_attention_applies(query: Tensor, key: Tensor, *, mask: Tensor | None = None,

@@ -45,6 +45,7 @@ from hf_cascade.attention import bind_layer, check_model_uses_cascade
 from hf_cascade.cache import _num_layers, _SuffixLayer
 from hf_cascade.compiled_layers import outside_layer_graphs
 from hf_cascade.model_scan import attention_modules
+from hf_cascade.ops.fused_attention import KERNEL_CHOICES
 from hf_cascade.ops.plan import CascadePlan, plan_cascade
 from hf_cascade.ops.prefix_attention import shared_prefix_attention
 from hf_cascade.ops.suffix_attention import suffix_attention
@@ -52,7 +53,7 @@ from hf_cascade.parallel._group import GroupInfo
 from hf_cascade.parallel.combine import all_gather_kv, check_combine, combine_states
 from hf_cascade.parallel.fixed import DecodeBuffers, attend_fixed, check_max_new_tokens
 from hf_cascade.parallel.layout import ZigzagLayout
-from hf_cascade.parallel.ring import BLOCK_BACKENDS, ring_attention
+from hf_cascade.parallel.ring import ring_attention
 
 PLACEMENTS = ("least_loaded", "round_robin")
 _GROW = 256  # columns of spare capacity added when a rank's row KV storage is full
@@ -193,8 +194,8 @@ class ContextParallelCache(Cache):
         self._attention_modules = attention_modules(model)
         self._modules = {id(m) for modules in self._attention_modules.values() for m in modules}
         self.max_new_tokens: int | None = None  # set by use_fixed_buffers (fixed decode buffers)
-        if kernels not in BLOCK_BACKENDS:
-            raise ValueError(f"`kernels` must be one of {BLOCK_BACKENDS}; got {kernels!r}.")
+        if kernels not in KERNEL_CHOICES:
+            raise ValueError(f"`kernels` must be one of {KERNEL_CHOICES}; got {kernels!r}.")
         self.kernels = kernels
         self.decode_step = "auto"
 

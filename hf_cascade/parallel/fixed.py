@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from hf_cascade.captured_step import static_step
-from hf_cascade.ops.fused_attention import fused_attention, fused_attention_applies
+from hf_cascade.ops.fused_attention import fused_attention, use_fused_attention
 from hf_cascade.ops.merge import merge_attention_states
 from hf_cascade.ops.suffix_attention import suffix_attention
 from hf_cascade.parallel._group import GroupInfo
@@ -167,15 +167,6 @@ def _shared_prefix_state(query: torch.Tensor, keys: torch.Tensor, values: torch.
     return out, lse.reshape(Hq, B, Lq).permute(1, 0, 2)
 
 
-def _use_fused(query: torch.Tensor, keys: torch.Tensor, backend: str) -> bool:
-    """``keys``: ``[..., Hkv, S, D]`` one of the prompt shards (their heads and head dim are the same)."""
-    if backend == "suffix":
-        return False
-    if backend == "auto" and query.device.type != "cuda":
-        return False
-    return fused_attention_applies(query, keys if keys.dim() == 4 else keys[None])
-
-
 def partial_state(layer, query: torch.Tensor, *, scaling: float, softcap: float | None,
                   backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's exact partial attention state over the prompt KV it holds and its decode buffers.
@@ -190,7 +181,8 @@ def partial_state(layer, query: torch.Tensor, *, scaling: float, softcap: float 
     """
     B, _, q_len, _ = query.shape
     held = layer.keys if layer.keys is not None else layer.prefix_keys
-    fused = softcap is None and held is not None and _use_fused(query, held, backend)
+    fused = held is not None and use_fused_attention(query, held if held.dim() == 4 else held[None], backend,
+                                                     softcap=softcap)
     out = lse = None
     if layer.prefix_keys is not None and layer.prefix_keys.shape[1] > 0:  # every row reads the shared prefix
         if fused:

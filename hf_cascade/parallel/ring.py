@@ -27,27 +27,22 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from hf_cascade.ops.fused_attention import fused_attention, fused_attention_applies
+from hf_cascade.ops.fused_attention import fused_attention, use_fused_attention
 from hf_cascade.ops.merge import merge_attention_states
 from hf_cascade.ops.suffix_attention import suffix_attention
 from hf_cascade.parallel._group import GroupInfo
 from hf_cascade.parallel.layout import ZigzagLayout
 
-BLOCK_BACKENDS = ("auto", "fused", "suffix")
-
-
 def block_attention(query, key, value, *, scale: float, mask=None, causal: bool, softcap=None,
                     backend: str = "auto"):
     """One ring block: ``(out [B, Hq, Lq, D] in query.dtype, lse [B, Hq, Lq] float32)``.
 
-    ``backend``: ``"auto"`` (PyTorch's cuDNN / flash kernel where it applies on CUDA, else the suffix kernel), ``"fused"``
-    (the flash kernel wherever it applies, CPU included: for tests), ``"suffix"`` (always the suffix kernel).
-    ``causal`` with ``mask=None`` is the own block's ``Lq == Lk`` causal mask (ascending local columns).
+    ``backend``: ``"auto"`` (PyTorch's cuDNN / flash kernel where it applies on CUDA, else the suffix kernel),
+    ``"fused"`` (the fused kernel wherever it applies, CPU included: for tests), ``"suffix"`` (always the suffix
+    kernel); see :func:`~hf_cascade.ops.fused_attention.use_fused_attention`. ``causal`` with ``mask=None`` is the
+    own block's ``Lq == Lk`` causal mask (ascending local columns).
     """
-    if backend not in BLOCK_BACKENDS:
-        raise ValueError(f"`block_backend` must be one of {BLOCK_BACKENDS}; got {backend!r}.")
-    fused = backend == "fused" or (backend == "auto" and query.device.type == "cuda")
-    if fused and fused_attention_applies(query, key, mask=mask, softcap=softcap):
+    if use_fused_attention(query, key, backend, mask=mask, softcap=softcap):
         return fused_attention(query, key, value, scale=scale, causal=causal, kernel="cudnn")
     return suffix_attention(query, key, value, scale=scale, mask=mask, causal=causal, softcap=softcap)
 
