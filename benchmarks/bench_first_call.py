@@ -1,0 +1,212 @@
+"""What a user's FIRST generate() calls cost: each peer in a fresh process, on empty and on warm compile caches.
+
+Issue 32. One child process per (workload, peer, cache state), one after another; each child imports torch,
+transformers and hf_cascade, builds the model and runs the workload's calls, timing everything on the host clock
+(CUDA synchronised). Cache states: ``empty`` points every compile cache (Triton, Inductor, hf_cascade's readiness
+records) at a new empty folder; ``warm`` runs the same peer again on the folder its ``empty`` run filled.
+
+Workloads:
+- ``shared32``: Llama-3-8B shape (random bf16, 32 layers), 32 rows sharing 4,096 tokens + 64 own, 64 new tokens,
+  greedy; the same call twice (first call, second call).
+- ``chat48``: SmolLM2-135M-Instruct's shape (its real config, random weights, fp32): 48 chat-like rows sharing a
+  300-token system + few-shot block, each with a ragged 12-30-token question (left-padded), 16 new tokens; twice.
+- ``stream``: the layout stream of ``bench_generate.py`` (8 sharing trees x 32 rows, Llama-3-8B shape) then four
+  batches of odd sizes (7, 13, 20, 48 rows); every batch's seconds, counted from the first.
+
+    python benchmarks/bench_first_call.py                                   # every workload, peer and state
+    python benchmarks/bench_first_call.py --workloads shared32 --peers sdpa cascade --states empty
+
+Peers: ``sdpa`` (generate() as it is), ``cascade`` (``custom_generate=hf_cascade.generate``, default options),
+and ``cascade_compiled_now`` (the compiled tier from the first call: ``cascade_options={"tiers": "compiled"}``).
+Records ``first_call`` (one per child) in ``benchmarks/results/first_call.jsonl``.
+"""
+
+from __future__ import annotations
+
+import time
+
+STARTED = time.perf_counter()
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+
+PEER_OPTIONS = {"sdpa": None, "cascade": {}, "cascade_compiled_now": {"tiers": "compiled"}}
+WORKLOADS = ("shared32", "chat48", "stream")
+ODD_BATCHES = (7, 13, 20, 48)
+
+
+def _child(args) -> dict:
+    t0 = time.perf_counter()
+    import torch
+
+    t_torch = time.perf_counter() - t0
+    import transformers  # noqa: F401
+
+    t_transformers = time.perf_counter() - t0 - t_torch
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import hf_cascade
+
+    t_hf_cascade = time.perf_counter() - t0 - t_torch - t_transformers
+    from bench_generate import LAYOUT_STREAM, build_model, make_tree_batch
+
+    peer = args.peer
+    options = PEER_OPTIONS[peer]
+    t = time.perf_counter()
+    if args.workload == "chat48":
+        model = _smollm2_shape_model()
+    else:
+        model = build_model(32)
+    model.set_attn_implementation("sdpa" if options is None else "cascade")
+    torch.cuda.synchronize()
+    build_s = time.perf_counter() - t
+
+    def timed_call(ids, mask, new_tokens):
+        extra = {} if options is None else {"custom_generate": hf_cascade.generate, "cascade_options": options or None}
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                             do_sample=False, pad_token_id=0, **extra)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t, out
+
+    calls = []
+    if args.workload == "stream":
+        vocab = model.config.vocab_size
+        batches = [make_tree_batch(levels, own, 32, vocab, seed) for seed, (levels, own) in enumerate(LAYOUT_STREAM)]
+        for i, rows in enumerate(ODD_BATCHES):
+            levels, own = LAYOUT_STREAM[i % len(LAYOUT_STREAM)]
+            batches.append(make_tree_batch(levels, own, rows, vocab, 100 + i))
+        for ids, mask in batches:
+            seconds, _ = timed_call(ids, mask, 64)
+            calls.append(round(seconds, 3))
+            torch.cuda.empty_cache()
+    else:
+        ids, mask, new_tokens = _chat_batch(model) if args.workload == "chat48" else _shared_batch(model)
+        outs = []
+        for _ in range(args.calls):
+            seconds, out = timed_call(ids, mask, new_tokens)
+            calls.append(round(seconds, 3))
+            outs.append(out)
+        if len(outs) > 1 and not torch.equal(outs[0], outs[-1]):
+            calls.append("first and last call's tokens differ")
+    tiers = None
+    if options is not None:
+        from hf_cascade.tiers import tier_report
+
+        tiers = tier_report(model)
+    return {
+        "bench": "first_call", "workload": args.workload, "peer": peer, "cache_state": args.state,
+        "cascade_options": options, "import_s": {"torch": round(t_torch, 3), "transformers": round(t_transformers, 3),
+                                                 "hf_cascade": round(t_hf_cascade, 3)},
+        "model_build_s": round(build_s, 3), "calls_s": calls, "total_calls_s": round(sum(
+            c for c in calls if isinstance(c, float)), 3),
+        "process_s": round(time.perf_counter() - STARTED, 3), "tiers": tiers,
+    }
+
+
+def _smollm2_shape_model():
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(  # SmolLM2-135M-Instruct's config
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+        num_key_value_heads=3, max_position_embeddings=8192, rope_theta=100000.0, rms_norm_eps=1e-5,
+        tie_word_embeddings=True, bos_token_id=1, eos_token_id=None, pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    model.generation_config.eos_token_id = None
+    return model.eval()
+
+
+def _shared_batch(model):
+    from bench_generate import make_batch
+
+    ids, mask = make_batch(32, 4096, 64, model.config.vocab_size)
+    return ids, mask, 64
+
+
+def _chat_batch(model):
+    """48 rows: a 300-token shared block, then a 12-30-token question each, left-padded to one width."""
+    import torch
+
+    g = torch.Generator().manual_seed(48)
+    vocab = model.config.vocab_size
+    shared = torch.randint(3, vocab, (300,), generator=g)
+    rows = [torch.cat([shared, torch.randint(3, vocab, (int(n),), generator=g)])
+            for n in torch.randint(12, 31, (48,), generator=g)]
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(48, width, dtype=torch.long)
+    mask = torch.zeros(48, width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):], mask[i, width - len(r):] = r, 1
+    return ids.cuda(), mask.cuda(), 16
+
+
+def _cache_env(folder: str) -> dict:
+    return {**os.environ, "TRITON_CACHE_DIR": os.path.join(folder, "triton"),
+            "TORCHINDUCTOR_CACHE_DIR": os.path.join(folder, "inductor"),
+            "HF_CASCADE_CACHE": os.path.join(folder, "hf_cascade")}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
+    parser.add_argument("--peers", nargs="+", default=["sdpa", "cascade", "cascade_compiled_now"],
+                        choices=list(PEER_OPTIONS))
+    parser.add_argument("--states", nargs="+", default=["empty", "warm"], choices=["empty", "warm"])
+    parser.add_argument("--calls", type=int, default=2, help="calls per child for shared32 / chat48")
+    parser.add_argument("--output", default=None)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--workload", help=argparse.SUPPRESS)
+    parser.add_argument("--peer", help=argparse.SUPPRESS)
+    parser.add_argument("--state", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print("RESULT " + json.dumps(_child(args)), flush=True)
+        return
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from common import ResultWriter
+
+    writer = ResultWriter("first_call.jsonl", args.output)
+    root = tempfile.mkdtemp(prefix="hf_cascade_first_call_")
+    summary = []
+    for workload in args.workloads:
+        for peer in args.peers:
+            folder = os.path.join(root, f"{workload}-{peer}")
+            for state in args.states:
+                if state == "empty" and os.path.isdir(folder):
+                    folder += "-again"
+                cmd = [sys.executable, os.path.abspath(__file__), "--child", "--workload", workload, "--peer", peer,
+                       "--state", state, "--calls", str(args.calls)]
+                t = time.perf_counter()
+                proc = subprocess.run(cmd, env=_cache_env(folder), capture_output=True, text=True)
+                wall = time.perf_counter() - t
+                lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+                if proc.returncode != 0 or not lines:
+                    record = {"bench": "first_call", "workload": workload, "peer": peer, "cache_state": state,
+                              "status": f"error rc={proc.returncode}: {proc.stderr[-1500:]}"}
+                else:
+                    record = {**json.loads(lines[-1][len("RESULT "):]), "status": "ok"}
+                record["child_wall_s"] = round(wall, 2)
+                writer.write(record)
+                summary.append(record)
+                print(json.dumps({k: record.get(k) for k in ("workload", "peer", "cache_state", "calls_s",
+                                                            "model_build_s", "import_s", "status", "tiers")}),
+                      flush=True)
+    print(f"\n{'workload':>9} {'peer':>21} {'caches':>6} {'call 1 s':>9} {'call 2 s':>9} {'all calls s':>11}")
+    for r in summary:
+        calls = r.get("calls_s") or []
+        c = lambda i: f"{calls[i]:9.2f}" if len(calls) > i and isinstance(calls[i], float) else f"{'-':>9}"  # noqa
+        print(f"{r['workload']:>9} {r['peer']:>21} {r['cache_state']:>6} {c(0)} {c(1)} "
+              f"{r.get('total_calls_s', float('nan')):11.2f}  {r['status'][:60]}")
+
+
+if __name__ == "__main__":
+    main()
