@@ -36,6 +36,7 @@ from hf_cascade.captured_step import static_step
 from hf_cascade.compiled_layers import outside_layer_graphs
 from hf_cascade.model_scan import attention_modules
 from hf_cascade.ops._backend import host_to_device
+from hf_cascade.ops.builtin_cascade import builtin_cascade_attention
 from hf_cascade.ops.kv_write import write_suffix_kv
 from hf_cascade.ops.plan import CascadePlan, cascade_attention_planned, padded_level_count, plan_cascade
 from hf_cascade.ops.reference import write_suffix_kv_ref
@@ -135,6 +136,7 @@ class _StaticSuffixLayer(_SuffixLayer):
         super().__init__()
         self.max_suffix_length = max_suffix_length
         self.step_buffers = None  # a StepBuffers to take the buffers from (CascadeCache.use_step_buffers)
+        self.builtin_kernels = False  # write with PyTorch ops, not the Triton kernel (CascadeCache.builtin_kernels)
         self.cumulative_length = torch.zeros((), dtype=torch.int64)
         # Host mirror of cumulative_length for eager bounds checks (no device sync per layer); compiled steps do
         # not update it (they would recompile on every new value) but mark it stale.
@@ -180,7 +182,7 @@ class _StaticSuffixLayer(_SuffixLayer):
         positions = _memoized(step_memo, ("positions", key_states.shape[-2], self.device),
                               lambda: torch.arange(key_states.shape[-2], device=self.device) + self.cumulative_length)
         # Traced, the reference's three ops (the compiler fuses them); else one launch on CUDA.
-        write = write_suffix_kv_ref if torch.compiler.is_compiling() else write_suffix_kv
+        write = write_suffix_kv_ref if torch.compiler.is_compiling() or self.builtin_kernels else write_suffix_kv
         write(key_states, value_states, self.keys, self.values, positions, self.cumulative_length)
         return self.keys, self.values
 
@@ -382,6 +384,33 @@ class CascadeCache(Cache):
         self._lock = threading.Lock()
         self._owner: int | None = None
         self._positions_checked = False
+        self._builtin_kernels = False
+
+    @property
+    def builtin_kernels(self) -> bool:
+        """Attend and write the fixed buffers with kernels that ship compiled in PyTorch (FlashAttention-2,
+        matmuls: :mod:`hf_cascade.ops.builtin_cascade`) instead of hf_cascade's Triton kernels, which a process
+        with an empty Triton cache must build first. Set by ``hf_cascade.generate`` from :mod:`hf_cascade.tiers`;
+        False (Triton on CUDA) by default. Never used inside ``torch.compile``."""
+        return self._builtin_kernels
+
+    @builtin_kernels.setter
+    def builtin_kernels(self, value: bool) -> None:
+        self._builtin_kernels = bool(value)
+        for layer in self.layers:
+            if isinstance(layer, _StaticSuffixLayer):
+                layer.builtin_kernels = self._builtin_kernels
+
+    def static_layout_key(self) -> tuple | None:
+        """What a recorded decode step must be keyed on besides its tensors: the rows' layout (per level the
+        nodes' key ranges and each row's node) when the built-in kernels run, which read it on the host (the
+        Triton op reads it from the plan's index tensors, so one graph serves every layout of its shapes)."""
+        if not self._builtin_kernels:
+            return None
+        if self._layout_key is None:
+            nodes = None if self.row_nodes is None else tuple(map(tuple, self.row_nodes.tolist()))
+            self._layout_key = ("builtin", tuple(tuple(level.node_starts) for level in self.levels), nodes)
+        return self._layout_key
 
     def _pad_prefix_levels(self, buffers: StepBuffers | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The prefix KV a compiled step takes: per level slot, the keys (values) of every layer as one tensor
@@ -666,6 +695,7 @@ class CascadeCache(Cache):
         self._plan: CascadePlan | None = None
         self._op_inputs: list[torch.Tensor] | None = None
         self._shifts = None  # hf_cascade.windows.RowShifts of these rows, built by the first bounded layer
+        self._layout_key: tuple | None = None  # static_layout_key, computed once per layout
 
     def _row_state(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         return self.row_nodes, self.suffix_start, self.window
@@ -788,6 +818,7 @@ class CascadeCache(Cache):
             ``[batch, q_len, num_heads, head_dim]`` in ``query.dtype``.
         """
         compiling = static_step()  # a compiled or recorded step (device work only)
+        builtin = self._builtin_kernels and not torch.compiler.is_compiling()
         if not compiling:  # checked eagerly at prefill; a compiled step is bound to this model
             self._check_module(module)
         layer_idx = module.layer_idx
@@ -812,9 +843,9 @@ class CascadeCache(Cache):
         if bounded:  # (Triton in eager forwards; the PyTorch path in compiled / recorded steps, for now)
             out, lse = cache_bounded_attend(self, layer_idx, query, key, value, attention_mask, scale=scaling,
                                             softcap=softcap, window=window, chunk=chunk, key_length=written,
-                                            position_ids=kwargs.get("position_ids"), static=compiling)
+                                            position_ids=kwargs.get("position_ids"), static=compiling or builtin)
             return out if sinks is None else merge_sink(out, lse, sinks, heads_dim=2)[0]
-        if compiling and self._compiled_prefix is not None:
+        if compiling and self._compiled_prefix is not None and not builtin:
             # The padded levels: the graph reads no level count (a tree of 1 to 4 levels is the same graph).
             # L + 1 Triton launches (see ops/cascade_attention.launch_cascade).
             prefix_keys, prefix_values = self._compiled_prefix  # every layer's; the op reads this layer's
@@ -830,6 +861,12 @@ class CascadeCache(Cache):
             return plain_attention(module, query, key, value, mask, scaling=scaling, softcap=softcap)
         prefix_keys = [level.keys[layer_idx] for level in self.levels]
         prefix_values = [level.values[layer_idx] for level in self.levels]
+        if builtin:  # PyTorch's own kernels (no Triton build): hf_cascade.ops.builtin_cascade
+            if self._plan is None:
+                self._plan = self._plan_for(query.shape[0], query.device)
+            out, lse = builtin_cascade_attention(query, key, value, self._plan.prefixes(prefix_keys, prefix_values),
+                                                 scale=scaling, mask=attention_mask, softcap=softcap)
+            return out if sinks is None else merge_sink(out, lse, sinks, heads_dim=2)[0]
         if self._compiled_prefix is not None and self._op_inputs is None:
             # Plan the decode step (one query position) now, outside the compiled step's CUDA graphs.
             self._op_inputs = self._plan.op_inputs(query[:, :, -1:], key,

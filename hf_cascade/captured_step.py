@@ -163,6 +163,8 @@ class CapturedDecodeStep:
                 torch.is_grad_enabled(), torch.is_autocast_enabled("cuda"),
                 getattr(self.model.config, "_attn_implementation", None),
                 self.compile_layers,
+                # the rows' layout, where the step's attention reads it on the host (the built-in kernels)
+                getattr(self.cache, "static_layout_key", lambda: None)(),
             )
         tensors, others = {}, []
         for name, value in sorted(inputs.items()):

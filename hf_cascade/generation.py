@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+import time
 import warnings
 
 import torch
@@ -36,6 +37,7 @@ from hf_cascade.cache import CascadeCache
 from hf_cascade.cpu_threads import DEFAULT_CPU_DECODE_THREADS, ContentionProbe, check_threads, cpu_decode_threads
 from hf_cascade.decoding import sample
 from hf_cascade.step_buffers import step_buffers
+from hf_cascade.tiers import COMPILE_CHOICES, choose_tier, record_call
 from hf_cascade.transformers_compat import CACHE_KWARG
 
 logger = logging.get_logger(__name__)
@@ -49,7 +51,7 @@ DEFAULT_DECODE_STEP = "auto"
 # 52-66 s.
 _OPTIONS = {
     "min_shared_tokens", "min_rows", "max_levels", "cost_model", "fixed_buffers", "batch_buckets", "defer_stop_check",
-    "decode_step", "compile_prefill", "cpu_decode_threads",
+    "decode_step", "compile_prefill", "cpu_decode_threads", "compile",
 }
 _DECODE_STEPS = ("auto", "compile", "layers", "graphs", "eager")
 
@@ -156,7 +158,15 @@ def generate(
         # load would compile the step again whenever the load changes. Compiled CPU steps keep torch's setting.
         threads_policy = None
     probe = ContentionProbe(input_ids.device, threads_policy)
-    if method_name == "_sample" and decode_step == "auto":
+    started = time.perf_counter()
+    tier = None  # on CUDA with the default decode step: the engine tiers.choose_tier picks (no compiler stall)
+    compile_choice = options.pop("compile", "auto")
+    if input_ids.device.type == "cuda" and decode_step == "auto" and compile_prefill is None:
+        tier = choose_tier(model, compile_choice if compiles else ("never" if compile_choice == "auto" else
+                                                                   compile_choice))
+        if method_name == "_sample":
+            decode_step = "layers" if tier.compiled else "graphs"
+    elif method_name == "_sample" and decode_step == "auto":
         decode_step = "layers"
 
     def prefill_compiled(fixed: bool) -> bool:  # by default with the compiled decode step: its prefill graph alongside
@@ -192,7 +202,8 @@ def generate(
         with probe:  # on CPU: a busy CPU found before the prefill runs it single-threaded; it is measured too
             cache, planned_ids, attention_mask = plan_cascade_batch(
                 model, plan_ids, plan_mask, prefix_cache=user_cache, max_new_tokens=max_new_tokens,
-                fixed_buffers=fixed, bucket_buffers=fixed, compile_layers=prefill_compiled(fixed), **options,
+                fixed_buffers=fixed, bucket_buffers=fixed, compile_layers=prefill_compiled(fixed),
+                builtin_kernels=tier is not None and tier.builtin_kernels, **options,
             )
         if cache is None:  # nothing worth sharing: generate()'s own cache and rows, untouched
             return _run(getattr(type(model), method_name), model, input_ids, logits_processor, stopping_criteria,
@@ -216,8 +227,11 @@ def generate(
     if cascade_caches is not None:
         cascade_caches.append(cache)
     if user_cache is not None or cache.max_suffix_length is None or max_new_tokens <= 1:
-        return _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs,
-                    threads=probe.decode_threads())
+        out = _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs,
+                   threads=probe.decode_threads())
+        if tier is not None and cache is not user_cache:
+            record_call(model, tier, time.perf_counter() - started)
+        return out if real_rows is None else _first_rows(out, real_rows, input_ids.shape[0])
     # Fixed buffers in a cache of our own, and decode steps to run: take them from the model's StepBuffers, so that
     # a call with the same shapes as an earlier one replays its CUDA graphs instead of recording them again; give
     # them back after. (A call of one new token runs no decode step: it neither takes nor replaces the kept set.)
@@ -228,6 +242,8 @@ def generate(
                    threads=probe.decode_threads())
     finally:
         buffers.keep(cache.step_buffer_tensors())
+    if tier is not None:
+        record_call(model, tier, time.perf_counter() - started)
     return out if real_rows is None else _first_rows(out, real_rows, input_ids.shape[0])
 
 
@@ -301,6 +317,8 @@ def _validated_options(cascade_options, cascade_caches) -> dict:
                 raise ValueError(f"{where} must be 'auto', None or a CascadeCostModel; got {value!r}.")
         elif name == "decode_step" and (not isinstance(value, str) or value not in _DECODE_STEPS):
             raise ValueError(f"{where} must be one of {list(_DECODE_STEPS)}; got {value!r}.")
+        elif name == "compile" and (not isinstance(value, str) or value not in COMPILE_CHOICES):
+            raise ValueError(f"{where} must be one of {list(COMPILE_CHOICES)}; got {value!r}.")
     return options
 
 

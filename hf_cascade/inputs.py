@@ -122,6 +122,7 @@ def plan_cascade_batch(
     fixed_buffers: bool = False,
     bucket_buffers: bool = False,
     compile_layers: bool = False,
+    builtin_kernels: bool = False,
 ) -> tuple[CascadeCache | None, torch.Tensor, torch.Tensor]:
     """Find what the rows share, prefill each shared segment once, and build the cache for the user's own rows.
 
@@ -140,6 +141,8 @@ def plan_cascade_batch(
         bucket_buffers: round that up (:func:`suffix_capacity`), so that calls of one bucket reuse buffers.
         compile_layers: prefill the shared segments with the decoder layers compiled for any length (see
             :func:`~hf_cascade.compiled_layers.compiled_forward`).
+        builtin_kernels: attend with PyTorch's own kernels, not Triton's (the prefill and the returned cache; see
+            :attr:`CascadeCache.builtin_kernels`).
     Returns:
         ``(cache, input_ids, attention_mask)``: ``cache`` is None when no segment is worth sharing (the caller then
         runs plain attention); the ids and mask are the user's, right padding moved to the front of each row.
@@ -172,7 +175,7 @@ def plan_cascade_batch(
         for level, nodes in enumerate(tree.levels)
     ]
     levels = prefill_levels(model, node_levels, base_levels, base_parents, cache_class=CascadeCache,
-                            compile_layers=compile_layers)
+                            compile_layers=compile_layers, builtin_kernels=builtin_kernels)
 
     num_base = len(base_levels)
     row_nodes = torch.full((len(levels), batch), -1, dtype=torch.int64)
@@ -194,6 +197,7 @@ def plan_cascade_batch(
         ),
         suffix_start=suffix_start, prefix_tree=tree, window_mask=torch.from_numpy(mask_host[:, prefix_length:]),
     )
+    cache.builtin_kernels = builtin_kernels
     return cache, input_ids, attention_mask
 
 

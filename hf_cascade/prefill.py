@@ -94,6 +94,7 @@ def prefill_levels(
     *,
     cache_class,
     compile_layers: bool = False,
+    builtin_kernels: bool = False,
 ) -> list:
     """Run the model over every node once and return the packed :class:`PrefixLevel` list.
 
@@ -105,6 +106,7 @@ def prefill_levels(
         cache_class: :class:`~hf_cascade.cache.CascadeCache` (passed in: the cache imports this module).
         compile_layers: run each level's forward with the decoder layers compiled for any length
             (:func:`~hf_cascade.compiled_layers.compiled_forward`; eager where compiling fails).
+        builtin_kernels: the levels below the first attend with PyTorch's own kernels (no Triton build).
     Returns:
         ``base_levels`` followed by the new levels.
     """
@@ -121,6 +123,7 @@ def prefill_levels(
         # before).
         row_nodes = _chains(len(levels), parents, node_parent) if levels else None
         cache = cache_class(model, levels, row_nodes=row_nodes, prefix_length=prefix_length)
+        cache.builtin_kernels = builtin_kernels
         # The forward's ids, mask and positions in one host buffer: one pinned copy to the device, not three. Built
         # in numpy (one thread; torch's CPU kernels wake their thread pool for long nodes, slow on a busy host).
         rows = len(nodes)

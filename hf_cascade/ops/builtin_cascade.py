@@ -1,0 +1,160 @@
+"""Cascade attention on kernels that need no compilation: PyTorch's own FlashAttention-2 and matmuls.
+
+Why. hf_cascade's Triton kernels are faster, but a process whose Triton cache is empty builds each one the first
+time it runs (about a second each, several per call: ``benchmarks/results/first_call.jsonl``). A user's first
+generate() call must not wait for a compiler (issue 32), so until the Triton kernels are ready
+(:mod:`hf_cascade.tiers`) the cache attends with this path: every kernel in it ships compiled inside PyTorch.
+
+How. Per prefix level, each node's rows attend to the node's keys through FlashAttention-2 (``fused_attention``:
+the rows' queries as one query sequence, non-causal, keys split over the SMs for short query sequences), where it
+applies (CUDA, fp16/bf16, ``D == Dv``, head dim <= 256 and a multiple of 8, no soft-capping); elsewhere (fp32,
+soft-capping, MLA head sizes, CPU) by matmuls in fp32 over the node's keys. The suffix pass (each row against its
+own columns, under the cache's bool mask) is matmuls: scores in the input dtype as transformers' ``eager``
+attention computes them, softmax in fp32. The states merge exactly by their log-sum-exp
+(:func:`~hf_cascade.ops.reference.merge_states_ref`). Work is bounded: the suffix pass runs in query chunks of at
+most :data:`CHUNK_ELEMENTS` scores.
+
+Nodes are read from the plan's host layout, so a CUDA graph that records this path holds one layout: the
+recorded decode step keys its graphs on the layout when this path runs (``CascadeCache.static_layout_key``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from .fused_attention import fused_attention, fused_attention_applies
+from .reference import merge_states_ref
+
+__all__ = ["CHUNK_ELEMENTS", "builtin_cascade_attention"]
+
+# Most fp32 scores one matmul of the suffix pass (or of a node's fp32 prefix pass) materialises: 256 MB.
+CHUNK_ELEMENTS = 1 << 26
+
+
+def builtin_cascade_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    prefixes: Sequence[tuple[Tensor, Tensor, object]],
+    *,
+    scale: float,
+    mask: Tensor | None,
+    softcap: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Attention of every row over its shared-prefix levels and its own suffix, merged exactly.
+
+    Args:
+        query: ``[B, Hq, Lq, D]`` float32/float16/bfloat16.
+        key, value: the rows' suffix KV ``[B, Hkv, S, D]`` / ``[B, Hkv, S, Dv]`` (S may be 0).
+        prefixes: per level ``(prefix_key [Hkv, T, D], prefix_value [Hkv, T, Dv], PrefixPlan)``
+            (:func:`~hf_cascade.ops.prefix_attention.plan_shared_prefix`: its host ``node_starts``, ``row_node``
+            and ``rows_by_node`` are read).
+        scale: softmax scale. softcap: Gemma-2 soft-capping of the scores, or None.
+        mask: bool ``[B or 1, Lq, S]`` (True = visible) over the suffix keys, or None: causal, aligned
+            bottom-right (query ``i`` sees suffix keys ``j <= S - Lq + i``).
+    Returns:
+        ``(out [B, Lq, Hq, Dv] contiguous in query.dtype, lse [B, Hq, Lq] float32 natural log; -inf where a
+        query sees no key)``.
+    """
+    B, Hq, Lq, _ = query.shape
+    states = [_prefix_level(query, k, v, plan, scale, softcap) for k, v, plan in prefixes]
+    states.append(_suffix_state(query, key, value, scale, mask, softcap))
+    if len(states) == 1:
+        out, lse = states[0]
+    else:
+        out, lse = merge_states_ref(torch.stack([o for o, _ in states]), torch.stack([l for _, l in states]))
+    return out.to(query.dtype).transpose(1, 2).contiguous(), lse
+
+
+def _prefix_level(query: Tensor, k_pre: Tensor, v_pre: Tensor, plan, scale: float, softcap: float | None):
+    """One level's state ``(out [B, Hq, Lq, Dv] fp32, lse [B, Hq, Lq])``: each node's rows against its keys."""
+    B, Hq, Lq, _ = query.shape
+    Dv = v_pre.shape[-1]
+    out = query.new_zeros((B, Hq, Lq, Dv), dtype=torch.float32)
+    lse = query.new_full((B, Hq, Lq), float("-inf"), dtype=torch.float32)
+    starts = plan.node_starts
+    for node in range(len(starts) - 1):
+        a, b = starts[node], starts[node + 1]
+        count = plan.rows_per_node[node]
+        if b == a or count == 0:
+            continue
+        every_row = count == B  # rows of the node = the batch, in order (the common one-node level)
+        rows = None if every_row else plan.rows_by_node[node]
+        if rows is None and not every_row:
+            rows = torch.tensor([r for r, n in enumerate(plan.row_node) if n == node], dtype=torch.int64,
+                                device=query.device)
+        q = query if every_row else query.index_select(0, rows)
+        o, l = _node_attention(q, k_pre[:, a:b], v_pre[:, a:b], scale, softcap)
+        if every_row:
+            out, lse = o, l
+        else:
+            out.index_copy_(0, rows, o)
+            lse.index_copy_(0, rows, l)
+    return out, lse
+
+
+def _node_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, softcap: float | None):
+    """``R`` rows' queries ``[R, Hq, Lq, D]`` against one node's keys ``[Hkv, T, D]`` (every key visible).
+    Returns ``(out [R, Hq, Lq, Dv] fp32, lse [R, Hq, Lq] fp32)``."""
+    R, Hq, Lq, D = q.shape
+    Hkv, T, Dv = k.shape[0], k.shape[1], v.shape[-1]
+    G = Hq // Hkv
+    # The rows' queries as one sequence per head: [1, Hq, R * Lq, D].
+    seq = q.permute(1, 0, 2, 3).reshape(1, Hq, R * Lq, D)
+    if Dv == D and fused_attention_applies(seq, k[None], softcap=softcap):
+        o, l = fused_attention(seq, k[None], v[None], scale=scale, causal=False)
+        o = o.reshape(Hq, R, Lq, Dv).permute(1, 0, 2, 3).float()
+        return o, l.reshape(Hq, R, Lq).permute(1, 0, 2)
+    # fp32 matmuls, grouped by KV head (GQA folded into the query rows), in chunks of query rows.
+    qf = q.float().reshape(R, Hkv, G * Lq, D).transpose(0, 1).reshape(Hkv, R * G * Lq, D)
+    kf, vf = k.float(), v.float()
+    rows = max(1, CHUNK_ELEMENTS // max(Hkv * T, 1))
+    outs, lses = [], []
+    for i in range(0, qf.shape[1], rows):
+        s = torch.matmul(qf[:, i:i + rows], kf.transpose(-1, -2)) * scale
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
+        l = torch.logsumexp(s, dim=-1)
+        outs.append(torch.matmul(torch.exp(s - l.unsqueeze(-1)), vf))
+        lses.append(l)
+    o = torch.cat(outs, dim=1).reshape(Hkv, R, G * Lq, Dv).transpose(0, 1).reshape(R, Hq, Lq, Dv)
+    l = torch.cat(lses, dim=1).reshape(Hkv, R, G * Lq).transpose(0, 1).reshape(R, Hq, Lq)
+    return o, l
+
+
+def _suffix_state(query: Tensor, key: Tensor, value: Tensor, scale: float, mask: Tensor | None,
+                  softcap: float | None):
+    """Each row's queries against its own suffix keys under ``mask``: ``(out [B, Hq, Lq, Dv] fp32, lse)``.
+    Scores in the input dtype (as ``eager`` attention), softmax in fp32; in chunks of queries."""
+    B, Hq, Lq, D = query.shape
+    Hkv, S, Dv = key.shape[1], key.shape[2], value.shape[-1]
+    G = Hq // Hkv
+    if S == 0:
+        return (query.new_zeros((B, Hq, Lq, Dv), dtype=torch.float32),
+                query.new_full((B, Hq, Lq), float("-inf"), dtype=torch.float32))
+    if mask is None:  # causal, bottom-right
+        columns = torch.arange(S, device=query.device)
+        last = S - Lq + torch.arange(Lq, device=query.device)
+        mask = (columns[None, :] <= last[:, None])[None]
+    step = max(1, CHUNK_ELEMENTS // max(B * Hq * S, 1))
+    outs, lses = [], []
+    q_all = query * scale
+    for i in range(0, Lq, step):
+        q = q_all[:, :, i:i + step]
+        n = q.shape[2]
+        # [B, Hkv, G * n, D] x [B, Hkv, D, S]: the KV heads are never repeated.
+        s = torch.matmul(q.reshape(B, Hkv, G * n, D), key.transpose(-1, -2)).float()
+        if softcap is not None:
+            s = softcap * torch.tanh(s / softcap)
+        s = s.view(B, Hkv, G, n, S).masked_fill(~mask[:, None, None, i:i + step], float("-inf"))
+        l = torch.logsumexp(s, dim=-1)  # [B, Hkv, G, n]; -inf where no key is visible
+        p = torch.exp(s - torch.where(l == float("-inf"), 0.0, l).unsqueeze(-1))
+        o = torch.matmul(p.to(value.dtype).view(B, Hkv, G * n, S), value).float()
+        outs.append(o.view(B, Hq, n, Dv))
+        lses.append(l.reshape(B, Hq, n))
+    if len(outs) == 1:
+        return outs[0], lses[0]
+    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)

@@ -1,0 +1,251 @@
+"""Which engine a generate() call runs on a GPU, so that no call waits for a compiler it would not win back.
+
+Three tiers, each faster once ready and each costing more to get ready:
+
+``builtin``
+    Attention by kernels that ship compiled inside PyTorch (FlashAttention-2 and matmuls,
+    :mod:`hf_cascade.ops.builtin_cascade`), decode steps recorded into CUDA graphs
+    (:mod:`hf_cascade.captured_step`), the model's layers eager. Nothing is compiled: ready at once.
+``triton``
+    hf_cascade's Triton kernels instead. Triton builds each kernel the first time a process launches it, about a
+    second each with an empty Triton cache; from a warm cache it loads them in milliseconds.
+``compiled``
+    The decoder layers compiled by ``torch.compile`` for the decode step and the prefill
+    (:mod:`hf_cascade.compiled_layers`): the model's small kernels fused, ~20% off a decode step (Llama-3-8B shape,
+    H100), after 10-25 s of compilation with empty caches, 1.5-7 s with warm ones.
+
+The policy (``cascade_options={"compile": "auto"}``, the default) is ski rental: a call runs the best tier that is
+ready; each call run below a tier adds what that tier would have saved (a fixed fraction of the call's seconds,
+measured: :data:`SAVED_FRACTION`) to the tier's *regret*, and the next call moves up once the regret reaches the
+tier's expected cost. So the time lost to waiting is never more than the time the compiler would have taken, and
+the time spent compiling is never more than what a slower tier already lost (at most twice the better of the two
+choices, whatever calls come later). The Triton tier is taken at once where a record says this machine built its
+kernels before (loading them costs milliseconds).
+
+Expected costs come from **records on disk** (``$HF_CASCADE_CACHE/compile_records``, else
+``~/.cache/hf_cascade/compile_records``), one per model shape, dtype, GPU, versions and compile-cache folders: what
+an earlier process measured when it moved up. Pointing the compile caches at a new folder (``TRITON_CACHE_DIR``,
+``TORCHINDUCTOR_CACHE_DIR``) starts from no record. ``python -m hf_cascade warmup --model PATH`` compiles every
+tier ahead (for images and CI) and writes the records.
+
+``compile="now"`` runs the compiled tier from the first call (the old default: the first call compiles);
+``compile="never"`` never compiles the layers (Triton kernels when ready, by the same rule).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import threading
+import time
+
+import torch
+
+from hf_cascade.step_buffers import model_state
+
+__all__ = ["COMPILE_CHOICES", "SAVED_FRACTION", "Tier", "choose_tier", "record_call", "tier_report"]
+
+COMPILE_CHOICES = ("auto", "now", "never")
+# What each tier saves over the one below it, as a fraction of a call's seconds there (Llama-3-8B shape, B=32,
+# H100: a decode step 10.3 -> 8.1 ms with the layers compiled; the attention of a step ~3x faster on the Triton
+# kernels than on the built-in ones, ~15% of a step: benchmarks/results/probe_builtin_attention.jsonl).
+SAVED_FRACTION = {"triton": 0.15, "compiled": 0.20}
+# Expected seconds to get a tier ready when no record says otherwise (H100, empty caches:
+# benchmarks/results/first_call.jsonl): Triton builds ~1 s per kernel, several kernels per layout; compiling the
+# layers of an 8B model for the prefill and the decode step.
+DEFAULT_COST_S = {"triton": 8.0, "compiled": 20.0}
+# Loading kernels a record says were built: a few milliseconds each.
+RECORDED_TRITON_COST_S = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Tier:
+    """The engine of one call. ``builtin_kernels``: attention on PyTorch's kernels (no Triton build);
+    ``compiled``: decoder layers compiled (decode step ``"layers"`` and a compiled prefill; else ``"graphs"``)."""
+
+    name: str
+    builtin_kernels: bool
+    compiled: bool
+
+
+_TIERS = {"builtin": Tier("builtin", True, False), "triton": Tier("triton", False, False),
+          "compiled": Tier("compiled", False, True)}
+
+
+class _ModelTiers:
+    """One model's tier state in this process: what is ready, the regret of the tiers above, the record."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.ready = {"triton": False, "compiled": False}
+        self.regret = {"triton": 0.0, "compiled": 0.0}
+        self.record: dict | None = None
+        self.record_path: str | None = None
+        self.record_key: dict | None = None
+        self.calls: list[tuple[str, float]] = []  # (tier, seconds) of the calls so far
+
+
+def _state(model) -> _ModelTiers:
+    return model_state(model, _ModelTiers)
+
+
+def choose_tier(model, compile: str = "auto") -> Tier:
+    """The tier of the next call of ``model`` on CUDA (see the module docstring).
+
+    Raises:
+        ValueError: ``compile`` is not one of :data:`COMPILE_CHOICES`.
+    """
+    if compile not in COMPILE_CHOICES:
+        raise ValueError(f"`cascade_options['compile']` must be one of {list(COMPILE_CHOICES)}; got {compile!r}.")
+    state = _state(model)
+    with state.lock:
+        if compile == "now":
+            return _TIERS["compiled"]
+        record = _load_record(model, state)
+        triton = state.ready["triton"] or record.get("triton_built", False) or (
+            state.regret["triton"] >= DEFAULT_COST_S["triton"])
+        if not triton:
+            return _TIERS["builtin"]
+        if compile == "never":
+            return _TIERS["triton"]
+        compiled = state.ready["compiled"] or state.regret["compiled"] >= _compiled_cost(record)
+        return _TIERS["compiled" if compiled else "triton"]
+
+
+def record_call(model, tier: Tier, seconds: float) -> None:
+    """After a call of ``model`` on ``tier`` that took ``seconds``: the tiers it ran are ready; the tiers above it
+    gain regret; a tier that became ready now is written to the record (with the call's seconds, an upper bound
+    of what getting it ready cost)."""
+    state = _state(model)
+    with state.lock:
+        state.calls.append((tier.name, round(seconds, 3)))
+        record = _load_record(model, state)
+        changed = False
+        if not tier.builtin_kernels:
+            if not state.ready["triton"]:
+                state.ready["triton"] = True
+                if not record.get("triton_built"):
+                    record["triton_built"], changed = True, True
+        else:
+            state.regret["triton"] += SAVED_FRACTION["triton"] * seconds
+        if tier.compiled:
+            if not state.ready["compiled"]:
+                state.ready["compiled"] = True
+                costs = record.setdefault("compiled_call_s", [])
+                costs.append(round(seconds, 3))
+                del costs[:-4]
+                changed = True
+        else:
+            state.regret["compiled"] += SAVED_FRACTION["compiled"] * seconds
+        if changed:
+            _write_record(state)
+
+
+def tier_report(model) -> dict:
+    """``{"calls": [(tier, seconds), ...], "ready": {...}, "regret_s": {...}, "record": path}`` for ``model`` in
+    this process (benchmarks print it)."""
+    state = _state(model)
+    with state.lock:
+        return {"calls": list(state.calls), "ready": dict(state.ready),
+                "regret_s": {k: round(v, 3) for k, v in state.regret.items()}, "record": state.record_path}
+
+
+def _compiled_cost(record: dict) -> float:
+    """Expected seconds to compile the layers: the least an earlier process's first compiled call took (it
+    includes the call's own work, so it overstates), else :data:`DEFAULT_COST_S`."""
+    costs = record.get("compiled_call_s")
+    return min(costs) if costs else DEFAULT_COST_S["compiled"]
+
+
+# ---------------------------------------------------------------------------------------------- records on disk
+def records_folder() -> str | None:
+    """Where the compile records live, or None where ``HF_CASCADE_CACHE=off``."""
+    root = os.environ.get("HF_CASCADE_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hf_cascade")
+    return None if root == "off" else os.path.join(root, "compile_records")
+
+
+def record_key(model) -> dict:
+    """What a record is valid for: the model's shape and dtype, the GPU, the versions and the compile caches."""
+    import transformers
+
+    config = model.config
+    text = getattr(config, "get_text_config", lambda: config)()
+    shape = {name: getattr(text, name, None) for name in (
+        "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+        "intermediate_size", "vocab_size", "sliding_window")}
+    device = model.device
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except Exception:  # noqa: BLE001 (no Triton: the record still keys the compiled tier)
+        triton_version = None
+    return {
+        "model": type(model).__name__, "shape": shape, "dtype": str(model.dtype),
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
+        "torch": torch.__version__, "transformers": transformers.__version__, "triton": triton_version,
+        "hf_cascade": _package_version(),
+        "triton_cache": os.path.realpath(os.environ.get("TRITON_CACHE_DIR") or _default_triton_cache()),
+        "inductor_cache": os.path.realpath(_inductor_cache()),
+    }
+
+
+def _package_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hf-cascade")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _default_triton_cache() -> str:
+    return os.path.join(os.path.expanduser("~"), ".triton", "cache")
+
+
+def _inductor_cache() -> str:
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        return cache_dir()
+    except Exception:  # noqa: BLE001 (another torch layout)
+        return os.environ.get("TORCHINDUCTOR_CACHE_DIR", "")
+
+
+def _load_record(model, state: _ModelTiers) -> dict:
+    """The model's record (read once per process; an empty dict where there is none or it cannot be read)."""
+    if state.record is not None:
+        return state.record
+    state.record = {}
+    folder = records_folder()
+    if folder is None:
+        return state.record
+    key = record_key(model)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    state.record_path = os.path.join(folder, f"{digest}.json")
+    try:
+        with open(state.record_path) as f:
+            stored = json.load(f)
+        if stored.get("key") == key:
+            state.record = stored.get("tiers", {})
+    except (OSError, ValueError):
+        pass
+    state.record_key = key
+    return state.record
+
+
+def _write_record(state: _ModelTiers) -> None:
+    """Write the record atomically; a folder that cannot be written is skipped (the next process starts cold)."""
+    if state.record_path is None:
+        return
+    try:
+        os.makedirs(os.path.dirname(state.record_path), exist_ok=True)
+        temporary = f"{state.record_path}.{os.getpid()}.{time.monotonic_ns()}.tmp"
+        with open(temporary, "w") as f:
+            json.dump({"key": state.record_key, "tiers": state.record}, f, indent=1)
+        os.replace(temporary, state.record_path)
+    except OSError:
+        pass

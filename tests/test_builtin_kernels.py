@@ -1,0 +1,203 @@
+"""The no-compilation attention path (``hf_cascade.ops.builtin_cascade``) and the tier policy that picks it
+(``hf_cascade.tiers``): the path against float64 attention per row (odd shapes, GQA and MHA, multi-node levels, rows
+without a node, empty nodes, an empty suffix, masks, soft-capping, K/V of different head sizes); generate() with a
+cache on the built-in kernels gives sdpa's greedy tokens; the ski-rental policy moves up only when the regret
+reaches the cost, reads and writes its records, and refuses unknown choices."""
+
+import pytest
+import torch
+
+from hf_cascade.ops import plan_shared_prefix
+from hf_cascade.ops import builtin_cascade
+from hf_cascade.ops.builtin_cascade import builtin_cascade_attention
+
+from _ops_common import NEG_INF
+from test_ops_kv_head_sizes import _f64
+
+CASES = [  # (B, Hq, Hkv, D, Dv, Lq, S, levels: [(node lengths, row_node)])
+    (5, 6, 2, 24, 24, 1, 7, [([9], [0, 0, 0, 0, 0])]),
+    (5, 6, 2, 24, 24, 3, 7, [([9, 4], [0, 0, 1, 1, -1]), ([5, 0, 3], [2, 0, 0, 1, -1])]),
+    (4, 4, 4, 16, 16, 2, 0, [([6, 5], [1, 0, 1, 0])]),
+    (3, 6, 3, 24, 12, 2, 5, [([7], [0, 0, 0])]),  # MLA-style: values narrower than keys
+    (6, 9, 3, 40, 40, 1, 11, [([13], [0] * 6), ([4, 4, 2], [0, 0, 1, 1, 2, 2])]),
+]
+
+
+def _levels(Hkv, D, Dv, spec, dtype):
+    levels, prefixes = [], []
+    for lengths, row_node in spec:
+        starts = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int64)
+        k = torch.randn(Hkv, int(starts[-1]), D, dtype=dtype)
+        v = torch.randn(Hkv, int(starts[-1]), Dv, dtype=dtype)
+        rows = torch.tensor(row_node, dtype=torch.int64)
+        levels.append((k, v, rows, starts))
+        prefixes.append((k, v, plan_shared_prefix(rows, starts)))
+    return levels, prefixes
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("masked", [False, True])
+def test_builtin_cascade_matches_float64(case, masked):
+    torch.manual_seed(0)
+    B, Hq, Hkv, D, Dv, Lq, S, spec = case
+    q = torch.randn(B, Hq, Lq, D)
+    k, v = torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, Dv)
+    levels, prefixes = _levels(Hkv, D, Dv, spec, torch.float32)
+    causal = (torch.arange(S)[None, :] <= (S - Lq + torch.arange(Lq))[:, None])[None].expand(B, Lq, S)
+    visible = causal & (torch.rand(B, 1, S) > 0.3) if masked else causal
+    out, lse = builtin_cascade_attention(q, k, v, prefixes, scale=D ** -0.5, mask=visible if masked else None)
+    want_out, want_lse = _f64(q, k, v, levels, D ** -0.5, visible)
+    assert out.shape == (B, Lq, Hq, Dv) and out.is_contiguous() and lse.dtype == torch.float32
+    torch.testing.assert_close(out.transpose(1, 2).double(), want_out, atol=2e-5, rtol=2e-5)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse))
+    finite = torch.isfinite(want_lse)
+    torch.testing.assert_close(lse.double()[finite], want_lse[finite], atol=1e-4, rtol=1e-5)
+
+
+def test_builtin_cascade_softcap_and_chunks(monkeypatch):
+    """Soft-capping takes the matmul path of the nodes; tiny chunks give the same result as one chunk."""
+    torch.manual_seed(1)
+    B, Hq, Hkv, D, Lq, S = 4, 4, 2, 16, 5, 9
+    q, k, v = torch.randn(B, Hq, Lq, D), torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
+    _, prefixes = _levels(Hkv, D, D, [([7, 3], [0, 1, 1, 0])], torch.float32)
+    whole = builtin_cascade_attention(q, k, v, prefixes, scale=0.3, mask=None, softcap=5.0)
+    monkeypatch.setattr(builtin_cascade, "CHUNK_ELEMENTS", 16)
+    chunked = builtin_cascade_attention(q, k, v, prefixes, scale=0.3, mask=None, softcap=5.0)
+    torch.testing.assert_close(chunked[0], whole[0], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(chunked[1], whole[1], atol=1e-6, rtol=1e-6)
+    # soft-capped scores bound every logit: |s| <= 5, so the LSE over n keys is at most 5 + log(n)
+    assert float(whole[1].max()) <= 5.0 + torch.log(torch.tensor(7.0 + S)).item() + 1e-5
+
+
+def test_builtin_cascade_bf16_within_eager_rounding():
+    """bf16: no further from the float64 answer than the same attention computed in bf16 the eager way."""
+    torch.manual_seed(2)
+    B, Hq, Hkv, D, Lq, S = 4, 8, 2, 32, 2, 6
+    q = torch.randn(B, Hq, Lq, D, dtype=torch.bfloat16)
+    k, v = torch.randn(B, Hkv, S, D, dtype=torch.bfloat16), torch.randn(B, Hkv, S, D, dtype=torch.bfloat16)
+    levels, prefixes = _levels(Hkv, D, D, [([12], [0] * B)], torch.bfloat16)
+    causal = (torch.arange(S)[None, :] <= (S - Lq + torch.arange(Lq))[:, None])[None].expand(B, Lq, S)
+    out, _ = builtin_cascade_attention(q, k, v, prefixes, scale=D ** -0.5, mask=None)
+    want, _ = _f64(q, k, v, levels, D ** -0.5, causal)
+    # eager: bf16 scores, fp32 softmax, bf16 probabilities
+    kk = torch.cat([levels[0][0][None].expand(B, -1, -1, -1), k], 2).repeat_interleave(Hq // Hkv, 1)
+    vv = torch.cat([levels[0][1][None].expand(B, -1, -1, -1), v], 2).repeat_interleave(Hq // Hkv, 1)
+    s = (q @ kk.transpose(-1, -2) * D ** -0.5).float()
+    s[..., 12:] = s[..., 12:].masked_fill(~causal[:, None], NEG_INF)
+    eager = (torch.softmax(s, -1).to(torch.bfloat16) @ vv).double()
+    ours = (out.transpose(1, 2).double() - want).abs().max()
+    assert ours <= 2 * (eager - want).abs().max() + 1e-3
+
+
+def test_generate_on_builtin_kernels_gives_sdpa_tokens(tiny_llama_pair, monkeypatch):
+    """A cache on the built-in kernels (fixed buffers and growing ones) gives sdpa's greedy tokens, fp32."""
+    import hf_cascade
+    import hf_cascade.cache as cache_module
+
+    calls = []
+    monkeypatch.setattr(cache_module, "builtin_cascade_attention",
+                        lambda *a, **k: calls.append(1) or builtin_cascade_attention(*a, **k))
+    from hf_cascade.transformers_compat import CACHE_KWARG
+
+    model, ref = tiny_llama_pair
+    torch.manual_seed(3)
+    shared = torch.randint(3, model.config.vocab_size, (1, 23))
+    ids = torch.cat([shared.expand(5, -1), torch.randint(3, model.config.vocab_size, (5, 4))], 1)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0  # a left-padded row
+    want = ref.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    for max_new in (None, 6):
+        inputs = hf_cascade.shared_prefix_inputs(model, ids, mask, max_new_tokens=max_new)
+        inputs[CACHE_KWARG].builtin_kernels = True
+        got = model.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        assert torch.equal(got[:, -6:], want[:, -6:]), max_new
+        assert len(calls) >= 6 * model.config.num_hidden_layers  # every layer of every forward took the path
+        calls.clear()
+
+
+# --------------------------------------------------------------------------------------------------- the tiers
+@pytest.fixture
+def records(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_CASCADE_CACHE", str(tmp_path))
+    return tmp_path
+
+
+def _fresh_process(model):
+    """Forget the model's in-process tier state (as a new process would), keep the records on disk."""
+    from hf_cascade.step_buffers import _BY_MODEL
+    from hf_cascade.tiers import _ModelTiers
+
+    _BY_MODEL.get(model, {}).pop(_ModelTiers, None)
+
+
+def test_ski_rental_moves_up_when_regret_reaches_cost(records, tiny_llama_pair):
+    from hf_cascade import tiers
+
+    model = tiny_llama_pair[0]
+    _fresh_process(model)
+    assert tiers.choose_tier(model) == tiers._TIERS["builtin"]  # empty caches, no record: nothing to build
+    tiers.record_call(model, tiers._TIERS["builtin"], 10.0)  # regret 1.5 s < 8 s
+    assert tiers.choose_tier(model).name == "builtin"
+    tiers.record_call(model, tiers._TIERS["builtin"], 50.0)  # regret 9 s >= 8 s
+    assert tiers.choose_tier(model).name == "triton"
+    tiers.record_call(model, tiers._TIERS["triton"], 1.0)
+    report = tiers.tier_report(model)
+    assert report["ready"]["triton"] and report["record"].startswith(str(records))
+    # the compiled tier: regret 0.2 x 60 s (the builtin calls) + 0.2 x 1 s = 12.2 < 20
+    assert tiers.choose_tier(model).name == "triton"
+    tiers.record_call(model, tiers._TIERS["triton"], 40.0)
+    assert tiers.choose_tier(model).name == "compiled"
+    tiers.record_call(model, tiers._TIERS["compiled"], 6.5)
+    assert tiers.choose_tier(model, "never").name == "triton"
+    # a new process: the record says the Triton kernels were built (taken at once) and what compiling cost
+    _fresh_process(model)
+    assert tiers.choose_tier(model).name == "triton"
+    assert tiers._compiled_cost(tiers._state(model).record) == 6.5
+    tiers.record_call(model, tiers._TIERS["triton"], 30.0)  # regret 6 < 6.5
+    assert tiers.choose_tier(model).name == "triton"
+    tiers.record_call(model, tiers._TIERS["triton"], 3.0)
+    assert tiers.choose_tier(model).name == "compiled"
+
+
+def test_tier_choices_and_records_off(records, tiny_llama_pair, monkeypatch):
+    from hf_cascade import tiers
+
+    model = tiny_llama_pair[0]
+    _fresh_process(model)
+    assert tiers.choose_tier(model, "now").name == "compiled"
+    with pytest.raises(ValueError, match="compile"):
+        tiers.choose_tier(model, "sometimes")
+    monkeypatch.setenv("HF_CASCADE_CACHE", "off")
+    _fresh_process(model)
+    tiers.record_call(model, tiers._TIERS["triton"], 1.0)
+    assert tiers.tier_report(model)["record"] is None
+    assert not any(records.rglob("*.json"))
+
+
+def test_records_are_keyed_by_compile_cache_folders(records, tiny_llama_pair, monkeypatch, tmp_path):
+    from hf_cascade import tiers
+
+    model = tiny_llama_pair[0]
+    _fresh_process(model)
+    tiers.record_call(model, tiers._TIERS["triton"], 1.0)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "new_triton_cache"))
+    _fresh_process(model)
+    assert tiers.choose_tier(model).name == "builtin"  # another (empty) Triton cache: its kernels are not built
+
+
+def test_cascade_options_compile_is_validated(tiny_llama_pair):
+    import hf_cascade
+
+    model = tiny_llama_pair[0]
+    ids = torch.randint(3, 50, (2, 9))
+    with pytest.raises(ValueError, match=r"cascade_options\['compile'\]"):
+        model.generate(ids, max_new_tokens=2, custom_generate=hf_cascade.generate,
+                       cascade_options={"compile": "always"})
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_pair():
+    """(cascade model, sdpa model) with the same weights: a tiny Llama, fp32."""
+    from hf_cascade.model_zoo import tiny_model
+
+    return tiny_model("llama", "cascade", seed=0), tiny_model("llama", "sdpa", seed=0)
