@@ -22,8 +22,8 @@ the time spent compiling is never more than what a slower tier already lost (at 
 choices, whatever calls come later). The Triton tier is taken at once where a record says this machine built its
 kernels before (loading them costs milliseconds).
 
-Expected costs come from **records on disk** (``$HF_CASCADE_CACHE/compile_records``, else
-``~/.cache/hf_cascade/compile_records``), one per model shape, dtype, GPU, versions and compile-cache folders: what
+Expected costs come from **records on disk** (``$HF_CASCADE_RECORDS``, else ``$HF_CASCADE_CACHE/compile_records``,
+else ``~/.cache/hf_cascade/compile_records``), one per model shape, dtype, GPU, versions and compile-cache folders: what
 an earlier process measured when it moved up. Pointing the compile caches at a new folder (``TRITON_CACHE_DIR``,
 ``TORCHINDUCTOR_CACHE_DIR``) starts from no record. ``python -m hf_cascade warmup --model PATH`` compiles every
 tier ahead (for images and CI) and writes the records.
@@ -161,7 +161,11 @@ def _compiled_cost(record: dict) -> float:
 
 # ---------------------------------------------------------------------------------------------- records on disk
 def records_folder() -> str | None:
-    """Where the compile records live, or None where ``HF_CASCADE_CACHE=off``."""
+    """Where the compile records live: ``$HF_CASCADE_RECORDS``, else ``compile_records`` in ``$HF_CASCADE_CACHE`` or
+    ``~/.cache/hf_cascade``; None where either is ``off``."""
+    folder = os.environ.get("HF_CASCADE_RECORDS")
+    if folder:
+        return None if folder == "off" else folder
     root = os.environ.get("HF_CASCADE_CACHE") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hf_cascade")
     return None if root == "off" else os.path.join(root, "compile_records")

@@ -6,6 +6,13 @@ import torch
 from hf_cascade.real_model import load_smollm2, smollm2_path
 
 
+@pytest.fixture(autouse=True)
+def _own_compile_records(tmp_path, monkeypatch):
+    """Each test starts from no compile record (``hf_cascade.tiers``): what one test's calls recorded on disk must
+    not pick the engine of the next."""
+    monkeypatch.setenv("HF_CASCADE_RECORDS", str(tmp_path / "compile_records"))
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """``(model, tokenizer)``: SmolLM2-135M-Instruct in fp32 with attn_implementation="cascade" (CI installs it;

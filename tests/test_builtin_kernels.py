@@ -118,7 +118,7 @@ def test_generate_on_builtin_kernels_gives_sdpa_tokens(tiny_llama_pair, monkeypa
 # --------------------------------------------------------------------------------------------------- the tiers
 @pytest.fixture
 def records(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_CASCADE_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_CASCADE_RECORDS", str(tmp_path))
     return tmp_path
 
 
@@ -167,7 +167,7 @@ def test_tier_choices_and_records_off(records, tiny_llama_pair, monkeypatch):
     assert tiers.choose_tier(model, "now").name == "compiled"
     with pytest.raises(ValueError, match="compile"):
         tiers.choose_tier(model, "sometimes")
-    monkeypatch.setenv("HF_CASCADE_CACHE", "off")
+    monkeypatch.setenv("HF_CASCADE_RECORDS", "off")
     _fresh_process(model)
     tiers.record_call(model, tiers._TIERS["triton"], 1.0)
     assert tiers.tier_report(model)["record"] is None

@@ -378,3 +378,68 @@ def test_gpu_greedy_tokens_equal_argmax(dtype):
             logits[trial % 32, 5] = float("nan")
         want = torch.argmax(logits.float(), dim=-1)
         assert torch.equal(greedy_tokens(logits), want), trial
+
+
+def _hf_cascade_triton_variants() -> int:
+    """hf_cascade's Triton kernels compiled (or loaded) in this process so far."""
+    from triton.runtime.jit import JITFunction
+
+    from hf_cascade.ops import _cascade_kernel, _merge_kernel, _prefix_kernel, _suffix_kernel
+
+    total = 0
+    for module in (_cascade_kernel, _merge_kernel, _prefix_kernel, _suffix_kernel):
+        for value in vars(module).values():
+            if isinstance(value, JITFunction):
+                total += sum(len(cache[0]) for cache in value.device_caches.values())
+    return total
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_gpu_first_calls_compile_nothing_and_move_up_exactly(family):
+    """The default path's tiers (hf_cascade.tiers) on a fresh model with no compile record: the first calls run the
+    built-in kernels with the recorded (not compiled) step, compile nothing (no dynamo graph, no new hf_cascade
+    Triton kernel), and give the reference's fp32 tokens, also for a second layout of the same shapes (the recorded
+    graph is keyed on the layout the built-in kernels read on the host); once the regret is forced up, the Triton
+    tier and then the compiled tier give the same tokens."""
+    from torch._dynamo.utils import counters
+
+    from hf_cascade import tiers
+
+    ref = tiny_model(family, reference_attention(family), device="cuda", num_hidden_layers=3)
+    cas = tiny_model(family, "cascade", device="cuda", num_hidden_layers=3)
+    gen = dict(max_new_tokens=7, min_new_tokens=7, pad_token_id=0, do_sample=False)
+    first = tree_prompts([(1, 24), (2, 12)], 5, rows=6, seed=90)
+    second = [list(row) for row in first]  # the same node sizes, row 2 moved to the second node of level 2
+    second[2][25:37] = first[3][25:37]
+    layouts = [first, second]
+    graphs, variants = counters["stats"]["unique_graphs"], _hf_cascade_triton_variants()
+    for call, rows in enumerate(layouts + layouts[:1]):
+        ids, mask = (t.cuda() for t in pad_batch(rows))
+        got = cas.generate(ids, attention_mask=mask, custom_generate=hf_cascade.generate,
+                           cascade_options=dict(cost_model=None, min_shared_tokens=2), **gen)
+        assert torch.equal(got, ref.generate(ids, attention_mask=mask, **gen)), call
+    assert [name for name, _ in tiers.tier_report(cas)["calls"]] == ["builtin"] * 3
+    assert counters["stats"]["unique_graphs"] == graphs, "a first call compiled with torch.compile"
+    assert _hf_cascade_triton_variants() == variants, "a first call built hf_cascade Triton kernels"
+    state = tiers._state(cas)
+    for tier in ("triton", "compiled"):
+        state.regret[tier] = 1e6  # as after many long calls
+        ids, mask = (t.cuda() for t in pad_batch(layouts[1]))
+        got = cas.generate(ids, attention_mask=mask, custom_generate=hf_cascade.generate,
+                           cascade_options=dict(cost_model=None, min_shared_tokens=2), **gen)
+        assert torch.equal(got, ref.generate(ids, attention_mask=mask, **gen)), tier
+        assert tiers.tier_report(cas)["calls"][-1][0] == tier
+
+
+def test_gpu_builtin_kernels_bf16_close_to_sdpa():
+    """bf16 on the built-in kernels (FlashAttention-2 for the shared prefix): the first step's logits within bf16
+    noise of sdpa's, as the Triton path's are (test_gpu_bf16_generate_close_to_sdpa)."""
+    ref = tiny_model("llama", "sdpa", device="cuda", dtype=torch.bfloat16)
+    cas = tiny_model("llama", "cascade", device="cuda", dtype=torch.bfloat16)
+    ids, mask = (t.cuda() for t in pad_batch(make_prompts(seed=12, system=64, block=32)))
+    gen = dict(max_new_tokens=1, pad_token_id=0, return_dict_in_generate=True, output_logits=True)
+    want = ref.generate(ids, attention_mask=mask, **gen).logits[0].float()
+    inputs = hf_cascade.shared_prefix_inputs(cas, ids, mask, min_shared_tokens=2, cost_model=None)
+    inputs[CACHE_KWARG].builtin_kernels = True
+    got = cas.generate(**inputs, **gen).logits[0].float()
+    assert (got - want).abs().max() <= 0.05 * want.abs().max()

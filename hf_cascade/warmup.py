@@ -1,0 +1,82 @@
+"""``python -m hf_cascade warmup --model PATH``: build every kernel and compiled graph a model's generate() calls
+use, ahead of time, so that later processes start fast (for container images, CI caches, a job's first step).
+
+It loads the model with ``attn_implementation="cascade"`` and runs a few generate() calls of shared-prefix batches
+(``--rows`` sizes) with ``cascade_options={"compile": "now"}``: hf_cascade's Triton kernels are built into Triton's
+cache (``TRITON_CACHE_DIR``), the decoder layers are compiled into Inductor's (``TORCHINDUCTOR_CACHE_DIR``), and the
+compile records of :mod:`hf_cascade.tiers` are written. A later process on the same machine type, versions and
+cache folders then runs the Triton kernels from its first call and moves to the compiled layers after fewer calls
+(their cost is recorded). Keep those folders in the image (or restore them in CI) at the same paths.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+__all__ = ["build_parser", "main", "warm_up"]
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(prog="python -m hf_cascade warmup", description=__doc__)
+    parser.add_argument("--model", required=True, help="a local checkpoint folder (from_pretrained) or .gguf file")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32],
+                        help="batch sizes to run (each compiles its batch bucket's decode step)")
+    parser.add_argument("--prompt-tokens", type=int, default=512, help="shared prompt tokens of each batch")
+    parser.add_argument("--new-tokens", type=int, default=16)
+    return parser
+
+
+def warm_up(model, rows=(1, 8, 32), prompt_tokens: int = 512, new_tokens: int = 16, report=print) -> list[dict]:
+    """Run generate() on ``model`` (loaded with ``attn_implementation="cascade"``) for shared-prefix batches of
+    each size in ``rows``, compiled tier from the first call. Returns one ``{"rows", "seconds", "tier"}`` per
+    batch."""
+    import torch
+
+    import hf_cascade
+    from hf_cascade.tiers import tier_report
+
+    vocab = model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") else \
+        model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    shared = torch.randint(3, vocab, (prompt_tokens,), generator=g)
+    results = []
+    for n in rows:
+        ids = torch.cat([shared.expand(n, -1), torch.randint(3, vocab, (n, 8), generator=g)], dim=1)
+        ids = ids.to(model.device)
+        started = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                       custom_generate=hf_cascade.generate, cascade_options={"compile": "now", "cost_model": None})
+        if model.device.type == "cuda":
+            torch.cuda.synchronize(model.device)
+        seconds = time.perf_counter() - started
+        calls = tier_report(model)["calls"]
+        results.append({"rows": n, "seconds": round(seconds, 2), "tier": calls[-1][0] if calls else "none"})
+        report(f"  {n:>4} rows x {prompt_tokens} shared tokens, {new_tokens} new: {seconds:.1f} s "
+               f"({results[-1]['tier']})")
+    return results
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    import torch
+
+    from hf_cascade.tiers import tier_report
+    from hf_cascade.tiny import load_model_and_tokenizer
+
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit("warmup: --device cuda but no CUDA GPU is visible; there is nothing to compile on a CPU "
+                         "(its path runs PyTorch's own kernels). Pass --device cpu to run the calls anyway.")
+    print(f"warmup: loading {args.model} ({args.dtype}) on {args.device}", flush=True)
+    model, _ = load_model_and_tokenizer(args.model, dtype=getattr(torch, args.dtype), device=args.device)
+    warm_up(model, rows=args.rows, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
+    record = tier_report(model)["record"]
+    print(f"warmup: done; compile record: {record or 'none (CPU, or HF_CASCADE_RECORDS=off)'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
