@@ -17,7 +17,7 @@ Workloads:
     python benchmarks/bench_first_call.py --workloads shared32 --peers sdpa cascade --states empty
 
 Peers: ``sdpa`` (generate() as it is), ``cascade`` (``custom_generate=hf_cascade.generate``, default options),
-and ``cascade_compiled_now`` (the compiled tier from the first call: ``cascade_options={"tiers": "compiled"}``).
+and ``cascade_compiled_now`` (the compiled tier from the first call: ``cascade_options={"compile": "now"}``, the old default).
 Records ``first_call`` (one per child) in ``benchmarks/results/first_call.jsonl``.
 """
 
@@ -34,7 +34,7 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 
-PEER_OPTIONS = {"sdpa": None, "cascade": {}, "cascade_compiled_now": {"tiers": "compiled"}}
+PEER_OPTIONS = {"sdpa": None, "cascade": {}, "cascade_compiled_now": {"compile": "now"}}
 WORKLOADS = ("shared32", "chat48", "stream")
 ODD_BATCHES = (7, 13, 20, 48)
 
