@@ -412,6 +412,11 @@ class CascadeCache(Cache):
             self._layout_key = ("builtin", tuple(tuple(level.node_starts) for level in self.levels), nodes)
         return self._layout_key
 
+    def static_step_keepalive(self):
+        """What a recorded decode step must keep alive besides the step buffers: the plan whose host-made index
+        tensors the built-in kernels read (a later call with the same layout replays the graph at their addresses)."""
+        return self._plan if self._builtin_kernels else None
+
     def _pad_prefix_levels(self, buffers: StepBuffers | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """The prefix KV a compiled step takes: per level slot, the keys (values) of every layer as one tensor
         ``[layers, Hkv, T, D]``, with empty slots (2 keys that no row reads) in front of the real levels, so that

@@ -73,6 +73,7 @@ class _Graph:
         self.graph = None
         self.inputs: dict[tuple, torch.Tensor] = {}
         self.output = None
+        self.keepalive = None  # device tensors the graph reads that no step buffer holds (the cache says which)
 
 
 class _ModelGraphs:
@@ -263,6 +264,7 @@ class CapturedDecodeStep:
         # The cache is this call's: the graph keeps the output's tensors, not the cache object.
         entry.output = (type(output), {k: v for k, v in output.items() if k != CACHE_KWARG},
                         CACHE_KWARG in output)
+        entry.keepalive = getattr(self.cache, "static_step_keepalive", lambda: None)()
         with store.lock:
             store.warm.discard((key, stream.cuda_stream))
             store.graphs[key] = entry

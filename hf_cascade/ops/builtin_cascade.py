@@ -10,8 +10,8 @@ the rows' queries as one query sequence, non-causal, keys split over the SMs for
 applies (CUDA, fp16/bf16, ``D == Dv``, head dim <= 256 and a multiple of 8, no soft-capping); elsewhere (fp32,
 soft-capping, MLA head sizes, CPU) by matmuls in fp32 over the node's keys. The suffix pass (each row against its
 own columns, under the cache's bool mask) is matmuls: scores in the input dtype as transformers' ``eager``
-attention computes them, softmax in fp32. The states merge exactly by their log-sum-exp
-(:func:`~hf_cascade.ops.reference.merge_states_ref`). Work is bounded: the suffix pass runs in query chunks of at
+attention computes them, softmax in fp32, with the prefix levels' state as one more softmax column (logit: its
+log-sum-exp; value: its output), which is their exact LSE merge. Work is bounded: the suffix pass runs in query chunks of at
 most :data:`CHUNK_ELEMENTS` scores.
 
 Nodes are read from the plan's host layout, so a CUDA graph that records this path holds one layout: the
@@ -59,13 +59,12 @@ def builtin_cascade_attention(
         ``(out [B, Lq, Hq, Dv] contiguous in query.dtype, lse [B, Hq, Lq] float32 natural log; -inf where a
         query sees no key)``.
     """
-    B, Hq, Lq, _ = query.shape
-    states = [_prefix_level(query, k, v, plan, scale, softcap) for k, v, plan in prefixes]
-    states.append(_suffix_state(query, key, value, scale, mask, softcap))
-    if len(states) == 1:
-        out, lse = states[0]
-    else:
-        out, lse = merge_states_ref(torch.stack([o for o, _ in states]), torch.stack([l for _, l in states]))
+    prior = None  # the prefix levels' merged state
+    for k_pre, v_pre, plan in prefixes:
+        state = _prefix_level(query, k_pre, v_pre, plan, scale, softcap)
+        prior = state if prior is None else merge_states_ref(
+            torch.stack([prior[0], state[0]]), torch.stack([prior[1], state[1]]))
+    out, lse = _suffix_state(query, key, value, scale, mask, softcap, prior)
     return out.to(query.dtype).transpose(1, 2).contiguous(), lse
 
 
@@ -81,18 +80,21 @@ def _prefix_level(query: Tensor, k_pre: Tensor, v_pre: Tensor, plan, scale: floa
         count = plan.rows_per_node[node]
         if b == a or count == 0:
             continue
-        every_row = count == B  # rows of the node = the batch, in order (the common one-node level)
-        rows = None if every_row else plan.rows_by_node[node]
-        if rows is None and not every_row:
-            rows = torch.tensor([r for r, n in enumerate(plan.row_node) if n == node], dtype=torch.int64,
-                                device=query.device)
-        q = query if every_row else query.index_select(0, rows)
-        o, l = _node_attention(q, k_pre[:, a:b], v_pre[:, a:b], scale, softcap)
-        if every_row:
-            out, lse = o, l
-        else:
-            out.index_copy_(0, rows, o)
-            lse.index_copy_(0, rows, l)
+        members = [r for r, n in enumerate(plan.row_node) if n == node]
+        if members[-1] - members[0] + 1 == count:  # consecutive rows (a prompt's samples, a group): a slice
+            first, last = members[0], members[-1] + 1
+            o, l = _node_attention(query[first:last], k_pre[:, a:b], v_pre[:, a:b], scale, softcap)
+            if count == B:
+                out, lse = o, l
+            else:
+                out[first:last], lse[first:last] = o, l
+            continue
+        rows = plan.rows_by_node[node]  # (a recorded step keeps the plan alive: CascadeCache.static_step_keepalive)
+        if rows is None:
+            rows = torch.tensor(members, dtype=torch.int64, device=query.device)
+        o, l = _node_attention(query.index_select(0, rows), k_pre[:, a:b], v_pre[:, a:b], scale, softcap)
+        out.index_copy_(0, rows, o)
+        lse.index_copy_(0, rows, l)
     return out, lse
 
 
@@ -126,13 +128,19 @@ def _node_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, softcap: floa
 
 
 def _suffix_state(query: Tensor, key: Tensor, value: Tensor, scale: float, mask: Tensor | None,
-                  softcap: float | None):
-    """Each row's queries against its own suffix keys under ``mask``: ``(out [B, Hq, Lq, Dv] fp32, lse)``.
-    Scores in the input dtype (as ``eager`` attention), softmax in fp32; in chunks of queries."""
+                  softcap: float | None, prior: tuple[Tensor, Tensor] | None = None):
+    """Each row's queries against its own suffix keys under ``mask``, merged with ``prior`` (the prefix levels'
+    state ``(out [B, Hq, Lq, Dv] fp32, lse)``, or None): ``(out [B, Hq, Lq, Dv] fp32, lse [B, Hq, Lq])``.
+
+    Scores in the input dtype (as ``eager`` attention), softmax in fp32, in chunks of queries. The prior state
+    joins the softmax as one more column whose logit is its LSE and whose value is its output (exactly the LSE
+    merge of the two states, in the same few kernels as the suffix's own softmax)."""
     B, Hq, Lq, D = query.shape
     Hkv, S, Dv = key.shape[1], key.shape[2], value.shape[-1]
     G = Hq // Hkv
     if S == 0:
+        if prior is not None:
+            return prior
         return (query.new_zeros((B, Hq, Lq, Dv), dtype=torch.float32),
                 query.new_full((B, Hq, Lq), float("-inf"), dtype=torch.float32))
     if mask is None:  # causal, bottom-right
@@ -150,10 +158,14 @@ def _suffix_state(query: Tensor, key: Tensor, value: Tensor, scale: float, mask:
         if softcap is not None:
             s = softcap * torch.tanh(s / softcap)
         s = s.view(B, Hkv, G, n, S).masked_fill(~mask[:, None, None, i:i + step], float("-inf"))
+        if prior is not None:  # the prefix state as column S
+            s = torch.cat([s, prior[1][:, :, i:i + step].reshape(B, Hkv, G, n, 1)], dim=-1)
         l = torch.logsumexp(s, dim=-1)  # [B, Hkv, G, n]; -inf where no key is visible
         p = torch.exp(s - torch.where(l == float("-inf"), 0.0, l).unsqueeze(-1))
-        o = torch.matmul(p.to(value.dtype).view(B, Hkv, G * n, S), value).float()
-        outs.append(o.view(B, Hq, n, Dv))
+        o = torch.matmul(p[..., :S].to(value.dtype).reshape(B, Hkv, G * n, S), value).float().view(B, Hq, n, Dv)
+        if prior is not None:
+            o = o + p[..., S:].reshape(B, Hq, n, 1) * prior[0][:, :, i:i + step]
+        outs.append(o)
         lses.append(l.reshape(B, Hq, n))
     if len(outs) == 1:
         return outs[0], lses[0]
