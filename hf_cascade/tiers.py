@@ -45,13 +45,14 @@ import torch
 
 from hf_cascade.step_buffers import model_state
 
-__all__ = ["COMPILE_CHOICES", "SAVED_FRACTION", "Tier", "choose_tier", "record_call", "tier_report"]
+__all__ = ["COMPILE_CHOICES", "SAVED_FRACTION", "Tier", "choose_tier", "note_compile_cost", "record_call", "tier_report"]
 
 COMPILE_CHOICES = ("auto", "now", "never")
-# What each tier saves over the one below it, as a fraction of a call's seconds there (Llama-3-8B shape, B=32,
-# H100: a decode step 10.3 -> 8.1 ms with the layers compiled; the attention of a step ~3x faster on the Triton
-# kernels than on the built-in ones, ~15% of a step: benchmarks/results/probe_builtin_attention.jsonl).
-SAVED_FRACTION = {"triton": 0.15, "compiled": 0.20}
+# What each tier saves over the one below it, as a fraction of a call's seconds there (Llama-3-8B shape, H100,
+# benchmarks/results/first_call.jsonl: a stream of 12 layouts ran 1.0-2.5 s per batch on the built-in tier and
+# 0.65-1.1 s compiled, about half; a decode step 10.3 -> 8.1 ms with the layers compiled, and a step's attention
+# ~4x faster on the Triton kernels than on the built-in ones: probe_builtin_attention.jsonl).
+SAVED_FRACTION = {"triton": 0.25, "compiled": 0.20}
 # Expected seconds to get a tier ready when no record says otherwise (H100, empty caches:
 # benchmarks/results/first_call.jsonl): Triton builds ~1 s per kernel, several kernels per layout; compiling the
 # layers of an 8B model for the prefill and the decode step.
@@ -141,6 +142,16 @@ def record_call(model, tier: Tier, seconds: float) -> None:
             state.regret["compiled"] += SAVED_FRACTION["compiled"] * seconds
         if changed:
             _write_record(state)
+
+
+def note_compile_cost(model, seconds: float) -> None:
+    """Record ``seconds`` as what getting the compiled tier ready costs a new process (``warmup`` measures it with
+    the caches it filled)."""
+    state = _state(model)
+    with state.lock:
+        record = _load_record(model, state)
+        record["compiled_call_s"] = [*record.get("compiled_call_s", []), round(seconds, 3)][-4:]
+        _write_record(state)
 
 
 def tier_report(model) -> dict:

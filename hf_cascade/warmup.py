@@ -57,7 +57,41 @@ def warm_up(model, rows=(1, 8, 32), prompt_tokens: int = 512, new_tokens: int = 
         results.append({"rows": n, "seconds": round(seconds, 2), "tier": calls[-1][0] if calls else "none"})
         report(f"  {n:>4} rows x {prompt_tokens} shared tokens, {new_tokens} new: {seconds:.1f} s "
                f"({results[-1]['tier']})")
+    if model.device.type == "cuda" and results:
+        results.append(_measure_warm_compile(model, ids, new_tokens, report))
     return results
+
+
+def _measure_warm_compile(model, ids, new_tokens: int, report) -> dict:
+    """What a new process pays to compile the layers now that the caches are warm: the last batch again (all
+    hot), then once more after dropping this process's compiled code (dynamo's, the model's compiled layers and
+    recorded steps); the difference is recorded (:func:`hf_cascade.tiers.note_compile_cost`)."""
+    import torch
+
+    import hf_cascade
+    from hf_cascade.captured_step import _ModelGraphs
+    from hf_cascade.compiled_layers import _LayerCalls
+    from hf_cascade.step_buffers import _BY_MODEL
+    from hf_cascade.tiers import note_compile_cost
+
+    def call() -> float:
+        started = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                       custom_generate=hf_cascade.generate, cascade_options={"compile": "now", "cost_model": None})
+        torch.cuda.synchronize(model.device)
+        return time.perf_counter() - started
+
+    hot = call()
+    torch._dynamo.reset()
+    for cls in (_LayerCalls, _ModelGraphs):
+        _BY_MODEL.get(model, {}).pop(cls, None)
+    again = call()
+    cost = max(again - hot, 0.0)
+    note_compile_cost(model, cost)
+    report(f"  compiling again from the warm caches: {cost:.1f} s (recorded for later processes)")
+    return {"rows": int(ids.shape[0]), "seconds": round(again, 2), "tier": "compiled (warm caches)",
+            "warm_compile_s": round(cost, 2)}
 
 
 def main(argv=None) -> int:

@@ -9,7 +9,7 @@ How. Per prefix level, each node's rows attend to the node's keys through FlashA
 the rows' queries as one query sequence, non-causal, keys split over the SMs for short query sequences), where it
 applies (CUDA, fp16/bf16, ``D == Dv``, head dim <= 256 and a multiple of 8, no soft-capping); elsewhere (fp32,
 soft-capping, MLA head sizes, CPU) by matmuls in fp32 over the node's keys. The suffix pass (each row against its
-own columns, under the cache's bool mask) is matmuls: scores in the input dtype as transformers' ``eager``
+own columns, under the cache's bool mask; a shared node's own causal forward runs FlashAttention-2) is matmuls: scores in the input dtype as transformers' ``eager``
 attention computes them, softmax in fp32, with the prefix levels' state as one more softmax column (logit: its
 log-sum-exp; value: its output), which is their exact LSE merge. Work is bounded: the suffix pass runs in query chunks of at
 most :data:`CHUNK_ELEMENTS` scores.
@@ -143,6 +143,12 @@ def _suffix_state(query: Tensor, key: Tensor, value: Tensor, scale: float, mask:
             return prior
         return (query.new_zeros((B, Hq, Lq, Dv), dtype=torch.float32),
                 query.new_full((B, Hq, Lq), float("-inf"), dtype=torch.float32))
+    if mask is None and Lq == S and Dv == D and fused_attention_applies(query, key, softcap=softcap):
+        # A node's own forward (causal, no padding): FlashAttention-2, then the 2-way merge with the prefix state.
+        out, lse = fused_attention(query, key, value, scale=scale, causal=True)
+        if prior is None:
+            return out.float(), lse
+        return merge_states_ref(torch.stack([prior[0], out.float()]), torch.stack([prior[1], lse]))
     if mask is None:  # causal, bottom-right
         columns = torch.arange(S, device=query.device)
         last = S - Lq + torch.arange(Lq, device=query.device)
