@@ -203,9 +203,16 @@ class TritonBuilds:
 
 def triton_cache_files() -> int | None:
     """Files in Triton's on-disk kernel caches now (0 on a machine that never built a Triton kernel): the directory
-    in effect, Triton's default one and Inductor's (which ``torch.compile`` and hf_cascade's kernels use where
-    ``TRITON_CACHE_DIR`` is unset, see ``hf_cascade.ops._backend.share_compiler_kernel_cache``)."""
+    in effect (``TRITON_CACHE_DIR``, or ``triton.knobs.cache.dir`` where hf_cascade set it), Triton's default one and
+    Inductor's (which ``torch.compile`` and hf_cascade's kernels use where ``TRITON_CACHE_DIR`` is unset, see
+    ``hf_cascade.ops._backend.share_compiler_kernel_cache``)."""
     roots = {os.environ.get("TRITON_CACHE_DIR"), os.path.join(os.path.expanduser("~"), ".triton", "cache")}
+    try:
+        from triton import knobs
+
+        roots.add(knobs.cache.dir)
+    except Exception:  # no Triton, or one without knobs (< 3.4)
+        pass
     try:
         from torch._inductor.runtime.cache_dir_utils import cache_dir
 
