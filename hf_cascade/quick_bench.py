@@ -85,12 +85,14 @@ def run(
     """Time both peers on the workload (see the module's docstring); ``model``: one already built (with
     ``attn_implementation="cascade"``) instead of :func:`build_model`'s."""
     import hf_cascade
+    from hf_cascade.ops._backend import prepare_triton
 
     if min(layers, batch, prefix, new_tokens, repeats) < 1 or suffix < 0:
         raise ValueError("bench: --layers, --batch, --prefix, --new-tokens and --repeats must be >= 1 and --suffix "
                          f">= 0; got {layers}, {batch}, {prefix}, {new_tokens}, {repeats} and {suffix}.")
     if dtype not in DTYPES:
         raise ValueError(f"bench: dtype must be one of {sorted(DTYPES)}; got {dtype!r}.")
+    prepare_triton()  # Triton's cache key hashed while the model is built (CUDA only; see its docstring)
     start = time.perf_counter()
     if model is None:
         model = build_model(layers, device=device, dtype=DTYPES[dtype])
