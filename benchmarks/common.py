@@ -201,11 +201,24 @@ class TritonBuilds:
                 "triton_cache_hits": self.cache_hits}
 
 
+def triton_cache_dir() -> str | None:
+    """The directory Triton builds kernels in now: ``triton.knobs.cache.dir`` on Triton 3.4+ (``TRITON_CACHE_DIR``,
+    the directory hf_cascade chose at its first launch, or Triton's default), else ``TRITON_CACHE_DIR`` (None where
+    it is unset: Triton's default)."""
+    try:
+        from triton import knobs
+
+        return knobs.cache.dir
+    except Exception:  # no Triton, or one without knobs (< 3.4)
+        return os.environ.get("TRITON_CACHE_DIR")
+
+
 def triton_cache_files() -> int | None:
     """Files in Triton's on-disk kernel caches now (0 on a machine that never built a Triton kernel): the directory
-    in effect, Triton's default one and Inductor's (which ``torch.compile`` and hf_cascade's kernels use where
-    ``TRITON_CACHE_DIR`` is unset, see ``hf_cascade.ops._backend.share_compiler_kernel_cache``)."""
-    roots = {os.environ.get("TRITON_CACHE_DIR"), os.path.join(os.path.expanduser("~"), ".triton", "cache")}
+    in effect (:func:`triton_cache_dir`), Triton's default one and Inductor's (which ``torch.compile`` and
+    hf_cascade's kernels use where ``TRITON_CACHE_DIR`` is unset, see
+    ``hf_cascade.ops._backend.share_compiler_kernel_cache``)."""
+    roots = {triton_cache_dir(), os.path.join(os.path.expanduser("~"), ".triton", "cache")}
     try:
         from torch._inductor.runtime.cache_dir_utils import cache_dir
 

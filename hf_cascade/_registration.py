@@ -24,9 +24,9 @@ _busy = False
 
 def register() -> None:
     """Register ``"cascade"`` with transformers' attention and mask registries now (idempotent; imports
-    ``transformers.modeling_utils``); on CUDA, start hashing Triton's cache key in the background
-    (:func:`hf_cascade.ops._backend.warm_triton_key`). ``import hf_cascade`` does this by itself, as soon as
-    transformers' registry is loaded: call it only to register again (after something removed the entry)."""
+    ``transformers.modeling_utils``). ``import hf_cascade`` does this by itself, as soon as transformers' registry
+    is loaded: call it only to register again (after something removed the entry). It starts nothing and sets
+    nothing else (Triton is prepared at the first use: :func:`hf_cascade.ops._backend.prepare_triton`)."""
     global _registered, _busy
     with _lock:
         if _busy:
@@ -34,11 +34,9 @@ def register() -> None:
         _busy = True
         try:
             from hf_cascade import attention
-            from hf_cascade.ops._backend import warm_triton_key
 
             attention.register()
             _registered = True
-            warm_triton_key()  # CUDA only: Triton's cache key hashed while the model loads (see its docstring)
         finally:
             _busy = False
 

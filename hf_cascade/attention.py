@@ -466,8 +466,7 @@ def _check_kv_as_cached(model: torch.nn.Module, config, argument: str) -> None:
         break  # one layer tells
 
 
-# Imported before transformers' attention registry was (its imports loaded the registry, whose post-import hook
-# then found this module half-built): register now that it is complete. Otherwise a no-op.
-from hf_cascade._registration import register_when_loaded as _register_when_loaded  # noqa: E402
-
-_register_when_loaded()
+# The module that defines "cascade" registers it once it is complete (idempotent). This matters where it was imported
+# before transformers' attention registry was: its own imports loaded the registry, whose post-import hook
+# (hf_cascade._registration) then found this module half-built and left the registration to this line.
+register()

@@ -1,4 +1,4 @@
-"""The CLI: `demo` and `info` run (in-process through main([...]) and once as `python -m hf_cascade`)."""
+"""The CLI: `demo`, `bench` and `info` run (in-process through main([...]) and once as `python -m hf_cascade`)."""
 
 import json
 import os
@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_cascade.cli import QUIZ_QUESTIONS, chat_demo_prompts, demo_prompts, main
+from hf_cascade.cli import main
+from hf_cascade.demo import QUIZ_QUESTIONS, chat_demo_prompts, demo_prompts
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL_DEMO = ["demo", "--model", "tiny", "--batch", "4", "--shots", "2", "--new-tokens", "4", "--device", "cpu"]
@@ -153,41 +154,57 @@ def test_bench_plot_and_no_gpu_message(tmp_path, capsys):
     assert main(["bench", "--plot", str(results)]) == 0
     assert (tmp_path / "r.png").read_bytes().startswith(b"\x89PNG")
     if not torch.cuda.is_available():
-        assert main(["bench", "--output-dir", str(tmp_path / "out")]) == 2
+        assert main(["bench"]) == 2
         assert "needs a CUDA GPU" in capsys.readouterr().err
 
 
-def test_bench_runs_suite_scripts_and_plots(tmp_path, monkeypatch, capsys):
-    """The orchestration, with a stand-in suite script (the real ones need a GPU): arguments passed through,
-    results collected, PNG written."""
-    pytest.importorskip("matplotlib")
+def test_bench_times_generate_inside_the_package(monkeypatch, capsys):
+    """`bench` runs a workload of the installed package (no checkout, no subprocess): generate() with and without
+    custom_generate=hf_cascade.generate on rows sharing a prompt, the same tokens (fp32), a speed-up printed."""
+    import functools
+
+    import hf_cascade.quick_bench as quick_bench
+    from hf_cascade.model_zoo import TINY_SIZES
+
+    # The bench's model at the tiny sizes (Llama-3-8B's would take minutes and gigabytes on a CPU).
+    sizes = {k: v for k, v in TINY_SIZES.items() if k not in ("num_hidden_layers", "eos_token_id", "bos_token_id",
+                                                               "pad_token_id")}
+    monkeypatch.setattr(quick_bench, "build_model", functools.partial(quick_bench.build_model, sizes=sizes))
+    small = ["bench", "--device", "cpu", "--dtype", "float32", "--layers", "2", "--batch", "4", "--prefix", "40",
+             "--suffix", "3", "--new-tokens", "4", "--repeats", "2"]
+    assert main([*small, "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert set(r["peers"]) == {"sdpa", "cascade"} and r["identical_rows"] == 4
+    assert all(len(p["runs"]) == 2 and p["seconds"] > 0 for p in r["peers"].values())
+    assert r["speedup"] == r["peers"]["sdpa"]["seconds"] / r["peers"]["cascade"]["seconds"]
+    assert main(small) == 0
+    out = capsys.readouterr().out
+    assert "4 rows sharing a 40-token prompt + 3 tokens of their own" in out
+    assert "custom_generate=hf_cascade.generate" in out and "identical tokens: 4/4 rows" in out
+    assert main([*small[:-2], "--repeats", "0"]) == 2  # bad input: one line
+    assert "--repeats" in capsys.readouterr().err
+
+
+def test_bench_model_is_llama_3_8b_shaped():
+    """Built on the meta device (no memory): Llama-3-8B's sizes, 8.03 B parameters at 32 layers."""
+    from hf_cascade.quick_bench import build_model
+
+    model = build_model(32, device="meta")
+    config = model.config
+    assert (config.hidden_size, config.intermediate_size, config.num_attention_heads, config.num_key_value_heads,
+            config.vocab_size) == (4096, 14336, 32, 8, 128256)
+    assert config._attn_implementation == "cascade" and model.generation_config.eos_token_id is None
+    assert round(sum(p.numel() for p in model.parameters()) / 1e9, 2) == 8.03
+
+
+def test_cli_runs_no_repository_file():
+    """The installed package does not depend on a checkout: no command reads benchmarks/ or starts a subprocess."""
+    import inspect
+
     import hf_cascade.cli as cli
 
-    bench_dir = tmp_path / "benchmarks"
-    bench_dir.mkdir()
-    (bench_dir / "bench_kernels.py").write_text(
-        "import argparse, json\n"
-        "p = argparse.ArgumentParser(); p.add_argument('--output'); p.add_argument('--quick', action='store_true')\n"
-        "p.add_argument('--batches', type=int, nargs='+', default=[8])\n"
-        "a = p.parse_args()\n"
-        "with open(a.output, 'w') as f:\n"
-        "    for b in a.batches:\n"
-        "        f.write(json.dumps({'bench': 'decode_step', 'batch': b, 'prefix': 4096,\n"
-        "                            'speedup_vs_sdpa': b / 8, 'quick': a.quick}) + '\\n')\n"
-    )
-    monkeypatch.setattr(cli, "find_benchmarks_dir", lambda: bench_dir)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    out_dir = tmp_path / "out"
-    code = main(["bench", "--suite", "kernels", "--quick", "--output-dir", str(out_dir), "--", "--batches", "8", "64"])
-    assert code == 0, capsys.readouterr().err
-    results = list(out_dir.glob("kernels-*.jsonl"))
-    assert len(results) == 1
-    records = [json.loads(line) for line in results[0].read_text().splitlines()]
-    assert [r["batch"] for r in records] == [8, 64] and all(r["quick"] for r in records)
-    assert list(out_dir.glob("bench-*.png"))
-    # The other suite's script is missing here: a clear message, not a traceback.
-    assert main(["bench", "--suite", "generate", "--output-dir", str(out_dir)]) == 2
-    assert "bench_generate.py" in capsys.readouterr().err
+    source = inspect.getsource(cli)
+    assert "subprocess" not in source and "find_benchmarks_dir" not in source
 
 
 def test_quiet_loading_silences_the_gguf_converter_bar():

@@ -1,15 +1,58 @@
 """``import hf_cascade`` is cheap (nothing but the registration hook) and "cascade" is registered before any model
-can be built: at once when transformers' registry is loaded already, else when it loads."""
+can be built: at once when transformers' registry is loaded already, else when it loads. Neither the import nor the
+registration starts a thread or changes ``os.environ``."""
 
+import json
+import os
 import subprocess
 import sys
 import textwrap
 
 
-def run(code: str) -> str:
-    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300)
+def run(code: str, env: dict | None = None) -> str:
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=300,
+                         env=env)
     assert out.returncode == 0, out.stderr
     return out.stdout.strip()
+
+
+# A process seen as on a CUDA machine (``torch.cuda.is_available()`` True: where a Triton warm-up would start), with
+# hf_cascade imported or not (HF_CASCADE in the environment), then transformers' attention registry loaded (where the
+# registration runs): the new threads and the changed environment variables after each step, as JSON.
+_SIDE_EFFECTS = """
+    import json, os, sys, threading
+    import torch
+    torch.cuda.is_available = lambda: True
+    env, threads = dict(os.environ), set(threading.enumerate())
+
+    def changes():
+        return {"threads": sorted(t.name for t in set(threading.enumerate()) - threads),
+                "environ": sorted(k for k in set(env) | set(os.environ) if env.get(k) != os.environ.get(k))}
+
+    steps = {}
+    if os.environ.get("HF_CASCADE") == "1":
+        import hf_cascade
+        steps["import hf_cascade"] = changes()
+    import transformers.modeling_utils
+    from transformers import AttentionInterface
+    steps["transformers' registry loaded"] = changes()
+    steps["registered"] = "cascade" in AttentionInterface._global_mapping
+    print(json.dumps(steps))
+"""
+
+
+def test_import_and_registration_start_no_thread_and_leave_the_environment():
+    """``python -c "import hf_cascade"`` starts no thread and leaves ``os.environ`` as it was, and so does the
+    registration when transformers' registry loads (Triton is prepared at the first use instead,
+    ``ops._backend.prepare_triton``): whatever changes then is transformers' own doing, as without hf_cascade."""
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "HF_CASCADE_WARM_TRITON_KEY")}
+    with_cascade = json.loads(run(_SIDE_EFFECTS, {**env, "HF_CASCADE": "1"}))
+    without = json.loads(run(_SIDE_EFFECTS, {**env, "HF_CASCADE": "0"}))
+    assert with_cascade["import hf_cascade"] == {"threads": [], "environ": []}
+    assert with_cascade["registered"] and not without["registered"]
+    loaded = "transformers' registry loaded"
+    assert with_cascade[loaded] == without[loaded]
+    assert not any(name.startswith("hf_cascade") for name in with_cascade[loaded]["threads"])
 
 
 def test_import_loads_no_model_machinery_and_registers_when_transformers_does():

@@ -242,21 +242,30 @@ def test_gpu_fused_cascade_cuda_graph_replays_new_queries():
         assert_lse_close(lse, ref_lse, atol=1e-3)
 
 
-def test_gpu_import_warms_the_triton_key():
-    """``import hf_cascade`` on a CUDA machine starts one daemon thread that leaves Triton's cache key in Triton's
-    own lru_cache (a new process: the key is not computed yet there)."""
+def test_gpu_first_use_warms_the_triton_key():
+    """On a CUDA machine ``import hf_cascade`` (and the registration when transformers' registry loads) starts no
+    thread and leaves ``os.environ`` alone; ``prepare_triton()`` (the first use) starts one daemon thread that leaves
+    Triton's cache key in Triton's own lru_cache (a new process: the key is not computed yet there), and shares the
+    kernel cache with torch.compile without setting ``TRITON_CACHE_DIR``."""
     import subprocess
     import sys
 
     code = (
-        "import hf_cascade\n"
-        "from hf_cascade.ops._backend import warm_triton_key, _triton_key_function\n"
-        "thread = warm_triton_key()\n"
-        "assert thread is not None and thread.daemon and warm_triton_key() is thread\n"
+        "import os, threading\n"
+        "env, threads = dict(os.environ), set(threading.enumerate())\n"
+        "import hf_cascade, transformers.modeling_utils\n"
+        "assert set(threading.enumerate()) == threads and 'TRITON_CACHE_DIR' not in os.environ\n"
+        "from hf_cascade.ops._backend import prepare_triton, warm_triton_key, _triton_key_function\n"
+        "thread = prepare_triton()\n"
+        "assert thread is not None and thread.daemon and prepare_triton() is thread and warm_triton_key() is thread\n"
         "thread.join(60)\n"
         "assert _triton_key_function().cache_info().currsize == 1\n"
+        "assert 'TRITON_CACHE_DIR' not in os.environ\n"
+        "from triton import knobs\n"
+        "from torch._inductor.runtime.cache_dir_utils import triton_cache_dir\n"
+        "assert knobs.cache.dir == triton_cache_dir(0), knobs.cache.dir\n"
     )
-    drop = ("TRITON_INTERPRET", "HF_CASCADE_WARM_TRITON_KEY")
+    drop = ("TRITON_INTERPRET", "HF_CASCADE_WARM_TRITON_KEY", "TRITON_CACHE_DIR")
     env = {k: v for k, v in __import__("os").environ.items() if k not in drop}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]

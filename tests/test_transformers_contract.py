@@ -159,9 +159,10 @@ def test_torch_surfaces_the_compiled_layers_rely_on():
 
 def test_triton_and_dynamo_surfaces_the_cold_start_relies_on():
     """ops._backend.warm_triton_key finds Triton's ``triton_key`` (an ``lru_cache`` of one value: the thread's
-    result is what a launch reads), and compiled_layers' ``dynamic_sources`` regex names the layer index as dynamo's
-    sources spell module attributes (``....layer_idx``). Where torch has no ``dynamic_sources`` the patch is a
-    no-op context."""
+    result is what a launch reads); share_compiler_kernel_cache's ``triton.knobs`` (3.4+): ``cache.dir`` stands for
+    ``TRITON_CACHE_DIR`` and ``propagate_env`` keeps a knob set out of ``os.environ``; and compiled_layers'
+    ``dynamic_sources`` regex names the layer index as dynamo's sources spell module attributes (``....layer_idx``).
+    Where torch has no ``dynamic_sources`` the patch is a no-op context."""
     import re
 
     from hf_cascade.compiled_layers import _LAYER_INDEX_SOURCES, _layer_index_symbolic
@@ -170,6 +171,13 @@ def test_triton_and_dynamo_surfaces_the_cold_start_relies_on():
     if triton_available():
         key = _triton_key_function()
         assert key is not None and hasattr(key, "cache_info")
+        try:
+            from triton import knobs
+        except ImportError:  # Triton < 3.4: the environment variable is set instead
+            knobs = None
+        if knobs is not None:
+            assert type(knobs.cache).__dict__["dir"].key == "TRITON_CACHE_DIR"
+            assert isinstance(knobs.propagate_env, bool)
     assert re.match(_LAYER_INDEX_SOURCES, "L['self']._modules['self_attn'].layer_idx")
     assert not re.match(_LAYER_INDEX_SOURCES, "L['self']._modules['self_attn'].layer_idx_max")
     with _layer_index_symbolic():

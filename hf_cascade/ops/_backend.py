@@ -1,8 +1,10 @@
 """Backend dispatch for the attention ops: is Triton usable, which backend runs a call.
 
 Triton is an optional extra. Nothing here imports it at module import time; the kernel modules
-(``_*_kernel.py``) are imported only when a Triton launch actually happens. ``import hf_cascade`` imports Triton
-on a CUDA machine only, to hash its cache key in the background (:func:`warm_triton_key`).
+(``_*_kernel.py``) are imported only when a Triton launch actually happens. ``import hf_cascade`` neither imports
+Triton nor starts anything: :func:`prepare_triton` (the first use's preparation: the kernel cache shared with
+``torch.compile``, Triton's cache key hashed in the background) is called by the code that is about to use the
+kernels, and leaves ``os.environ`` as it found it where Triton has its ``knobs`` (3.4 and later).
 """
 
 from __future__ import annotations
@@ -37,19 +39,42 @@ def interpret_mode() -> bool:
 
 
 def share_compiler_kernel_cache() -> None:
-    """Where ``TRITON_CACHE_DIR`` is unset, set it as ``torch.compile`` (Inductor) does the first time it loads a
-    Triton kernel in a process, before hf_cascade builds its first kernel. Without this, the kernels built before
-    that moment are cached in Triton's default directory and those built after it in Inductor's, so a later process
-    (which may load its compiled code without setting the variable) finds neither half and builds them again
-    (measured: 9.4 s of a process's first stream of batches, ``benchmarks/results/generate.jsonl``, 1ee2477).
-    Called when a kernel module is imported; does nothing under the interpreter or where the variable is set."""
+    """Where ``TRITON_CACHE_DIR`` is unset, build hf_cascade's kernels in the directory ``torch.compile`` (Inductor)
+    uses for its own, before the first one is built. Inductor sets ``TRITON_CACHE_DIR`` the first time it loads a
+    Triton kernel in a process; without this, the kernels built before that moment are cached in Triton's default
+    directory and those built after it in Inductor's, so a later process (which may load its compiled code without
+    setting the variable) finds neither half and builds them again (measured: 9.4 s of a process's first stream of
+    batches, ``benchmarks/results/generate.jsonl``, 1ee2477).
+
+    Called when a kernel module is imported, i.e. at the first Triton launch (and by :func:`prepare_triton`); once
+    per process. Does nothing under the interpreter or where the variable is set. With Triton 3.4 or later the
+    directory goes to ``triton.knobs.cache.dir`` and the environment is left as it is; an older Triton reads only the
+    environment, so there the variable is set, as Inductor itself would set it."""
+    global _CACHE_SHARED
+    if _CACHE_SHARED:
+        return
+    _CACHE_SHARED = True
     if os.environ.get("TRITON_CACHE_DIR") or interpret_mode() or not torch.cuda.is_available():
         return
     try:
         from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
     except Exception:  # another torch layout: leave Triton's default
         return
-    os.environ["TRITON_CACHE_DIR"] = triton_cache_dir(torch.cuda.current_device())
+    directory = triton_cache_dir(torch.cuda.current_device())
+    try:
+        from triton import knobs
+    except ImportError:  # Triton < 3.4 (or none: then nothing reads it)
+        os.environ["TRITON_CACHE_DIR"] = directory
+        return
+    propagate = knobs.propagate_env  # a knob set is copied into os.environ unless this is off
+    knobs.propagate_env = False
+    try:
+        knobs.cache.dir = directory
+    finally:
+        knobs.propagate_env = propagate
+
+
+_CACHE_SHARED = False
 
 
 _TRITON_KEY_THREAD: threading.Thread | None = None
@@ -71,11 +96,11 @@ def warm_triton_key() -> threading.Thread | None:
 
     Why. The first kernel a process launches (hf_cascade's or ``torch.compile``'s) waits for Triton to hash its own
     sources and its shared library, even when every kernel is on disk already: 0.53 s on the H100 machine
-    (``benchmarks/results/first_call.jsonl``). Started when hf_cascade is imported, it runs while the model loads
-    (the hashing releases the GIL) and the result lands in Triton's own ``lru_cache``: a new process's time until
-    its first decode step went from 1.14 to 0.86 s (989ad8e, b4adee6). A launch that comes first computes the key
-    itself, as without this. Only on CUDA, not under the interpreter; ``HF_CASCADE_WARM_TRITON_KEY=0`` turns it
-    off."""
+    (``benchmarks/results/first_call.jsonl``). Started ahead of the first launch (it used to start when
+    transformers' attention registry loaded, and ran while the model loaded: the hashing releases the GIL), the
+    result lands in Triton's own ``lru_cache``: a new process's time until its first decode step went from 1.14 to
+    0.86 s (989ad8e, b4adee6). A launch that comes first computes the key itself, as without this. Only on CUDA,
+    not under the interpreter; ``HF_CASCADE_WARM_TRITON_KEY=0`` turns it off. Called by :func:`prepare_triton`."""
     global _TRITON_KEY_THREAD
     if _TRITON_KEY_THREAD is not None:
         return _TRITON_KEY_THREAD
@@ -95,6 +120,19 @@ def warm_triton_key() -> threading.Thread | None:
     _TRITON_KEY_THREAD = threading.Thread(target=compute, name="hf_cascade-triton-key", daemon=True)
     _TRITON_KEY_THREAD.start()
     return _TRITON_KEY_THREAD
+
+
+def prepare_triton() -> threading.Thread | None:
+    """Get Triton ready for hf_cascade's first launches, without waiting for anything: share the kernel cache with
+    ``torch.compile`` (:func:`share_compiler_kernel_cache`) and start hashing Triton's cache key in the background
+    (:func:`warm_triton_key`; returns its thread, or None where none starts). Idempotent and cheap after the first
+    call; does nothing on a machine without CUDA or under the interpreter.
+
+    ``import hf_cascade`` does none of this (it registers the attention name and nothing else): call it where a
+    process first commits to hf_cascade's kernels, as early as possible (the sooner, the more of the 0.5 s of
+    hashing overlaps the host's own work), e.g. at the start of ``hf_cascade.generate`` or of a warm-up."""
+    share_compiler_kernel_cache()
+    return warm_triton_key()
 
 
 def host_to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:

@@ -8,7 +8,7 @@ inductor-generated kernels (``triton_*``) and of the slowest few, and the whole 
 static shapes (one graph per shape: the floor the symbolic graph is compared with, not a path hf_cascade takes).
 With ``--dump``, the source of the slowest generated kernel of the first variant is printed.
 
-    python benchmarks/probe_prefill_compile.py --layers 4 --variants default assume_32bit_indexing static
+    python benchmarks/probes/probe_prefill_compile.py --layers 4 --variants default assume_32bit_indexing static
 """
 
 from __future__ import annotations
@@ -17,12 +17,10 @@ import argparse
 import glob
 import os
 import statistics
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import preamble  # noqa: E402, F401  (the repository root and benchmarks/ on sys.path)
 
 from bench_generate import build_model, make_batch  # noqa: E402
 from common import ResultWriter, add_shared_workload_args, wall_time  # noqa: E402

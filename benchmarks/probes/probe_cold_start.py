@@ -4,9 +4,9 @@ decode step), the first decode step (compiles the decoder layers), recording, an
 again (warm). Run it after a process that filled the disk caches (Triton, Inductor), so that what it measures is
 what every new process pays.
 
-    python benchmarks/probe_cold_start.py                       # hf_cascade's default path
-    python benchmarks/probe_cold_start.py --peer sdpa           # the peer's own first-call cost
-    python benchmarks/probe_cold_start.py --time-keys           # time the compiler's source hashes first, apart
+    python benchmarks/probes/probe_cold_start.py                       # hf_cascade's default path
+    python benchmarks/probes/probe_cold_start.py --peer sdpa           # the peer's own first-call cost
+    python benchmarks/probes/probe_cold_start.py --time-keys           # time the compiler's source hashes first, apart
 
 Records ``cold_start_probe`` in ``benchmarks/results/first_call.jsonl``.
 """
@@ -19,7 +19,6 @@ _STARTED = time.perf_counter()
 
 import argparse  # noqa: E402
 import os  # noqa: E402
-import sys  # noqa: E402
 
 import torch  # noqa: E402
 
@@ -29,8 +28,7 @@ import transformers  # noqa: E402, F401
 
 _TRANSFORMERS_S = time.perf_counter() - _STARTED - _TORCH_S
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import preamble  # noqa: E402, F401  (the repository root and benchmarks/ on sys.path)
 
 import hf_cascade  # noqa: E402
 

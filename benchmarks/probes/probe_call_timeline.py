@@ -8,7 +8,7 @@ mark has ``host_ms`` (since the call started) and ``gpu_ms`` (when the GPU reach
 start event is recorded while the GPU is idle). Where ``gpu_ms - host_ms`` is ~0 the GPU had caught up with the
 host and waited for it; ``first_kernel_ms`` is the first mark's ``gpu_ms`` after which the GPU was busy.
 
-    python benchmarks/probe_call_timeline.py --layers 32 --batch 32 --prefix 4096 --suffix 64 --new-tokens 64
+    python benchmarks/probes/probe_call_timeline.py --layers 32 --batch 32 --prefix 4096 --suffix 64 --new-tokens 64
 
 Writes ``probe_call_timeline.jsonl``: per call kind (``one_token``, ``full``), the median call's marks.
 """
@@ -19,14 +19,12 @@ import argparse
 import functools
 import json
 import os
-import sys
 import tempfile
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import preamble  # noqa: E402, F401  (the repository root and benchmarks/ on sys.path)
 
 from bench_generate import build_model, make_batch  # noqa: E402
 from common import ResultWriter, add_shared_workload_args  # noqa: E402

@@ -1,7 +1,7 @@
 """Where each batch of the layout stream spends its time, warm: planning + prefill (a call of one new token) and
 decode (ms per step from a full call), per sharing tree, with the default decode step.
 
-    python benchmarks/profile_stream.py     # the 8 trees of bench_generate.py --workload stream, B=32
+    python benchmarks/probes/profile_stream.py     # the 8 trees of bench_generate.py --workload stream, B=32
 
 Records ``stream_breakdown`` in ``benchmarks/results/profile_stream.jsonl``.
 """
@@ -9,13 +9,10 @@ Records ``stream_breakdown`` in ``benchmarks/results/profile_stream.jsonl``.
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import preamble  # noqa: E402, F401  (the repository root and benchmarks/ on sys.path)
 
 from bench_generate import LAYOUT_STREAM, build_model, make_tree_batch  # noqa: E402
 from common import ResultWriter, wall_time  # noqa: E402

@@ -2,22 +2,19 @@
 autotuned choice, per Llama-3-8B projection shape. x [M, K] @ W[N, K]^T in bf16, weights cycled over enough copies
 that they do not sit in L2; us per call from CUDA-graph replays, and TB/s of weight bytes read.
 
-    python benchmarks/probe_decode_gemm.py --rows 32
+    python benchmarks/probes/probe_decode_gemm.py --rows 32
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 import time
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import preamble  # noqa: E402, F401  (the repository root and benchmarks/ on sys.path)
 
 from bench_kernels import graph_time  # noqa: E402
 from common import ResultWriter  # noqa: E402

@@ -3,8 +3,8 @@
 Prints, per peer: wall ms per decode step, GPU-busy ms per step (sum of kernel times), kernel launches per step,
 and the top kernels. A step whose wall time is far above its GPU time is launch/host-bound.
 
-    python benchmarks/profile_decode.py --batch 32 --prefix 4096
-    python benchmarks/profile_decode.py --peers cascade_generate --host-profile   # + where the host time goes
+    python benchmarks/probes/profile_decode.py --batch 32 --prefix 4096
+    python benchmarks/probes/profile_decode.py --peers cascade_generate --host-profile   # + where the host time goes
 
 Peers: ``cascade_generate`` (the default path: ``generate(..., custom_generate=hf_cascade.generate)``; on CUDA its
 decode steps replay recorded CUDA graphs since 2178092, compiled before), ``cascade_generate_graphs`` /
@@ -20,13 +20,11 @@ import argparse
 import cProfile
 import os
 import pstats
-import sys
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import preamble  # noqa: E402, F401  (the repository root and benchmarks/ on sys.path)
 
 from bench_generate import build_model, make_batch  # noqa: E402
 from common import ResultWriter, timed_with_compile_breakdown, wall_time  # noqa: E402

@@ -4,19 +4,16 @@ Llama-3-8B-shaped random bf16 model, rows sharing a P-token prompt: first-step l
 sdpa, eager and cascade. If |cascade - sdpa| is of the order of |eager - sdpa|, the difference is rounding, not a bug
 (exactness itself is tested in fp32, where cascade's tokens are identical).
 
-    python benchmarks/bf16_noise.py --batch 4 --prefix 4096
+    python benchmarks/probes/bf16_noise.py --batch 4 --prefix 4096
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import preamble  # noqa: E402, F401  (the repository root and benchmarks/ on sys.path)
 
 from bench_generate import build_model, make_batch  # noqa: E402
 from common import ResultWriter  # noqa: E402

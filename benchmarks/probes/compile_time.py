@@ -1,8 +1,8 @@
 """Where the first compiled generate() call's time goes: torch.compile's phases, hf_cascade vs transformers' own
 static-cache step, on one model.
 
-    python benchmarks/compile_time.py                               # CPU: tiny 32-layer Llama, aot_eager backend
-    python benchmarks/compile_time.py --device cuda --backend inductor --layers 32 --tiny   # GPU, tiny layers
+    python benchmarks/probes/compile_time.py                               # CPU: tiny 32-layer Llama, aot_eager backend
+    python benchmarks/probes/compile_time.py --device cuda --backend inductor --layers 32 --tiny   # GPU, tiny layers
 
 Each peer runs in a fresh process (nothing compiled or cached in memory by the other); on-disk Inductor caches
 are what the machine has. Records ``compile_time`` lines in ``results/compile_time.jsonl``: the call's seconds,
@@ -17,8 +17,7 @@ import os
 import subprocess
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import preamble  # noqa: E402, F401  (the repository root and benchmarks/ on sys.path)
 
 from common import ResultWriter  # noqa: E402
 

@@ -3,7 +3,7 @@ default path, the first under cProfile: per batch the wall time, Triton builds a
 and the functions with the most cumulative time in the first batch. Run it in several processes one after
 another on one machine: the first is machine-cold (no kernel cache on disk), the next ones process-cold.
 
-    python benchmarks/probe_first_call.py --batches 3
+    python benchmarks/probes/probe_first_call.py --batches 3
 """
 
 from __future__ import annotations
@@ -11,18 +11,17 @@ from __future__ import annotations
 import argparse
 import cProfile
 import io
-import os
 import pstats
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import preamble  # noqa: E402, F401  (the repository root and benchmarks/ on sys.path)
 
 from bench_generate import LAYOUT_STREAM, build_model, make_tree_batch  # noqa: E402
-from common import ResultWriter, TritonBuilds, timed_with_compile_breakdown, triton_cache_files  # noqa: E402
+from common import (  # noqa: E402
+    ResultWriter, TritonBuilds, timed_with_compile_breakdown, triton_cache_dir, triton_cache_files,
+)
 
 import hf_cascade  # noqa: E402
 
@@ -63,7 +62,7 @@ def main(argv=None):
             "seconds": round(seconds, 3), "compile_s": compile_s,
             "triton": {k: None if after[k] is None else round(after[k] - before[k], 3) for k in after},
             "triton_cache_files_at_start": files_at_start, "model_build_s": round(build_s, 1),
-            "triton_cache_dir": os.environ.get("TRITON_CACHE_DIR"),
+            "triton_cache_dir": triton_cache_dir(),
         }
         if profiler is not None:
             out = io.StringIO()

@@ -8,20 +8,17 @@ the cache behind one op and the layer index symbolic instead: hf_cascade/compile
 compilation pays off where the compiled code of one layer serves every layer; here transformers' attention passes ``self.layer_idx`` (a Python int) to the cache, so
 dynamo specialises each layer (one compilation per layer: the record's ``unique_graphs``).
 
-    python benchmarks/probe_regional_compile.py           # Llama-3-8B shape, B=32 sharing 4,096, 64 new tokens
+    python benchmarks/probes/probe_regional_compile.py           # Llama-3-8B shape, B=32 sharing 4,096, 64 new tokens
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import preamble  # noqa: E402, F401  (the repository root and benchmarks/ on sys.path)
 
 from bench_generate import build_model, make_batch  # noqa: E402
 from common import ResultWriter, timed_with_compile_breakdown, wall_time  # noqa: E402

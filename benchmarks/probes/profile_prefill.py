@@ -19,7 +19,7 @@ step. Written per run (``profile_prefill.jsonl``):
 * floors in the same process: ``sdpa_prefix_forward_ms`` (model.model on the P shared tokens, sdpa) and
   ``sdpa_suffix_forward_ms`` (the B x S own tokens, sdpa, no past): the GEMM work the prefill cannot avoid.
 
-    python benchmarks/profile_prefill.py --layers 32 --batch 32 --prefix 4096 --suffix 64 --new-tokens 64
+    python benchmarks/probes/profile_prefill.py --layers 32 --batch 32 --prefix 4096 --suffix 64 --new-tokens 64
 """
 
 from __future__ import annotations
@@ -31,13 +31,11 @@ import io
 import json
 import os
 import pstats
-import sys
 import tempfile
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import preamble  # noqa: E402, F401  (the repository root and benchmarks/ on sys.path)
 
 from bench_generate import build_model, make_batch  # noqa: E402
 from common import ResultWriter, add_shared_workload_args, cuda_time, wall_time  # noqa: E402

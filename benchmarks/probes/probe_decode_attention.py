@@ -10,22 +10,19 @@ CUDA-graph replays over input copies that do not fit in L2 (``bench_kernels.grap
   kernel, no prefix states, over S columns and over the written 3/4 of them;
 * ``copy_prefix_kv`` / ``copy_suffix_kv``: torch copies of the same bytes (the memory floor of each pass).
 
-    python benchmarks/probe_decode_attention.py --batch 32 --prefix 4096 --suffix 128
+    python benchmarks/probes/probe_decode_attention.py --batch 32 --prefix 4096 --suffix 128
     ncu --clock-control none --section SpeedOfLight --section Occupancy --section WarpStateStats \
-        python benchmarks/probe_decode_attention.py --ncu
+        python benchmarks/probes/probe_decode_attention.py --ncu
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import preamble  # noqa: E402, F401  (the repository root and benchmarks/ on sys.path)
 
 from bench_kernels import D, copies_for, graph_time, rnd  # noqa: E402
 from common import ResultWriter  # noqa: E402
