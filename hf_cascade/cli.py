@@ -344,9 +344,29 @@ def cmd_bench(args) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------- warmup
+def add_warmup(sub) -> None:
+    from hf_cascade import warmup
+
+    parser = sub.add_parser(
+        "warmup", help="build every kernel and compiled graph of a model ahead (images, CI), and record their cost",
+        description=warmup.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    warmup.build_parser(parser)
+
+
+def cmd_warmup(args) -> int:
+    from hf_cascade import warmup
+
+    argv = ["--model", args.model, "--dtype", args.dtype, "--device", args.device, "--rows", *map(str, args.rows),
+            "--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens)]
+    return warmup.main(argv)
+
+
 # name -> (declares its arguments, runs it); the order of the help
 COMMANDS = {
     "demo": (add_demo, cmd_demo),
     "bench": (add_bench, cmd_bench),
+    "warmup": (add_warmup, cmd_warmup),
     "info": (add_info, cmd_info),
 }

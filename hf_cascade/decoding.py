@@ -4,7 +4,7 @@ transformers' ``_sample`` ends every step with ``bool(unfinished_sequences.max()
 GPU has finished the step before it prepares the next one, so the step's host work (inputs, mask, CUDA-graph input
 copies, logits processors, stopping criteria) adds to its GPU time. With the decode step compiled into CUDA graphs
 the GPU part of an 8B model's step is ~7.6 ms on an H100 and the host part ~5.5 ms: 14.4 ms per step with the wait,
-8.75 ms without it (``benchmarks/profile_decode.py``). transformers already has the cure, ``DeferredStopCheck``
+8.75 ms without it (``benchmarks/probes/profile_decode.py``). transformers already has the cure, ``DeferredStopCheck``
 (copy the stop flag to the host asynchronously, read it one step later, undo the one extra step), but turns it on
 only for ``mps``. :func:`sample` is ``_sample``'s loop, step for step, with that deferred check on CUDA; elsewhere
 (a CPU computes each op as it is called, nothing to overlap) it checks at once, as ``_sample`` does.

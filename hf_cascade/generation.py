@@ -168,6 +168,10 @@ def generate(
             decode_step = "layers" if tier.compiled else "graphs"
     elif method_name == "_sample" and decode_step == "auto":
         decode_step = "layers"
+    if input_ids.device.type == "cuda" and (tier is None or not tier.builtin_kernels):
+        from hf_cascade.ops._backend import prepare_triton
+
+        prepare_triton()  # Triton's cache shared with torch.compile, its key hashed in the background
 
     def prefill_compiled(fixed: bool) -> bool:  # by default with the compiled decode step: its prefill graph alongside
         if compile_prefill is not None:

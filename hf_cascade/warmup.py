@@ -36,8 +36,10 @@ def warm_up(model, rows=(1, 8, 32), prompt_tokens: int = 512, new_tokens: int = 
     import torch
 
     import hf_cascade
+    from hf_cascade.ops._backend import prepare_triton
     from hf_cascade.tiers import tier_report
 
+    prepare_triton()
     vocab = model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") else \
         model.config.vocab_size
     g = torch.Generator().manual_seed(0)

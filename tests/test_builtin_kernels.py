@@ -201,3 +201,16 @@ def tiny_llama_pair():
     from hf_cascade.model_zoo import tiny_model
 
     return tiny_model("llama", "cascade", seed=0), tiny_model("llama", "sdpa", seed=0)
+
+
+def test_warmup_command_runs_on_cpu(capsys):
+    """``python -m hf_cascade warmup`` loads the model and runs its calls (on a CPU nothing compiles and no record
+    is written; on a GPU the same command fills the compile caches: tests/test_gpu_generate.py)."""
+    from hf_cascade.cli import main
+
+    assert main(["warmup", "--model", "tiny", "--device", "cpu", "--dtype", "float32", "--rows", "2", "3",
+                 "--prompt-tokens", "20", "--new-tokens", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "2 rows x 20 shared tokens, 3 new" in out and "3 rows" in out and "warmup: done" in out
+    with pytest.raises(SystemExit, match="no CUDA GPU"):
+        main(["warmup", "--model", "tiny", "--device", "cuda"] if not torch.cuda.is_available() else ["--bad"])
