@@ -19,8 +19,8 @@ ready; each call run below a tier adds what that tier would have saved (a fixed 
 measured: :data:`SAVED_FRACTION`) to the tier's *regret*, and the next call moves up once the regret reaches the
 tier's expected cost. So the time lost to waiting is never more than the time the compiler would have taken, and
 the time spent compiling is never more than what a slower tier already lost (at most twice the better of the two
-choices, whatever calls come later). The Triton tier is taken at once where a record says this machine built its
-kernels before (loading them costs milliseconds).
+choices, whatever calls come later). Where a record says this machine built the Triton kernels before, their
+expected cost is small (:data:`RECORDED_TRITON_COST_S`): the Triton tier comes after a call or two.
 
 Expected costs come from **records on disk** (``$HF_CASCADE_RECORDS``, else ``$HF_CASCADE_CACHE/compile_records``,
 else ``~/.cache/hf_cascade/compile_records``), one per model shape, dtype, GPU, versions and compile-cache folders: what
@@ -57,8 +57,10 @@ SAVED_FRACTION = {"triton": 0.25, "compiled": 0.20}
 # benchmarks/results/first_call.jsonl): Triton builds ~1 s per kernel, several kernels per layout; compiling the
 # layers of an 8B model for the prefill and the decode step.
 DEFAULT_COST_S = {"triton": 8.0, "compiled": 20.0}
-# Loading kernels a record says were built: a few milliseconds each.
-RECORDED_TRITON_COST_S = 0.0
+# The Triton tier where a record says this machine built its kernels: loading them costs milliseconds, but a call
+# of another shape can still need a few new specialisations (~1 s each): measured 2.6 s for a first call of ragged
+# chat rows after a warm-up of plain batches (benchmarks/results/first_call.jsonl), against 0.75 s built-in.
+RECORDED_TRITON_COST_S = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,8 +107,8 @@ def choose_tier(model, compile: str = "auto") -> Tier:
         if compile == "now":
             return _TIERS["compiled"]
         record = _load_record(model, state)
-        triton = state.ready["triton"] or record.get("triton_built", False) or (
-            state.regret["triton"] >= DEFAULT_COST_S["triton"])
+        triton_cost = RECORDED_TRITON_COST_S if record.get("triton_built") else DEFAULT_COST_S["triton"]
+        triton = state.ready["triton"] or state.regret["triton"] >= triton_cost
         if not triton:
             return _TIERS["builtin"]
         if compile == "never":

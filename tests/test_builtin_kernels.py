@@ -149,11 +149,14 @@ def test_ski_rental_moves_up_when_regret_reaches_cost(records, tiny_llama_pair):
     assert tiers.choose_tier(model).name == "compiled"
     tiers.record_call(model, tiers._TIERS["compiled"], 6.5)
     assert tiers.choose_tier(model, "never").name == "triton"
-    # a new process: the record says the Triton kernels were built (taken at once) and what compiling cost
+    # a new process: the record says the Triton kernels were built (cheap: after 1 s of regret) and what compiling
+    # cost
     _fresh_process(model)
+    assert tiers.choose_tier(model).name == "builtin"
+    tiers.record_call(model, tiers._TIERS["builtin"], 4.0)  # regret 1.0 s >= the recorded Triton cost
     assert tiers.choose_tier(model).name == "triton"
     assert tiers._compiled_cost(tiers._state(model).record) == 6.5
-    tiers.record_call(model, tiers._TIERS["triton"], 30.0)  # regret 6 < 6.5
+    tiers.record_call(model, tiers._TIERS["triton"], 26.0)  # regret 0.8 (built-in call) + 5.2 = 6.0 < 6.5
     assert tiers.choose_tier(model).name == "triton"
     tiers.record_call(model, tiers._TIERS["triton"], 3.0)
     assert tiers.choose_tier(model).name == "compiled"
