@@ -57,18 +57,19 @@ class _SuffixLayer(CacheLayerMixin):
         super().__init__()
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
+        self._room: tuple[torch.Tensor, torch.Tensor] | None = None  # see _append_columns
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
         self.keys = key_states[..., :0, :]
         self.values = value_states[..., :0, :]
+        self._room = None
         self.is_initialized = True
 
     def update(self, key_states, value_states, *args, **kwargs):
         if self.keys is None:
             self.lazy_initialization(key_states, value_states)
-        self.keys = torch.cat([self.keys, key_states], dim=-2)
-        self.values = torch.cat([self.values, value_states], dim=-2)
+        self.keys, self.values = _append_columns(self, key_states, value_states)
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -93,7 +94,7 @@ class _SuffixLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.keys = self.values = None
+        self.keys = self.values = self._room = None
         self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -119,6 +120,37 @@ class _SuffixLayer(CacheLayerMixin):
         if self.keys is None:
             return 0
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+
+# Spare suffix columns allocated past the ones written (then doubled): a decode step writes its new column into them.
+_SUFFIX_ROOM = 32
+
+
+def _opens(view: torch.Tensor, buffer: torch.Tensor) -> bool:
+    """``view`` is ``buffer[..., :n, :]`` for some n (the layer's KV still in its buffer: not replaced or reordered)."""
+    return (view.data_ptr() == buffer.data_ptr() and view.stride() == buffer.stride() and view.dtype == buffer.dtype
+            and view.shape[:2] == buffer.shape[:2] and view.shape[-1] == buffer.shape[-1])
+
+
+def _append_columns(layer: _SuffixLayer, key_states: torch.Tensor, value_states: torch.Tensor):
+    """``layer``'s suffix KV with the new columns appended, as views of buffers with room for more columns.
+
+    ``torch.cat`` copied the whole suffix at every decode step (two copies per layer and step, growing with the
+    suffix; on a CPU, copies large enough to run on several threads, each a wait for OpenMP's threads on a busy
+    machine). Here a step copies only its new columns; a buffer that is full is replaced by one twice the size."""
+    keys, values = layer.keys, layer.values
+    written, new = keys.shape[-2], key_states.shape[-2]
+    room = layer._room
+    if (room is None or written + new > room[0].shape[-2] or not _opens(keys, room[0])
+            or not _opens(values, room[1]) or room[0].shape[:2] != key_states.shape[:2]):
+        size = max(2 * (written + new), written + new + _SUFFIX_ROOM)
+        room = tuple(t.new_empty((*t.shape[:2], size, t.shape[-1])) for t in (key_states, value_states))
+        room[0][..., :written, :].copy_(keys)
+        room[1][..., :written, :].copy_(values)
+        layer._room = room
+    room[0][..., written : written + new, :].copy_(key_states)
+    room[1][..., written : written + new, :].copy_(value_states)
+    return room[0][..., : written + new, :], room[1][..., : written + new, :]
 
 
 class _StaticSuffixLayer(_SuffixLayer):
@@ -262,6 +294,16 @@ def _stacked_base(tensors: list[torch.Tensor]) -> torch.Tensor | None:
            for i, t in enumerate(tensors)):
         return base
     return None
+
+
+def _same_view(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """``a`` and ``b`` are the same tensor, or views of the same memory with the same shape and strides (the model's
+    mask reaches each layer as a new view ``mask[:, 0]`` of the one tensor; ``a``, kept in the memo, keeps that
+    memory from being reused by another tensor)."""
+    if a is b:
+        return True
+    return (a is not None and b is not None and a.data_ptr() == b.data_ptr() and a.shape == b.shape
+            and a.stride() == b.stride() and a.dtype == b.dtype and a.device == b.device)
 
 
 def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
@@ -757,7 +799,7 @@ class CascadeCache(Cache):
         if self._suffix_start_dev is None:
             return attention_mask
         memo = self._mask_memo
-        if memo is not None and memo[0] is attention_mask and memo[1] == (query_length, kv_length):
+        if memo is not None and _same_view(memo[0], attention_mask) and memo[1] == (query_length, kv_length):
             return memo[2]
         device = self._suffix_start_dev.device
         columns = torch.arange(kv_length, device=device)

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from ._backend import dot_precision, padded_head_dim, resolve_backend
+from ._cascade_torch import cascade_attention_torch
 from .merge import merge_attention_states
 from .prefix_attention import (
     PrefixPlan,
@@ -103,7 +104,11 @@ def cascade_attention(
             [torch.tensor(plan.row_node, dtype=torch.int64, device=query.device) for _, _, plan in prefixes],
             key_lower, suffix_lower, scale=scale, mask=mask, causal=causal, softcap=softcap, key_length=key_length)
         return out.to(query.dtype), lse
-    if resolve_backend(backend, query.device, _OP) == "torch" or not prefixes:
+    if resolve_backend(backend, query.device, _OP) == "torch":
+        mask = mask_with_key_length(mask, key_length, query.shape[2], key.shape[2], causal, key.device)
+        return cascade_attention_torch(query, key, value, prefixes, scale=scale, mask=mask, causal=causal,
+                                       softcap=softcap)
+    if not prefixes:
         mask = mask_with_key_length(mask, key_length, query.shape[2], key.shape[2], causal, key.device)
         return _cascade_unfused(query, key, value, prefixes, scale=scale, mask=mask, causal=causal,
                                 softcap=softcap, backend=backend)

@@ -26,6 +26,10 @@ _MIN_KEYS_PER_SPLIT = 128  # below this a KV split costs more (partials + combin
 # instead of a loop over nodes (8 ops per node): hf_cascade.score's question nodes, 200 of ~9 tokens, took 40 of 100 s
 # on 2 CPU cores in the loop (SmolLM2, 800 rows). Only where the rows' padded keys are at most twice the real ones.
 _GATHER_MIN_NODES = 8
+# cascade_attention's torch path (ops/_cascade_torch.py): a level runs as one matmul of every row's queries against
+# all its keys (other nodes' columns masked) where that is at most this many times the keys the rows read, or small.
+_DENSE_WASTE = 2
+_DENSE_SMALL = 4096  # rows x level keys: one matmul whatever the waste
 
 
 @dataclass(eq=False)
@@ -72,6 +76,39 @@ class PrefixPlan:
         valid = columns[None, :] < length[:, None]
         index = torch.where(valid, start[:, None] + columns[None, :], 0)
         return index.to(self.device), valid.to(self.device)
+
+    @functools.cached_property
+    def torch_way(self) -> str:
+        """How cascade_attention's torch path reads this level (see ``ops/_cascade_torch.py``): ``"empty"`` (no row
+        reads a key), ``"dense"`` (every row against all the level's keys, one matmul), ``"gather"`` (each row's node
+        keys gathered: many short nodes) or ``"nodes"`` (node by node)."""
+        pairs = self.key_row_pairs
+        if pairs == 0:
+            return "empty"
+        everything = self.batch_size * self.total_keys
+        if everything <= max(_DENSE_WASTE * pairs, _DENSE_SMALL):
+            return "dense"
+        if self.num_nodes >= _GATHER_MIN_NODES and self.batch_size * self.max_node_len <= 2 * pairs:
+            return "gather"
+        return "nodes"
+
+    @functools.cached_property
+    def dense_hide(self) -> Tensor | None:
+        """bool ``[1, B, 1, T]`` on ``device``: True at the level's key columns a row does not read (other nodes', or
+        all for a row without a node); None when every row reads every column (one node, every row on it)."""
+        start = torch.tensor([self.node_starts[n] if n >= 0 else 0 for n in self.row_node], dtype=torch.int64)
+        end = torch.tensor([self.node_starts[n + 1] if n >= 0 else 0 for n in self.row_node], dtype=torch.int64)
+        if bool((start == 0).all()) and bool((end == self.total_keys).all()):
+            return None
+        columns = torch.arange(self.total_keys, dtype=torch.int64)
+        hide = (columns[None, :] < start[:, None]) | (columns[None, :] >= end[:, None])
+        return hide.view(1, self.batch_size, 1, self.total_keys).to(self.device)
+
+    @functools.cached_property
+    def gather_all_valid(self) -> bool:
+        """Every row's node is ``max_node_len`` long: :attr:`gather_index` pads no row."""
+        return all(n >= 0 and self.node_starts[n + 1] - self.node_starts[n] == self.max_node_len
+                   for n in self.row_node)
 
     @functools.cached_property
     def max_node_len(self) -> int:
