@@ -69,7 +69,11 @@ class _SuffixLayer(CacheLayerMixin):
     def update(self, key_states, value_states, *args, **kwargs):
         if self.keys is None:
             self.lazy_initialization(key_states, value_states)
-        self.keys, self.values = _append_columns(self, key_states, value_states)
+        if torch.compiler.is_compiling():  # a compiled prefill: the graph's own concatenation (no Python-side room)
+            self.keys = torch.cat([self.keys, key_states], dim=-2)
+            self.values = torch.cat([self.values, value_states], dim=-2)
+        else:
+            self.keys, self.values = _append_columns(self, key_states, value_states)
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
