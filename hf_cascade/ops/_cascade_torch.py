@@ -54,12 +54,8 @@ def cascade_attention_torch(query: Tensor, key: Tensor, value: Tensor, prefixes,
             continue
         if way == "dense":
             if q_heads is None:
-                q_heads = q.view(B, Hkv, M, D).transpose(0, 1).reshape(Hkv, B * M, D)
-            s = _scores3(q_heads, k_pre.float(), scale, softcap)  # [Hkv, B * M, T]
-            hide = plan.dense_hide
-            if hide is not None:  # [1, B, 1, T]: the other nodes' columns
-                s.view(Hkv, B, M, -1).masked_fill_(hide, _NEG_INF)
-            parts.append(("heads", s, v_pre.float()))
+                q_heads = heads_major(q, B, Hkv)
+            parts.append(dense_part(q_heads, k_pre, v_pre, plan.dense_hide, scale, softcap))
         elif way == "gather":
             index, valid = plan.gather_index  # [B, L] each row's node columns, left-aligned
             k = k_pre[:, index].float().transpose(0, 1).reshape(B * Hkv, -1, D)  # [B * Hkv, L, D]
@@ -72,15 +68,51 @@ def cascade_attention_torch(query: Tensor, key: Tensor, value: Tensor, prefixes,
             o, lse = shared_prefix_attention_ref(query, k_pre, v_pre, None, plan.node_starts, scale=scale,
                                                  softcap=softcap, rows_by_node=plan.rows_by_node)
             parts.append(("state", o.view(B, Hkv, M, Dv), _empty_guard(lse).view(B, Hkv, M)))
-    if S > 0:
-        s = _scores3(q, key.float().reshape(B * Hkv, S, D), scale, softcap).view(B, Hkv, G, Lq, S)
-        visible = mask if mask is not None else (_causal(Lq, S, query.device) if causal and Lq > 1 else None)
-        if visible is not None:
-            if visible.dim() == 4:
-                visible = visible.squeeze(1)
-            s = torch.where(visible.view(-1, 1, 1, Lq, S), s, _NEG_INF)
-        parts.append(("rows", s.view(B, Hkv, M, S), value.float().reshape(B * Hkv, S, Dv)))
+    suffix_part(parts, q, query, key, value, mask, causal, scale, softcap)
+    return joint_softmax(parts, query, Hkv, Dv)
 
+
+def heads_major(q: Tensor, B: int, Hkv: int) -> Tensor:
+    """Queries ``[B * Hkv, M, D]`` as ``[Hkv, B * M, D]``: every row's queries of a KV head against a level's keys."""
+    M, D = q.shape[1], q.shape[2]
+    return q.view(B, Hkv, M, D).transpose(0, 1).reshape(Hkv, B * M, D)
+
+
+def dense_part(q_heads: Tensor, k_pre: Tensor, v_pre: Tensor, hide: Tensor | None, scale: float,
+               softcap: float | None) -> tuple:
+    """A level read by one matmul: every row's queries ``[Hkv, B * M, D]`` against all its keys ``[Hkv, T, D]``;
+    ``hide``: None, or bool ``[1, B, 1, T]`` (True: a column the row does not read)."""
+    s = _scores3(q_heads, k_pre.float(), scale, softcap)  # [Hkv, B * M, T]
+    if hide is not None:
+        s.view(s.shape[0], hide.shape[1], -1, s.shape[-1]).masked_fill_(hide, _NEG_INF)
+    return ("heads", s, v_pre.float())
+
+
+def suffix_part(parts: list, q: Tensor, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
+                 causal: bool, scale: float, softcap: float | None) -> None:
+    """Append the suffix's scores (its mask applied) to ``parts``; ``q``: the queries ``[B * Hkv, M, D]`` fp32."""
+    B, Hq, Lq, D = query.shape
+    Hkv, S, Dv = key.shape[1], key.shape[2], value.shape[-1]
+    if S == 0 or B == 0:
+        return
+    s = _scores3(q, key.float().reshape(B * Hkv, S, D), scale, softcap).view(B, Hkv, Hq // Hkv, Lq, S)
+    visible = mask if mask is not None else (_causal(Lq, S, query.device) if causal and Lq > 1 else None)
+    if visible is not None:
+        if visible.dim() == 4:
+            visible = visible.squeeze(1)
+        s = torch.where(visible.view(-1, 1, 1, Lq, S), s, _NEG_INF)
+    parts.append(("rows", s.view(B, Hkv, -1, S), value.float().reshape(B * Hkv, S, Dv)))
+
+
+def joint_softmax(parts: list, query: Tensor, Hkv: int, Dv: int) -> tuple[Tensor, Tensor]:
+    """One softmax over the scores of every part, each part's ``P @ V`` summed: ``(out [B, Hq, Lq, Dv] in
+    query.dtype, laid out [B, Lq, Hq, Dv]; lse [B, Hq, Lq] float32)``. Parts (their scores are overwritten):
+    ``("heads", scores [Hkv, B * M, T], values [Hkv, T, Dv])`` (a level read by one matmul),
+    ``("rows", scores [B, Hkv, M, N], values [B * Hkv, N, Dv])`` (per-row keys), or
+    ``("state", out [B, Hkv, M, Dv] fp32, lse [B, Hkv, M])`` (an attention state, -inf where empty)."""
+    B, Hq, Lq, _ = query.shape
+    G = Hq // Hkv
+    M = G * Lq
     # One softmax over every part: the max over all of them (a row with no key: -inf, taken as the float32 minimum,
     # so that exp() gives 0 and not NaN).
     m = None
