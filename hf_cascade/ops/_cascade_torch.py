@@ -164,11 +164,13 @@ _ZEROS: dict = {}
 
 
 def _zero(like: Tensor) -> Tensor:
-    """A one-element tensor of ``like``'s dtype and device (baddbmm's ``input``, ignored with beta=0)."""
-    key = (like.dtype, like.device)
-    zero = _ZEROS.get(key)
+    """A one-element tensor of ``like``'s dtype and device (baddbmm's ``input``, ignored with beta=0); kept for the
+    CPU only (a GPU tensor made while a CUDA graph records would live in the graph's memory)."""
+    if like.device.type != "cpu":
+        return like.new_zeros((1, 1, 1))
+    zero = _ZEROS.get(like.dtype)
     if zero is None:
-        zero = _ZEROS[key] = torch.zeros((1, 1, 1), dtype=like.dtype, device=like.device)
+        zero = _ZEROS[like.dtype] = torch.zeros((1, 1, 1), dtype=like.dtype)
     return zero
 
 
@@ -176,13 +178,15 @@ _CAUSAL: dict = {}
 
 
 def _causal(Lq: int, S: int, device: torch.device) -> Tensor:
-    """bool ``[1, Lq, S]``: query i sees key j iff ``j <= S - Lq + i`` (bottom-right), cached per shape."""
-    key = (Lq, S, device)
-    visible = _CAUSAL.get(key)
+    """bool ``[1, Lq, S]``: query i sees key j iff ``j <= S - Lq + i`` (bottom-right), cached per shape on the CPU."""
+    cpu = torch.device(device).type == "cpu"  # kept for the CPU only, as _zero
+    visible = _CAUSAL.get((Lq, S)) if cpu else None
     if visible is None:
-        if len(_CAUSAL) > 64:
-            _CAUSAL.clear()
         i = torch.arange(Lq, device=device)[:, None]
         j = torch.arange(S, device=device)[None, :]
-        visible = _CAUSAL[key] = (j <= S - Lq + i)[None]
+        visible = (j <= S - Lq + i)[None]
+        if cpu:
+            if len(_CAUSAL) > 64:
+                _CAUSAL.clear()
+            _CAUSAL[(Lq, S)] = visible
     return visible
