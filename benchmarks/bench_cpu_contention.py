@@ -14,7 +14,8 @@ a "quiet" figure or add to the three busy processes.
 One JSON object per peer and run in ``results/cpu_contention.jsonl``: workload, condition, peer (cascade / sdpa),
 seconds, speedup (sdpa's seconds over cascade's, on both records), load (the mean of the 1-minute load average
 sampled during the run: it lags, a quiet run after a busy one starts high) and runnable (the mean count of runnable
-threads sampled during the run, the script's own included).
+threads sampled during the run, the script's own included), foreign_share (the share of the machine's CPU time other
+jobs used during the run: a run beside another job's work is not the setting it names).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import resource
 import subprocess
 import sys
 import threading
@@ -73,7 +75,20 @@ def parse(workload: str, text: str) -> tuple[float, float, bool]:
     return float(cascade.group(1)), float(sdpa.group(1)), rows is not None and rows.group(1) == rows.group(2)
 
 
+def busy_cpu_s() -> float:
+    """CPU seconds the machine has spent busy since boot, all CPUs (/proc/stat: all but idle and iowait)."""
+    fields = [int(x) for x in open("/proc/stat").readline().split()[1:9]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
+
+
+def own_cpu_s() -> float:
+    """CPU seconds of this process and its waited-for children (the script, the busy processes)."""
+    me, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime + children.ru_utime + children.ru_stime
+
+
 def run_once(workload: str, busy: int, tree: Path) -> dict:
+    machine0, own0, wall0 = busy_cpu_s(), own_cpu_s(), time.perf_counter()
     hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(busy)]
     loads, runnable, done = [], [], threading.Event()
 
@@ -98,12 +113,16 @@ def run_once(workload: str, busy: int, tree: Path) -> dict:
         for hog in hogs:
             hog.kill()
             hog.wait()
+    # Other jobs' share of the machine meanwhile (0 on a machine running nothing else).
+    foreign = (busy_cpu_s() - machine0) - (own_cpu_s() - own0)
+    foreign_share = max(0.0, foreign) / ((time.perf_counter() - wall0) * (os.cpu_count() or 1))
     if proc.returncode != 0:
         raise SystemExit(f"{workload} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     cascade_s, sdpa_s, same = parse(workload, proc.stdout)
     return dict(cascade_s=cascade_s, sdpa_s=sdpa_s, identical=same, process_s=round(wall, 2),
                 load=round(sum(loads) / len(loads), 2) if loads else None, load_max=max(loads, default=None),
-                runnable=round(sum(runnable) / len(runnable), 2) if runnable else None)
+                runnable=round(sum(runnable) / len(runnable), 2) if runnable else None,
+                foreign_share=round(foreign_share, 3))
 
 
 def main(argv=None):
@@ -127,10 +146,12 @@ def main(argv=None):
                 r = run_once(workload, CONDITIONS[condition], tree)
                 speedup = round(r["sdpa_s"] / r["cascade_s"], 2)
                 print(f"{workload:14s} {condition:6s} cascade {r['cascade_s']:7.2f} s  sdpa {r['sdpa_s']:7.2f} s  "
-                      f"{speedup:5.1f}x  load {r['load']}  runnable {r['runnable']}  identical {r['identical']}", flush=True)
+                      f"{speedup:5.1f}x  load {r['load']}  runnable {r['runnable']}  other jobs {r['foreign_share']:.0%}  "
+                      f"identical {r['identical']}", flush=True)
                 common = dict(bench="cpu_contention", machine="2-core CPU", cpu_count=os.cpu_count(),
                               workload=workload, condition=condition, busy_processes=CONDITIONS[condition],
                               run=run, speedup=speedup, load=r["load"], load_max=r["load_max"], runnable=r["runnable"],
+                              foreign_share=r["foreign_share"],
                               identical=r["identical"], process_s=r["process_s"], note=args.note)
                 writer.write({**common, "peer": "cascade", "seconds": r["cascade_s"]})
                 writer.write({**common, "peer": "sdpa", "seconds": r["sdpa_s"]})

@@ -306,6 +306,8 @@ def _same_view(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     memory from being reused by another tensor)."""
     if a is b:
         return True
+    if torch.compiler.is_compiling():  # traced tensors have no data pointer
+        return False
     return (a is not None and b is not None and a.data_ptr() == b.data_ptr() and a.shape == b.shape
             and a.stride() == b.stride() and a.dtype == b.dtype and a.device == b.device)
 

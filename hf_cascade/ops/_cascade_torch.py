@@ -16,9 +16,9 @@ threads (issue 35: a decode step 20x sdpa's). Here, per layer, in fp32:
 * the suffix: one batched matmul, the mask applied by one ``where``.
 
 Their scores share one softmax: one max over the parts, then per part ``exp``, a sum and ``P @ V``; the sums and
-products add up. ~8 ops per part instead of ~60: a decode step of SmolLM2's 30 layers on a 2-level tree runs ~1,000
-attention ops instead of ~6,000. The result is the same attention (every key of the row's nodes and its visible
-suffix keys), computed in another order (fp32 rounding differs from the composition's).
+products add up. Measured (SmolLM2-135M, the demo's 2-level tree, one layer's attention in a decode step): 86 ops
+dispatched, views included, instead of 205. The result is the same attention (every key of the row's nodes and its
+visible suffix keys), computed in another order (fp32 rounding differs from the composition's).
 """
 
 from __future__ import annotations
@@ -54,12 +54,8 @@ def cascade_attention_torch(query: Tensor, key: Tensor, value: Tensor, prefixes,
             continue
         if way == "dense":
             if q_heads is None:
-                q_heads = q.view(B, Hkv, M, D).transpose(0, 1).reshape(Hkv, B * M, D)
-            s = _scores3(q_heads, k_pre.float(), scale, softcap)  # [Hkv, B * M, T]
-            hide = plan.dense_hide
-            if hide is not None:  # [1, B, 1, T]: the other nodes' columns
-                s.view(Hkv, B, M, -1).masked_fill_(hide, _NEG_INF)
-            parts.append(("heads", s, v_pre.float()))
+                q_heads = heads_major(q, B, Hkv)
+            parts.append(dense_part(q_heads, k_pre, v_pre, plan.dense_hide, scale, softcap))
         elif way == "gather":
             index, valid = plan.gather_index  # [B, L] each row's node columns, left-aligned
             k = k_pre[:, index].float().transpose(0, 1).reshape(B * Hkv, -1, D)  # [B * Hkv, L, D]
@@ -72,15 +68,51 @@ def cascade_attention_torch(query: Tensor, key: Tensor, value: Tensor, prefixes,
             o, lse = shared_prefix_attention_ref(query, k_pre, v_pre, None, plan.node_starts, scale=scale,
                                                  softcap=softcap, rows_by_node=plan.rows_by_node)
             parts.append(("state", o.view(B, Hkv, M, Dv), _empty_guard(lse).view(B, Hkv, M)))
-    if S > 0:
-        s = _scores3(q, key.float().reshape(B * Hkv, S, D), scale, softcap).view(B, Hkv, G, Lq, S)
-        visible = mask if mask is not None else (_causal(Lq, S, query.device) if causal and Lq > 1 else None)
-        if visible is not None:
-            if visible.dim() == 4:
-                visible = visible.squeeze(1)
-            s = torch.where(visible.view(-1, 1, 1, Lq, S), s, _NEG_INF)
-        parts.append(("rows", s.view(B, Hkv, M, S), value.float().reshape(B * Hkv, S, Dv)))
+    suffix_part(parts, q, query, key, value, mask, causal, scale, softcap)
+    return joint_softmax(parts, query, Hkv, Dv)
 
+
+def heads_major(q: Tensor, B: int, Hkv: int) -> Tensor:
+    """Queries ``[B * Hkv, M, D]`` as ``[Hkv, B * M, D]``: every row's queries of a KV head against a level's keys."""
+    M, D = q.shape[1], q.shape[2]
+    return q.view(B, Hkv, M, D).transpose(0, 1).reshape(Hkv, B * M, D)
+
+
+def dense_part(q_heads: Tensor, k_pre: Tensor, v_pre: Tensor, hide: Tensor | None, scale: float,
+               softcap: float | None) -> tuple:
+    """A level read by one matmul: every row's queries ``[Hkv, B * M, D]`` against all its keys ``[Hkv, T, D]``;
+    ``hide``: None, or bool ``[1, B, 1, T]`` (True: a column the row does not read)."""
+    s = _scores3(q_heads, k_pre.float(), scale, softcap)  # [Hkv, B * M, T]
+    if hide is not None:
+        s.view(s.shape[0], hide.shape[1], -1, s.shape[-1]).masked_fill_(hide, _NEG_INF)
+    return ("heads", s, v_pre.float())
+
+
+def suffix_part(parts: list, q: Tensor, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None,
+                 causal: bool, scale: float, softcap: float | None) -> None:
+    """Append the suffix's scores (its mask applied) to ``parts``; ``q``: the queries ``[B * Hkv, M, D]`` fp32."""
+    B, Hq, Lq, D = query.shape
+    Hkv, S, Dv = key.shape[1], key.shape[2], value.shape[-1]
+    if S == 0 or B == 0:
+        return
+    s = _scores3(q, key.float().reshape(B * Hkv, S, D), scale, softcap).view(B, Hkv, Hq // Hkv, Lq, S)
+    visible = mask if mask is not None else (_causal(Lq, S, query.device) if causal and Lq > 1 else None)
+    if visible is not None:
+        if visible.dim() == 4:
+            visible = visible.squeeze(1)
+        s = torch.where(visible.view(-1, 1, 1, Lq, S), s, _NEG_INF)
+    parts.append(("rows", s.view(B, Hkv, -1, S), value.float().reshape(B * Hkv, S, Dv)))
+
+
+def joint_softmax(parts: list, query: Tensor, Hkv: int, Dv: int) -> tuple[Tensor, Tensor]:
+    """One softmax over the scores of every part, each part's ``P @ V`` summed: ``(out [B, Hq, Lq, Dv] in
+    query.dtype, laid out [B, Lq, Hq, Dv]; lse [B, Hq, Lq] float32)``. Parts (their scores are overwritten):
+    ``("heads", scores [Hkv, B * M, T], values [Hkv, T, Dv])`` (a level read by one matmul),
+    ``("rows", scores [B, Hkv, M, N], values [B * Hkv, N, Dv])`` (per-row keys), or
+    ``("state", out [B, Hkv, M, Dv] fp32, lse [B, Hkv, M])`` (an attention state, -inf where empty)."""
+    B, Hq, Lq, _ = query.shape
+    G = Hq // Hkv
+    M = G * Lq
     # One softmax over every part: the max over all of them (a row with no key: -inf, taken as the float32 minimum,
     # so that exp() gives 0 and not NaN).
     m = None
@@ -132,11 +164,13 @@ _ZEROS: dict = {}
 
 
 def _zero(like: Tensor) -> Tensor:
-    """A one-element tensor of ``like``'s dtype and device (baddbmm's ``input``, ignored with beta=0)."""
-    key = (like.dtype, like.device)
-    zero = _ZEROS.get(key)
+    """A one-element tensor of ``like``'s dtype and device (baddbmm's ``input``, ignored with beta=0); kept for the
+    CPU only (a GPU tensor made while a CUDA graph records would live in the graph's memory)."""
+    if like.device.type != "cpu":
+        return like.new_zeros((1, 1, 1))
+    zero = _ZEROS.get(like.dtype)
     if zero is None:
-        zero = _ZEROS[key] = torch.zeros((1, 1, 1), dtype=like.dtype, device=like.device)
+        zero = _ZEROS[like.dtype] = torch.zeros((1, 1, 1), dtype=like.dtype)
     return zero
 
 
@@ -144,13 +178,15 @@ _CAUSAL: dict = {}
 
 
 def _causal(Lq: int, S: int, device: torch.device) -> Tensor:
-    """bool ``[1, Lq, S]``: query i sees key j iff ``j <= S - Lq + i`` (bottom-right), cached per shape."""
-    key = (Lq, S, device)
-    visible = _CAUSAL.get(key)
+    """bool ``[1, Lq, S]``: query i sees key j iff ``j <= S - Lq + i`` (bottom-right), cached per shape on the CPU."""
+    cpu = torch.device(device).type == "cpu"  # kept for the CPU only, as _zero
+    visible = _CAUSAL.get((Lq, S)) if cpu else None
     if visible is None:
-        if len(_CAUSAL) > 64:
-            _CAUSAL.clear()
         i = torch.arange(Lq, device=device)[:, None]
         j = torch.arange(S, device=device)[None, :]
-        visible = _CAUSAL[key] = (j <= S - Lq + i)[None]
+        visible = (j <= S - Lq + i)[None]
+        if cpu:
+            if len(_CAUSAL) > 64:
+                _CAUSAL.clear()
+            _CAUSAL[(Lq, S)] = visible
     return visible

@@ -21,10 +21,10 @@ import torch
 from torch import Tensor
 
 from ._backend import host_to_device, resolve_backend
+from ._cascade_torch import dense_part, heads_major, joint_softmax, suffix_part
 from .cascade_attention import cascade_attention, launch_cascade, launch_configs
 from .prefix_attention import PrefixPlan, _Schedule, plan_shared_prefix
-from .reference import _scores, _softmax_attend, merge_attention_states_ref
-from .suffix_attention import mask_with_key_length, suffix_attention
+from .suffix_attention import mask_with_key_length
 
 __all__ = ["COMPILED_LEVELS", "CascadePlan", "padded_level_count", "plan_cascade"]
 
@@ -154,31 +154,25 @@ def _planned_attention(query, key, value, prefix_keys, prefix_values, plan_tenso
 
 
 def _planned_torch(query, key, value, prefix_keys, prefix_values, levels, mask, scale, softcap):
-    """fp32 reference from the index tensors alone (no host sync): each row's queries against its node's keys."""
+    """fp32 from the index tensors alone (no host sync): every row's queries against all keys of each level (the
+    other nodes' columns masked) and its suffix, in one softmax (``ops/_cascade_torch.py``)."""
     B, Hq, Lq, D = query.shape
-    Dv = value.shape[-1]
-    prefix_out = prefix_lse = None
+    Hkv = key.shape[1]
+    q = query.float().reshape(B * Hkv, Hq // Hkv * Lq, D)
+    q_heads = heads_major(q, B, Hkv) if levels else None
+    parts = []
     for k_pre, v_pre, tensors in zip(prefix_keys, prefix_values, levels):
         node_starts, row_node = tensors[2], tensors[5]
-        Hkv, T = k_pre.shape[0], k_pre.shape[1]
-        G = Hq // Hkv
+        T = k_pre.shape[1]
         has_node = row_node >= 0
         node = row_node.clamp(min=0)
         start = torch.where(has_node, node_starts[node], 0)
         end = torch.where(has_node, node_starts[node + 1], 0)
         columns = torch.arange(T, device=query.device)
-        keep = (columns[None, :] >= start[:, None]) & (columns[None, :] < end[:, None])  # [B, T]
-        q = query.float().reshape(B, Hkv, G * Lq, D)
-        s = _scores(q, k_pre.float()[None], scale, softcap)  # [B, Hkv, G*Lq, T]
-        s = s.masked_fill(~keep[:, None, None, :], float("-inf"))
-        o, lse = _softmax_attend(s, v_pre.float()[None])
-        o, lse = o.reshape(B, Hq, Lq, Dv), lse.reshape(B, Hq, Lq)
-        if prefix_out is None:
-            prefix_out, prefix_lse = o, lse
-        else:
-            prefix_out, prefix_lse = merge_attention_states_ref(prefix_out, prefix_lse, o, lse)
-    return suffix_attention(query, key, value, scale=scale, mask=mask, causal=True, softcap=softcap,
-                            prefix_out=prefix_out, prefix_lse=prefix_lse, backend="torch")
+        hide = (columns[None, :] < start[:, None]) | (columns[None, :] >= end[:, None])  # [B, T]
+        parts.append(dense_part(q_heads, k_pre, v_pre, hide.view(1, B, 1, T), scale, softcap))
+    suffix_part(parts, q, query, key, value, mask, True, scale, softcap)
+    return joint_softmax(parts, query, Hkv, value.shape[-1])
 
 
 @torch.library.custom_op(
