@@ -90,7 +90,12 @@ def generate(
             decoder layers compiled once per model for all layers and layouts: :mod:`hf_cascade.compiled_layers`),
             ``"graphs"`` (the eager step recorded, no compilation: :mod:`hf_cascade.captured_step`),
             ``"compile"`` (transformers' compiled step: as fast as ``"layers"`` after a compilation of about a
-            minute for an 8B model), ``"eager"``, or ``"auto"`` (default): ``"layers"``. ``compile_prefill``: run
+            minute for an 8B model), ``"eager"``, or ``"auto"`` (default): on CUDA the tier :mod:`hf_cascade.tiers` picks
+            (``"graphs"`` on PyTorch's own attention kernels for the first calls, nothing compiled; Triton's kernels
+            and then ``"layers"`` once the calls have lost what getting there costs), elsewhere ``"layers"``.
+            ``compile``: ``"auto"`` (default, the tiers), ``"now"`` (the compiled tier from the first call) or
+            ``"never"`` (no compiled layers); only with the default ``decode_step`` and ``compile_prefill``.
+            ``compile_prefill``: run
             the prefill forwards (each shared segment's, then the rows' first forward) with the decoder layers
             compiled for any batch and length (:func:`~hf_cascade.compiled_layers.compiled_forward`: one
             compilation per model fuses the model's norms, rotary and activations). None (default): where the
