@@ -34,26 +34,16 @@ from transformers.utils import logging
 
 from hf_cascade.attention import IN_CASCADE_GENERATE, check_model_uses_cascade
 from hf_cascade.cache import CascadeCache
-from hf_cascade.cpu_threads import DEFAULT_CPU_DECODE_THREADS, ContentionProbe, check_threads, cpu_decode_threads
+from hf_cascade.cpu_threads import ContentionProbe, cpu_decode_threads
 from hf_cascade.decoding import sample
 from hf_cascade.step_buffers import step_buffers
-from hf_cascade.tiers import COMPILE_CHOICES, choose_tier, record_call
+from hf_cascade.options import CascadeOptions
+from hf_cascade.tiers import choose_tier, record_call
 from hf_cascade.transformers_compat import CACHE_KWARG
 
 logger = logging.get_logger(__name__)
 
 _DECODING_METHODS = {"_sample", "_beam_search"}
-# How greedy search and sampling run their decode steps on a GPU (cascade_options["decode_step"]): see the docstring.
-DEFAULT_DECODE_STEP = "auto"
-# "auto" is "layers": the step recorded into a CUDA graph with the decoder layers compiled once for all layers
-# (hf_cascade.compiled_layers). Llama-3-8B shape, B=32, H100 (generate.jsonl, 5fd74f4): 8.1 ms per step after
-# ~5 s of compilation, once per model (1.6 s from a second process); "graphs" 10.3 ms, none; "compile" 7.9 ms after
-# 52-66 s.
-_OPTIONS = {
-    "min_shared_tokens", "min_rows", "max_levels", "cost_model", "fixed_buffers", "batch_buckets", "defer_stop_check",
-    "decode_step", "compile_prefill", "cpu_decode_threads", "compile",
-}
-_DECODE_STEPS = ("auto", "compile", "layers", "graphs", "eager")
 
 
 def generate(
@@ -109,7 +99,12 @@ def generate(
     """
     from transformers.generation.utils import GENERATION_MODES_MAPPING
 
-    options = _validated_options(cascade_options, cascade_caches)
+    options = CascadeOptions.from_user(cascade_options)
+    if cascade_caches is not None and not isinstance(cascade_caches, list):
+        raise ValueError(
+            f"`cascade_caches` must be None or a list (the CascadeCache built for the call is appended to it); got "
+            f"{type(cascade_caches).__name__} {cascade_caches!r}. Pass `cascade_caches=[]`."
+        )
     check_model_uses_cascade(model, "model")
     method_name = GENERATION_MODES_MAPPING.get(generation_config.get_generation_mode())
     if method_name not in _DECODING_METHODS:
@@ -153,10 +148,8 @@ def generate(
         )
         return _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
 
-    defer = options.pop("defer_stop_check", None)
-    decode_step = options.pop("decode_step", DEFAULT_DECODE_STEP)
-    compile_prefill = options.pop("compile_prefill", None)
-    threads_policy = check_threads(options.pop("cpu_decode_threads", DEFAULT_CPU_DECODE_THREADS))
+    defer, decode_step, compile_prefill = options.defer_stop_check, options.decode_step, options.compile_prefill
+    threads_policy = options.cpu_decode_threads
     compiles = _compiles_decode(model, input_ids, generation_config, method_name)
     if compiles and threads_policy == "auto":
         # A compiled step guards on torch's thread count (dynamo's global state): a count chosen per call by the
@@ -165,7 +158,7 @@ def generate(
     probe = ContentionProbe(input_ids.device, threads_policy)
     started = time.perf_counter()
     tier = None  # on CUDA with the default decode step: the engine tiers.choose_tier picks (no compiler stall)
-    compile_choice = options.pop("compile", "auto")
+    compile_choice = options.compile
     if input_ids.device.type == "cuda" and decode_step == "auto" and compile_prefill is None:
         tier = choose_tier(model, compile_choice if compiles else ("never" if compile_choice == "auto" else
                                                                    compile_choice))
@@ -194,8 +187,7 @@ def generate(
     else:
         from hf_cascade.inputs import batch_bucket, plan_cascade_batch
 
-        fixed = options.pop("fixed_buffers", None)
-        buckets = options.pop("batch_buckets", None)
+        fixed, buckets = options.fixed_buffers, options.batch_buckets
         if fixed is None:  # compiled decode by default where transformers compiles it (CUDA, greedy/sampling)
             fixed = compiles or (user_cache is not None and user_cache.max_suffix_length is not None)
         rows, bucket = input_ids.shape[0], batch_bucket(input_ids.shape[0])
@@ -212,7 +204,7 @@ def generate(
             cache, planned_ids, attention_mask = plan_cascade_batch(
                 model, plan_ids, plan_mask, prefix_cache=user_cache, max_new_tokens=max_new_tokens,
                 fixed_buffers=fixed, bucket_buffers=fixed, compile_layers=prefill_compiled(fixed),
-                builtin_kernels=tier is not None and tier.builtin_kernels, **options,
+                builtin_kernels=tier is not None and tier.builtin_kernels, **options.planning(),
             )
         if cache is None:  # nothing worth sharing: generate()'s own cache and rows, untouched
             return _run(getattr(type(model), method_name), model, input_ids, logits_processor, stopping_criteria,
@@ -288,47 +280,6 @@ def _arguments_the_hook_drops(caller, method_name: str):
             "streamer."
         )
     return streamer
-
-
-def _validated_options(cascade_options, cascade_caches) -> dict:
-    """``cascade_options`` as a new dict, each value checked by type; raises a ValueError naming the option."""
-    from collections.abc import Mapping
-
-    from hf_cascade.cost_model import CascadeCostModel
-
-    if cascade_caches is not None and not isinstance(cascade_caches, list):
-        raise ValueError(
-            f"`cascade_caches` must be None or a list (the CascadeCache built for the call is appended to it); got "
-            f"{type(cascade_caches).__name__} {cascade_caches!r}. Pass `cascade_caches=[]`."
-        )
-    if cascade_options is None:
-        return {}
-    if not isinstance(cascade_options, Mapping):
-        raise ValueError(
-            f"`cascade_options` must be a dict of option name -> value, e.g. {{'min_shared_tokens': 8}}; got "
-            f"{type(cascade_options).__name__} {cascade_options!r}."
-        )
-    options = dict(cascade_options)
-    unknown = set(options) - _OPTIONS
-    if unknown:
-        raise ValueError(f"`cascade_options` takes {sorted(_OPTIONS)}; got unknown {sorted(unknown, key=str)}.")
-    for name, value in options.items():
-        where = f"`cascade_options['{name}']`"
-        if name in ("min_shared_tokens", "min_rows", "max_levels"):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(f"{where} must be an int; got {type(value).__name__} {value!r}.")
-        elif name in ("fixed_buffers", "batch_buckets", "defer_stop_check", "compile_prefill"):
-            if value is not None and not isinstance(value, bool):
-                raise ValueError(f"{where} must be None, True or False; got {type(value).__name__} {value!r}.")
-        elif name == "cost_model":
-            auto = isinstance(value, str) and value == "auto"
-            if value is not None and not auto and not isinstance(value, CascadeCostModel):
-                raise ValueError(f"{where} must be 'auto', None or a CascadeCostModel; got {value!r}.")
-        elif name == "decode_step" and (not isinstance(value, str) or value not in _DECODE_STEPS):
-            raise ValueError(f"{where} must be one of {list(_DECODE_STEPS)}; got {value!r}.")
-        elif name == "compile" and (not isinstance(value, str) or value not in COMPILE_CHOICES):
-            raise ValueError(f"{where} must be one of {list(COMPILE_CHOICES)}; got {value!r}.")
-    return options
 
 
 def _add_rows(value, size: int, rows: int):
