@@ -93,7 +93,7 @@ def test_attention_registry_is_readable():
 def test_sample_loop_hf_cascade_mirrors():
     """hf_cascade.decode.sampling.sample is _sample's loop with the stop flag read a step late: the private methods it
     calls keep their signatures, and _sample still selects, pads and appends tokens as it mirrors (a change here
-    means decoding.py must follow; the behaviour itself is compared in test_custom_generate)."""
+    means decode/sampling.py must follow; the behaviour itself is compared in test_custom_generate)."""
     for name, params in {
         "_prefill": {"input_ids", "generation_config", "model_kwargs", "is_first_iteration"},
         "_update_model_kwargs_for_generation": {"outputs", "model_kwargs", "is_encoder_decoder"},
