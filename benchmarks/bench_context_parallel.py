@@ -49,7 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import cp_peers  # noqa: E402
 import hf_cascade  # noqa: E402
 import hf_cascade.parallel.fixed as fixed  # noqa: E402
-from hf_cascade.captured_step import _model_graphs, recorded_steps  # noqa: E402
+from hf_cascade.decode.captured_step import _model_graphs, recorded_steps  # noqa: E402
 from hf_cascade.parallel.combine import STATE_COMBINES, combine_states  # noqa: E402
 
 

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from accelerate import PartialState
 
 import hf_cascade
-import hf_cascade.captured_step
+import hf_cascade.decode.captured_step
 from hf_cascade.tiny import load_model_and_tokenizer
 
 
@@ -79,7 +79,7 @@ def main():
         print(f"{state.num_processes} ranks ({dist.get_backend()}), prompt {input_ids.shape[1]} tokens, "
               f"combine={args.combine}")
         print(f"prefill {prefill_s:.2f} s, generate {new_tokens.shape[1]} tokens {decode_s:.2f} s")
-        graphs = hf_cascade.captured_step.recorded_steps(model)
+        graphs = hf_cascade.decode.captured_step.recorded_steps(model)
         print("decode steps: " + (f"replayed from a CUDA graph ({graphs['replayed']} steps, {graphs['recorded']} "
                                    "recorded)" if graphs["recorded"] else "eager"))
         print(f"KV per rank (MiB): {[round(int(t) / 2**20, 2) for t in kv_per_rank]}")

@@ -27,7 +27,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.utils import logging
 
-from hf_cascade.compiled_layers import PREFILL_BATCH_MASKS, layer_step_cache, note_layer_written, outside_layer_graphs
+from hf_cascade.decode.compiled_layers import PREFILL_BATCH_MASKS, layer_step_cache, note_layer_written, outside_layer_graphs
 
 logger = logging.get_logger(__name__)
 
@@ -283,7 +283,7 @@ def cascade_attention_forward(
 def layer_step_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask: torch.Tensor | None, layer_idx: int, scaling: float,
                          softcap: float | None) -> torch.Tensor:
-    """One decoder layer's attention inside :func:`~hf_cascade.compiled_layers.compiled_layers` (a decode step or a
+    """One decoder layer's attention inside :func:`~hf_cascade.decode.compiled_layers.compiled_layers` (a decode step or a
     prefill forward): the new columns' KV written into the cache (``CascadeCache.update``) and the cascade attention
     over it, as the eager layer runs them. One op in the layer's graph (no graph break), ``layer_idx`` a symbol, so
     one compiled graph serves every layer. The cache is the one :func:`compiled_layers` was entered with (the op only
@@ -326,7 +326,7 @@ def _suggest_custom_generate() -> None:
     )
 
 
-# Set by hf_cascade's decoding loop (hf_cascade.decoding.sample): decode-step masks are always built.
+# Set by hf_cascade's decoding loop (hf_cascade.decode.sampling.sample): decode-step masks are always built.
 ALWAYS_BUILD_DECODE_MASK: contextvars.ContextVar[bool] = contextvars.ContextVar(
     "hf_cascade_always_build_decode_mask", default=False
 )

@@ -29,275 +29,24 @@ import weakref
 from collections.abc import Sequence
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from hf_cascade.attention import ATTENTION_NAME, bind_layer, check_model_uses_cascade, plain_attention, sink_attention
-from hf_cascade.captured_step import static_step
-from hf_cascade.compiled_layers import outside_layer_graphs
+from hf_cascade.decode.captured_step import static_step
+from hf_cascade.decode.compiled_layers import outside_layer_graphs
+from hf_cascade.decode.step_buffers import StepBuffers
 from hf_cascade.model_scan import attention_modules
 from hf_cascade.ops._backend import host_to_device
-from hf_cascade.ops.builtin_cascade import builtin_cascade_attention
-from hf_cascade.ops.kv_write import write_suffix_kv
-from hf_cascade.ops.plan import CascadePlan, cascade_attention_planned, padded_level_count, plan_cascade
-from hf_cascade.ops.reference import write_suffix_kv_ref
-from hf_cascade.prefill import PrefixLevel, prefill_levels, validate_token_ids
-from hf_cascade.step_buffers import StepBuffers, take_or_new
 from hf_cascade.ops.bounded import merge_sink
+from hf_cascade.ops.builtin_cascade import builtin_cascade_attention
+from hf_cascade.ops.plan import CascadePlan, cascade_attention_planned, plan_cascade
+from hf_cascade.prefill import PrefixLevel, prefill_levels, validate_token_ids
+from hf_cascade.static_steps import StaticStepMixin
+from hf_cascade.suffix_layers import StaticSuffixLayer, SuffixLayer, append_columns, memoized
 from hf_cascade.windows import cache_bounded_attend, layer_sinks, layer_window
 
-
-class _SuffixLayer(CacheLayerMixin):
-    """One model layer's per-row suffix KV, ``[batch, num_kv_heads, S, head_dim]``, grown by concatenation."""
-
-    is_sliding = False
-    is_compileable = False
-    is_croppable = True
-
-    def __init__(self):
-        super().__init__()
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
-        self._room: tuple[torch.Tensor, torch.Tensor] | None = None  # see _append_columns
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.keys = key_states[..., :0, :]
-        self.values = value_states[..., :0, :]
-        self._room = None
-        self.is_initialized = True
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        if self.keys is None:
-            self.lazy_initialization(key_states, value_states)
-        if torch.compiler.is_compiling():  # a compiled prefill: the graph's own concatenation (no Python-side room)
-            self.keys = torch.cat([self.keys, key_states], dim=-2)
-            self.values = torch.cat([self.values, value_states], dim=-2)
-        else:
-            self.keys, self.values = _append_columns(self, key_states, value_states)
-        return self.keys, self.values
-
-    def get_seq_length(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[-2]
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
-
-    @property
-    def host_length(self) -> int:
-        """Suffix tokens held, as a host int."""
-        return self.get_seq_length()
-
-    def causal_mask(self, query_length: int) -> None:
-        """The suffix mask that ``None`` stands for: every column is written, so causal bottom-right (None)."""
-        return None
-
-    def get_max_length(self) -> int:
-        return -1
-
-    def get_max_cache_shape(self) -> int:  # transformers 5.17
-        return -1
-
-    def reset(self) -> None:
-        self.keys = self.values = self._room = None
-        self.is_initialized = False
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if self.keys is not None and tokens_to_remove > 0:
-            self.keys = self.keys[..., : self.keys.shape[-2] - tokens_to_remove, :]
-            self.values = self.values[..., : self.values.shape[-2] - tokens_to_remove, :]
-
-    def _select(self, fn) -> None:
-        if self.keys is not None:
-            self.keys, self.values = fn(self.keys), fn(self.values)
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._select(lambda t: t.index_select(0, beam_idx.to(t.device)))
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self._select(lambda t: t.repeat_interleave(repeats, dim=0))
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._select(lambda t: t[indices])
-
-    @property
-    def nbytes(self) -> int:
-        if self.keys is None:
-            return 0
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
-
-
-# Spare suffix columns allocated past the ones written (then doubled): a decode step writes its new column into them.
-_SUFFIX_ROOM = 32
-
-
-def _opens(view: torch.Tensor, buffer: torch.Tensor) -> bool:
-    """``view`` is ``buffer[..., :n, :]`` for some n (the layer's KV still in its buffer: not replaced or reordered)."""
-    return (view.data_ptr() == buffer.data_ptr() and view.stride() == buffer.stride() and view.dtype == buffer.dtype
-            and view.shape[:2] == buffer.shape[:2] and view.shape[-1] == buffer.shape[-1])
-
-
-def _append_columns(layer: _SuffixLayer, key_states: torch.Tensor, value_states: torch.Tensor):
-    """``layer``'s suffix KV with the new columns appended, as views of buffers with room for more columns.
-
-    ``torch.cat`` copied the whole suffix at every decode step (two copies per layer and step, growing with the
-    suffix; on a CPU, copies large enough to run on several threads, each a wait for OpenMP's threads on a busy
-    machine). Here a step copies only its new columns; a buffer that is full is replaced by one twice the size."""
-    keys, values = layer.keys, layer.values
-    written, new = keys.shape[-2], key_states.shape[-2]
-    room = layer._room
-    if (room is None or written + new > room[0].shape[-2] or not _opens(keys, room[0])
-            or not _opens(values, room[1]) or room[0].shape[:2] != key_states.shape[:2]):
-        size = max(2 * (written + new), written + new + _SUFFIX_ROOM)
-        room = tuple(t.new_empty((*t.shape[:2], size, t.shape[-1])) for t in (key_states, value_states))
-        room[0][..., :written, :].copy_(keys)
-        room[1][..., :written, :].copy_(values)
-        layer._room = room
-    room[0][..., written : written + new, :].copy_(key_states)
-    room[1][..., written : written + new, :].copy_(value_states)
-    return room[0][..., : written + new, :], room[1][..., : written + new, :]
-
-
-class _StaticSuffixLayer(_SuffixLayer):
-    """One model layer's per-row suffix KV in fixed buffers ``[batch, num_kv_heads, max_suffix_length, head_dim]``.
-
-    Written in place at a device-side length (``cumulative_length``, int64 scalar), so a decode step has no
-    host-dependent shapes and no host synchronisation: what ``torch.compile`` and CUDA graphs need (as
-    transformers' ``StaticLayer``). ``update()`` returns the whole buffers; columns not written yet are zeros and
-    the mask hides them. The buffers survive ``reset()`` (same addresses for the next generate() call).
-    """
-
-    is_compileable = True
-
-    def __init__(self, max_suffix_length: int):
-        super().__init__()
-        self.max_suffix_length = max_suffix_length
-        self.step_buffers = None  # a StepBuffers to take the buffers from (CascadeCache.use_step_buffers)
-        self.builtin_kernels = False  # write with PyTorch ops, not the Triton kernel (CascadeCache.builtin_kernels)
-        self.cumulative_length = torch.zeros((), dtype=torch.int64)
-        # Host mirror of cumulative_length for eager bounds checks (no device sync per layer); compiled steps do
-        # not update it (they would recompile on every new value) but mark it stale.
-        self._host_length = 0
-        self._host_length_stale = False
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
-        shape = (*key_states.shape[:2], self.max_suffix_length, key_states.shape[-1])
-        value_shape = (*shape[:3], value_states.shape[-1])  # K and V head sizes may differ
-        # With step buffers: an earlier call's (same addresses: its CUDA graphs replay), cleared.
-        self.keys = take_or_new(self.step_buffers, shape, self.dtype, self.device, zeroed=True)
-        self.values = take_or_new(self.step_buffers, value_shape, self.dtype, self.device, zeroed=True)
-        self.cumulative_length = take_or_new(self.step_buffers, (), torch.int64, self.device, zeroed=True)
-        self._host_length, self._host_length_stale = 0, False
-        if not torch.compiler.is_compiling():
-            # Fixed addresses for CUDA graphs; guard=False: a new cache re-records graphs instead of recompiling.
-            for tensor in (self.keys, self.values, self.cumulative_length):
-                torch._dynamo.mark_static_address(tensor, guard=False)
-            # Buffers of another capacity (bucket) are the same graph: the step reads the capacity from the
-            # buffers' shape (capacity), never from the int.
-            for tensor in (self.keys, self.values):
-                torch._dynamo.maybe_mark_dynamic(tensor, 2)
-        self.is_initialized = True
-
-    def update(self, key_states, value_states, *args, step_memo: dict | None = None, **kwargs):
-        """Write the new KV at the written length; ``step_memo``: a dict shared by the layers of one eager
-        device-only step (see ``CascadeCache.update``), which then compute the write positions once."""
-        if not self.is_initialized or self.keys.shape[0] != key_states.shape[0]:
-            self.lazy_initialization(key_states, value_states)
-        if static_step():
-            self._host_length_stale = True
-        else:
-            length = self.host_length + key_states.shape[-2]
-            if length > self.max_suffix_length:
-                raise ValueError(
-                    f"This CascadeCache holds at most {self.max_suffix_length} suffix tokens per row "
-                    f"(`max_suffix_length`) and this step would make {length}. Build the cache with a larger "
-                    "`max_suffix_length` (or `max_new_tokens` in shared_prefix_inputs), or lower `max_new_tokens`."
-                )
-            self._host_length = length
-        # Every layer has written as many columns: the positions are the same.
-        positions = _memoized(step_memo, ("positions", key_states.shape[-2], self.device),
-                              lambda: torch.arange(key_states.shape[-2], device=self.device) + self.cumulative_length)
-        # Traced, the reference's three ops (the compiler fuses them); else one launch on CUDA.
-        write = write_suffix_kv_ref if torch.compiler.is_compiling() or self.builtin_kernels else write_suffix_kv
-        write(key_states, value_states, self.keys, self.values, positions, self.cumulative_length)
-        return self.keys, self.values
-
-    def get_seq_length(self):
-        """The number of suffix tokens written, as a device int64 scalar (0 before the first update)."""
-        return self.cumulative_length if self.is_initialized else 0
-
-    @property
-    def host_length(self) -> int:
-        """The number of suffix tokens written, as a host int (synchronises only after compiled steps)."""
-        if self._host_length_stale:
-            self._host_length, self._host_length_stale = int(self.cumulative_length), False
-        return self._host_length
-
-    @property
-    def capacity(self):
-        """Suffix columns per row: the buffers' size (a symbolic size inside a compiled step)."""
-        return self.keys.shape[2] if self.is_initialized else self.max_suffix_length
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.capacity, 0
-
-    def get_max_length(self) -> int:
-        return self.max_suffix_length
-
-    def get_max_cache_shape(self) -> int:  # transformers 5.17
-        return self.max_suffix_length
-
-    def reset(self) -> None:
-        if self.is_initialized:
-            self.cumulative_length.zero_()
-            self._host_length, self._host_length_stale = 0, False
-
-    def crop(self, tokens_to_remove: int) -> None:
-        if self.is_initialized and tokens_to_remove > 0:
-            removed = min(tokens_to_remove, self.host_length)
-            self.cumulative_length.sub_(removed)
-            self._host_length -= removed
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        if self.is_initialized:  # in place: the buffers keep their addresses
-            beam_idx = beam_idx.to(self.device)
-            self.keys.copy_(self.keys.index_select(0, beam_idx))
-            self.values.copy_(self.values.index_select(0, beam_idx))
-
-    def _select(self, fn) -> None:
-        super()._select(fn)
-        if self.is_initialized and not torch.compiler.is_compiling():
-            for tensor in (self.keys, self.values):
-                torch._dynamo.mark_static_address(tensor, guard=False)
-
-    def causal_mask(self, query_length: int) -> torch.Tensor:
-        """bool ``[1, q_len, max_suffix_length]``: query i sees the written columns up to its own position."""
-        columns = torch.arange(self.capacity, device=self.device)
-        last = self.cumulative_length - query_length + torch.arange(query_length, device=self.device)
-        return (columns[None, :] <= last[:, None])[None]
-
-
-def _memoized(memo: dict | None, key: tuple, compute):
-    """``memo[key]``, computed by ``compute()`` and stored on first use; ``compute()`` every time without a memo."""
-    value = None if memo is None else memo.get(key)
-    if value is None:
-        value = compute()
-        if memo is not None:
-            memo[key] = value
-    return value
-
-
-def _stacked_base(tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """The ``[layers, ...]`` tensor whose ``unbind(0)`` views ``tensors`` are (as prefill packs a level), or None."""
-    base = tensors[0]._base
-    if base is None or base.dim() != tensors[0].dim() + 1 or base.shape[0] != len(tensors) or not base.is_contiguous():
-        return None
-    step = base.stride(0) * base.element_size()
-    start = base.data_ptr()
-    if all(t._base is base and t.data_ptr() == start + i * step and t.shape == base.shape[1:]
-           for i, t in enumerate(tensors)):
-        return base
-    return None
+# The names these had when they were defined here (kept importable from hf_cascade.cache).
+_SuffixLayer, _StaticSuffixLayer, _append_columns, _memoized = SuffixLayer, StaticSuffixLayer, append_columns, memoized
 
 
 def _same_view(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
@@ -332,7 +81,7 @@ def _num_layers(config) -> int:
     return int(text_config.num_hidden_layers)
 
 
-class CascadeCache(Cache):
+class CascadeCache(StaticStepMixin, Cache):
     """A prefix-aware KV cache: shared prefixes stored once (batch 1), each row's suffix apart.
 
     Build it with :meth:`from_prefix` (one prefix shared by every row) or get one from
@@ -371,9 +120,9 @@ class CascadeCache(Cache):
         self.max_suffix_length = max_suffix_length
         num_layers = _num_layers(model.config)
         if max_suffix_length is None:
-            layers = [_SuffixLayer() for _ in range(num_layers)]
+            layers = [SuffixLayer() for _ in range(num_layers)]
         else:
-            layers = [_StaticSuffixLayer(max_suffix_length) for _ in range(num_layers)]
+            layers = [StaticSuffixLayer(max_suffix_length) for _ in range(num_layers)]
         super().__init__(layers=layers)
         self.levels: list[PrefixLevel] = list(levels)
         self.prefix_length = int(prefix_length)
@@ -446,110 +195,8 @@ class CascadeCache(Cache):
     def builtin_kernels(self, value: bool) -> None:
         self._builtin_kernels = bool(value)
         for layer in self.layers:
-            if isinstance(layer, _StaticSuffixLayer):
+            if isinstance(layer, StaticSuffixLayer):
                 layer.builtin_kernels = self._builtin_kernels
-
-    def static_layout_key(self) -> tuple | None:
-        """What a recorded decode step must be keyed on besides its tensors: the rows' layout (per level the
-        nodes' key ranges and each row's node) when the built-in kernels run, which read it on the host (the
-        Triton op reads it from the plan's index tensors, so one graph serves every layout of its shapes)."""
-        if not self._builtin_kernels:
-            return None
-        if self._layout_key is None:
-            nodes = None if self.row_nodes is None else tuple(map(tuple, self.row_nodes.tolist()))
-            self._layout_key = ("builtin", tuple(tuple(level.node_starts) for level in self.levels), nodes)
-        return self._layout_key
-
-    def static_step_keepalive(self):
-        """What a recorded decode step must keep alive besides the step buffers: the plan whose host-made index
-        tensors the built-in kernels read (a later call with the same layout replays the graph at their addresses)."""
-        return self._plan if self._builtin_kernels else None
-
-    def _pad_prefix_levels(self, buffers: StepBuffers | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The prefix KV a compiled step takes: per level slot, the keys (values) of every layer as one tensor
-        ``[layers, Hkv, T, D]``, with empty slots (2 keys that no row reads) in front of the real levels, so that
-        trees of 1 to COMPILED_LEVELS levels run one graph (where ``pad_levels``). One tensor per slot, not per layer: the step's inputs,
-        and the sizes dynamo reads from them before every replay, do not grow with the layers. CUDA graphs read
-        them in place (no copy per replay); a new cache re-records, never recompiles, and a level of another
-        length is the same graph (its length is dynamic). ``buffers``: the slots are tensors taken from it. The
-        levels' per-layer tensors become views of their slot (the KV is stored once)."""
-        first = self.levels[0].keys[0]
-        layers, (heads, _, head_dim) = len(self.levels[0].keys), first.shape
-        if any(t.shape[::2] != first.shape[::2] or t.dtype != first.dtype for t in self.levels[0].keys):
-            raise NotImplementedError(
-                f"This model's layers store KV of different shapes ([heads, tokens, head_dim] per layer: "
-                f"{sorted({tuple(t.shape[::2]) for t in self.levels[0].keys})} heads x head_dim); hf_cascade's fixed "
-                "buffers (compiled decode) need one shape for every layer. Pass `cascade_options=dict("
-                "fixed_buffers=False)` (or `disable_compile=True`) to generate(), or build the cache without "
-                "`max_new_tokens` / `max_suffix_length`."
-            )
-        new = lambda shape: take_or_new(buffers, shape, first.dtype, first.device)  # noqa: E731
-        pad = padded_level_count(len(self.levels)) - len(self.levels) if self.pad_levels else 0
-        slots = ([], [])
-        for kind, kind_slots in enumerate(slots):  # taken in the order step_buffer_tensors lists them
-            width = head_dim if kind == 0 else self.levels[0].values[0].shape[-1]  # K and V head sizes may differ
-            kind_slots += [new((layers, heads, 2, width)) for _ in range(pad)]
-            for level in self.levels:
-                tensors = level.keys if kind == 0 else level.values
-                stacked = _stacked_base(tensors) if buffers is None else None
-                if stacked is None:  # one copy, then the level reads the stacked tensor
-                    stacked = new((layers, *tensors[0].shape))
-                    for layer_idx, t in enumerate(tensors):
-                        stacked[layer_idx].copy_(t)
-                    tensors[:] = list(stacked.unbind(0))
-                kind_slots.append(stacked)
-        for tensor in (*slots[0], *slots[1]):
-            torch._dynamo.mark_static_address(tensor, guard=False)
-            torch._dynamo.maybe_mark_dynamic(tensor, 2)
-        return slots[0], slots[1]
-
-    def use_step_buffers(self, buffers: StepBuffers) -> None:
-        """Take this cache's fixed buffers and prefix KV from ``buffers`` (a model's :class:`StepBuffers`), so a
-        compiled step replays the CUDA graphs an earlier call with the same shapes recorded. Call before the first
-        forward, on a cache whose levels nothing else holds; give them back with ``buffers.keep(
-        cache.step_buffer_tensors())`` when the call ends (the cache's contents are then the next call's)."""
-        if self.max_suffix_length is None:
-            return
-        for layer in self.layers:
-            layer.step_buffers = buffers
-        self._step_buffers = buffers
-
-    def step_buffer_tensors(self) -> list[torch.Tensor]:
-        """The device tensors a compiled or recorded decode step reads in place, in the order a call takes them
-        from its :class:`StepBuffers`: the padded prefix slots, the window mask, the suffix buffers and their
-        lengths, the op's index tensors."""
-        tensors = [t for slots in self._compiled_prefix or () for t in slots]
-        if self._window_dev is not None:
-            tensors.append(self._window_dev)
-        tensors += [t for layer in self.layers if layer.is_initialized
-                    for t in (layer.keys, layer.values, layer.cumulative_length)]
-        return tensors + list(self._op_inputs or ())
-
-    def static_step_tensors(self) -> list[torch.Tensor]:
-        """Every device tensor of this cache that a compiled or recorded decode step reads (the step buffers, and the
-        rows' suffix starts where no window mask was planned): what a recorded CUDA graph is keyed on."""
-        tensors = self.step_buffer_tensors()
-        if self._window_dev is None and self._suffix_start_dev is not None:  # read by _suffix_mask only then
-            tensors.append(self._suffix_start_dev)
-        if self._shifts is not None:  # layers whose window is shorter than the sequence (hf_cascade.windows)
-            tensors += [self._shifts.level_shift, self._shifts.suffix_shift]
-            if self._plan is not None:
-                tensors += [*self._plan.row_node, *(level.node_starts_dev for level in self._plan.levels)]
-        return tensors
-
-    def suffix_lengths(self) -> list[torch.Tensor]:
-        """Each fixed-buffer layer's written suffix length (device int64 scalar), the state a decode step advances:
-        what to restore to run a failed step again."""
-        return [layer.cumulative_length for layer in self.layers
-                if isinstance(layer, _StaticSuffixLayer) and layer.is_initialized]
-
-    def begin_static_step(self) -> None:
-        """A compiled or recorded step is about to run (or, replayed, has run) on the device: the host's count of
-        written columns is stale, and nothing computed for an earlier step is reused."""
-        self._step_memo = None
-        for layer in self.layers:
-            if isinstance(layer, _StaticSuffixLayer) and layer.is_initialized:
-                layer._host_length_stale = True
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -798,7 +445,7 @@ class CascadeCache(Cache):
             # get_mask_sizes), so the graph does not depend on this batch's prefix_length. The same for every layer
             # (each has written as many columns): an eager step builds it once (see update).
             memo = None if torch.compiler.is_compiling() else self._step_memo
-            return _memoized(memo, ("mask", query_length, layer.capacity, layer.device),
+            return memoized(memo, ("mask", query_length, layer.capacity, layer.device),
                              lambda: self._window_dev[:, None, :] & layer.causal_mask(query_length))
         if attention_mask is None:
             attention_mask = layer.causal_mask(query_length)
@@ -892,7 +539,7 @@ class CascadeCache(Cache):
         # Fixed buffers: None would also admit the columns not written yet; rows' own columns: see _suffix_mask.
         attention_mask = self._suffix_mask(attention_mask, layer, query.shape[2], key.shape[2])
         # Fixed buffers: the kernels read the suffix only as far as it is written (the mask hides the rest anyway).
-        written = layer.cumulative_length if isinstance(layer, _StaticSuffixLayer) and layer.is_initialized else None
+        written = layer.cumulative_length if isinstance(layer, StaticSuffixLayer) and layer.is_initialized else None
         if bounded:  # (Triton in eager forwards; the PyTorch path in compiled / recorded steps, for now)
             out, lse = cache_bounded_attend(self, layer_idx, query, key, value, attention_mask, scale=scaling,
                                             softcap=softcap, window=window, chunk=chunk, key_length=written,

@@ -35,8 +35,8 @@ from transformers.utils import logging
 from hf_cascade.attention import IN_CASCADE_GENERATE, check_model_uses_cascade
 from hf_cascade.cache import CascadeCache
 from hf_cascade.cpu_threads import ContentionProbe, cpu_decode_threads
-from hf_cascade.decoding import sample
-from hf_cascade.step_buffers import step_buffers
+from hf_cascade.decode.sampling import sample
+from hf_cascade.decode.step_buffers import step_buffers
 from hf_cascade.options import CascadeOptions
 from hf_cascade.tiers import choose_tier, record_call
 from hf_cascade.transformers_compat import CACHE_KWARG
@@ -75,10 +75,10 @@ def generate(
             added rows change nothing; True: also when sampling (the samples are as random, but a seed then gives
             other samples than a call without the rows); False: never. ``defer_stop_check`` (None: on CUDA; True;
             False): greedy search and sampling read the "every row finished" flag one step late instead of waiting
-            for the GPU at every step (:mod:`hf_cascade.decoding`; the same tokens). ``decode_step`` (greedy search
+            for the GPU at every step (:mod:`hf_cascade.decode.sampling`; the same tokens). ``decode_step`` (greedy search
             and sampling on CUDA with fixed buffers): ``"layers"`` (the step recorded into a CUDA graph, the
-            decoder layers compiled once per model for all layers and layouts: :mod:`hf_cascade.compiled_layers`),
-            ``"graphs"`` (the eager step recorded, no compilation: :mod:`hf_cascade.captured_step`),
+            decoder layers compiled once per model for all layers and layouts: :mod:`hf_cascade.decode.compiled_layers`),
+            ``"graphs"`` (the eager step recorded, no compilation: :mod:`hf_cascade.decode.captured_step`),
             ``"compile"`` (transformers' compiled step: as fast as ``"layers"`` after a compilation of about a
             minute for an 8B model), ``"eager"``, or ``"auto"`` (default): on CUDA the tier :mod:`hf_cascade.tiers` picks
             (``"graphs"`` on PyTorch's own attention kernels for the first calls, nothing compiled; Triton's kernels
@@ -87,7 +87,7 @@ def generate(
             ``"never"`` (no compiled layers); only with the default ``decode_step`` and ``compile_prefill``.
             ``compile_prefill``: run
             the prefill forwards (each shared segment's, then the rows' first forward) with the decoder layers
-            compiled for any batch and length (:func:`~hf_cascade.compiled_layers.compiled_forward`: one
+            compiled for any batch and length (:func:`~hf_cascade.decode.compiled_layers.compiled_forward`: one
             compilation per model fuses the model's norms, rotary and activations). None (default): where the
             decode step is ``"layers"``; True (any device); False. ``cpu_decode_threads``: on CPU, ``"auto"``
             (default): the rows' first forward and the decode steps run single-threaded when the shared prefill

@@ -2,7 +2,7 @@
 
 Walking a model's modules is host time: ~1-2 ms for the ~450 modules of Llama-3-8B, and a generate() call walked
 them four times before its prefill could start (the prefill's temporary cache, the final cache, the cost model's
-parameter count). The results are kept per model (:func:`~hf_cascade.step_buffers.model_state`, freed with the
+parameter count). The results are kept per model (:func:`~hf_cascade.decode.step_buffers.model_state`, freed with the
 model) and walked again once a module or parameter is registered on any module of a model walked so far: torch's
 global registration hooks (``setattr`` / ``add_module`` / ``register_parameter``) see it, so a model whose attention
 modules or layers are replaced is scanned anew and a cache built afterwards serves the new modules. Registrations
@@ -18,7 +18,7 @@ import weakref
 
 import torch
 
-from hf_cascade.step_buffers import model_state
+from hf_cascade.decode.step_buffers import model_state
 
 _generation = 0  # bumped by every module / parameter registration on a watched module (see _registered)
 _watched: weakref.WeakSet = weakref.WeakSet()  # every module of every model scanned so far

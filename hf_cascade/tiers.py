@@ -5,13 +5,13 @@ Three tiers, each faster once ready and each costing more to get ready:
 ``builtin``
     Attention by kernels that ship compiled inside PyTorch (FlashAttention-2 and matmuls,
     :mod:`hf_cascade.ops.builtin_cascade`), decode steps recorded into CUDA graphs
-    (:mod:`hf_cascade.captured_step`), the model's layers eager. Nothing is compiled: ready at once.
+    (:mod:`hf_cascade.decode.captured_step`), the model's layers eager. Nothing is compiled: ready at once.
 ``triton``
     hf_cascade's Triton kernels instead. Triton builds each kernel the first time a process launches it, about a
     second each with an empty Triton cache; from a warm cache it loads them in milliseconds.
 ``compiled``
     The decoder layers compiled by ``torch.compile`` for the decode step and the prefill
-    (:mod:`hf_cascade.compiled_layers`): the model's small kernels fused, ~20% off a decode step (Llama-3-8B shape,
+    (:mod:`hf_cascade.decode.compiled_layers`): the model's small kernels fused, ~20% off a decode step (Llama-3-8B shape,
     H100), after 10-25 s of compilation with empty caches, 1.5-7 s with warm ones.
 
 The policy (``cascade_options={"compile": "auto"}``, the default) is ski rental: a call runs the best tier that is
@@ -43,7 +43,7 @@ import time
 
 import torch
 
-from hf_cascade.step_buffers import model_state
+from hf_cascade.decode.step_buffers import model_state
 
 __all__ = ["COMPILE_CHOICES", "SAVED_FRACTION", "Tier", "choose_tier", "note_compile_cost", "record_call", "tier_report"]
 

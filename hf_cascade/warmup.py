@@ -71,9 +71,9 @@ def _measure_warm_compile(model, ids, new_tokens: int, report) -> dict:
     import torch
 
     import hf_cascade
-    from hf_cascade.captured_step import _ModelGraphs
-    from hf_cascade.compiled_layers import _LayerCalls
-    from hf_cascade.step_buffers import _BY_MODEL
+    from hf_cascade.decode.captured_step import _ModelGraphs
+    from hf_cascade.decode.compiled_layers import _LayerCalls
+    from hf_cascade.decode.step_buffers import _BY_MODEL
     from hf_cascade.tiers import note_compile_cost
 
     def call() -> float:

@@ -124,7 +124,7 @@ def records(tmp_path, monkeypatch):
 
 def _fresh_process(model):
     """Forget the model's in-process tier state (as a new process would), keep the records on disk."""
-    from hf_cascade.step_buffers import _BY_MODEL
+    from hf_cascade.decode.step_buffers import _BY_MODEL
     from hf_cascade.tiers import _ModelTiers
 
     _BY_MODEL.get(model, {}).pop(_ModelTiers, None)

@@ -1,4 +1,4 @@
-"""When a recorded decode step may be replayed: the key of hf_cascade.captured_step (CPU; recording and replay
+"""When a recorded decode step may be replayed: the key of hf_cascade.decode.captured_step (CPU; recording and replay
 themselves need CUDA graphs: tests/test_gpu_generate.py).
 
 A recorded CUDA graph reads every tensor at the address it had when it was recorded, so a replay is correct only
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import hf_cascade
-from hf_cascade.captured_step import CapturedDecodeStep
+from hf_cascade.decode.captured_step import CapturedDecodeStep
 from hf_cascade.transformers_compat import CACHE_KWARG
 
 from test_generate import make_prompts, model_pair, pad_batch, tree_prompts
@@ -109,7 +109,7 @@ def test_decode_steps_in_the_recorded_path_match_the_reference(family, levels):
     """The path a recorded (or compiled) step takes, run eagerly: every decode step of a fixed-buffer call inside
     static_step_mode() (entered by forward hooks for the one-token forwards, as CapturedDecodeStep enters it for
     each step it runs or records). fp32 tokens and logits equal to the reference's."""
-    from hf_cascade.captured_step import static_step_mode
+    from hf_cascade.decode.captured_step import static_step_mode
 
     ref, cas = model_pair(family)
     ids, mask = pad_batch(tree_prompts(levels, 4, rows=6, seed=83))
@@ -131,13 +131,13 @@ def test_decode_steps_in_the_recorded_path_match_the_reference(family, levels):
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_compiled_layers_path_matches_reference_and_compiles_once(family):
     """decode_step="layers" as it runs a step once before recording it, on CPU: every decode step inside
-    static_step_mode() with the decoder layers compiled (hf_cascade.compiled_layers; inductor). fp32 tokens equal to
+    static_step_mode() with the decoder layers compiled (hf_cascade.decode.compiled_layers; inductor). fp32 tokens equal to
     the reference for trees of 1-3 levels and two buffer buckets; the layers compile during the first call only,
     one code for all three layers (the layer index symbolic), and every later layout reuses it."""
     from torch._dynamo.utils import counters
 
-    from hf_cascade.captured_step import static_step_mode
-    from hf_cascade.compiled_layers import compiled_layers, layer_compilations
+    from hf_cascade.decode.captured_step import static_step_mode
+    from hf_cascade.decode.compiled_layers import compiled_layers, layer_compilations
     from test_compiled_generate import LAYOUT_STREAM
 
     ref, cas = model_pair(family, num_hidden_layers=3)
@@ -173,11 +173,11 @@ def test_compiled_layers_path_matches_reference_and_compiles_once(family):
 def test_compiled_prefill_matches_reference_and_compiles_per_model(family):
     """cascade_options compile_prefill=True (the CUDA default with the compiled decode step; forced here on CPU):
     every shared segment's forward and the rows' first forward run with the decoder layers compiled for any batch
-    and length (hf_cascade.compiled_layers.compiled_forward). fp32 tokens and logits equal the reference for trees of
+    and length (hf_cascade.decode.compiled_layers.compiled_forward). fp32 tokens and logits equal the reference for trees of
     1-3 levels, padded rows included; the graphs compiled for the first layouts serve the last ones."""
     from torch._dynamo.utils import counters
 
-    from hf_cascade.compiled_layers import compiled_prefills
+    from hf_cascade.decode.compiled_layers import compiled_prefills
     from test_compiled_generate import LAYOUT_STREAM
 
     ref, cas = model_pair(family, num_hidden_layers=3)
@@ -207,7 +207,7 @@ def test_prefill_forwards_of_several_rows_always_get_a_mask():
     GPU a level of equal-length nodes traced a graph of its own, a second of a process's first calls). A forward
     of one row, and every forward outside the compiled prefill, keeps sdpa's None."""
     from hf_cascade.attention import cascade_mask
-    from hf_cascade.compiled_layers import PREFILL_BATCH_MASKS
+    from hf_cascade.decode.compiled_layers import PREFILL_BATCH_MASKS
 
     def mask(batch):
         return cascade_mask(batch_size=batch, q_length=5, kv_length=5, attention_mask=torch.ones(batch, 5,
@@ -228,7 +228,7 @@ def test_compiled_prefill_failure_loses_nothing(monkeypatch):
     writes are taken back, the forward runs eagerly, the tokens are exact, and this model's prefill stays eager."""
     import torch._dynamo.exc
 
-    import hf_cascade.compiled_layers as compiled
+    import hf_cascade.decode.compiled_layers as compiled
 
     ref, cas = model_pair("llama", num_hidden_layers=3)
     real = compiled.compiled_layers

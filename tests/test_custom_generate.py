@@ -313,7 +313,7 @@ def test_greedy_tokens_equal_argmax_of_the_fp32_copy(dtype, chunks):
     """hf_cascade's greedy loop reads the token from the logits as they are, in two reductions (chunk maxima, then
     the first chunk holding the row's maximum): the same index as ``argmax`` of the fp32 copy, ties (the first
     index) and NaN (the maximum) included."""
-    from hf_cascade.decoding import greedy_tokens
+    from hf_cascade.decode.sampling import greedy_tokens
 
     g = torch.Generator().manual_seed(5)
     for trial in range(50):

@@ -218,7 +218,7 @@ def test_gpu_recorded_decode_step_matches_reference(family, mode):
     same addresses); nothing is compiled."""
     from torch._dynamo.utils import counters
 
-    from hf_cascade.captured_step import recorded_steps
+    from hf_cascade.decode.captured_step import recorded_steps
 
     ref = tiny_model(family, reference_attention(family), device="cuda")
     cas = tiny_model(family, "cascade", device="cuda")
@@ -254,7 +254,7 @@ def test_gpu_recorded_decode_step_for_a_stream_of_layouts():
     one graph recorded per new layout, no compilation."""
     from torch._dynamo.utils import counters
 
-    from hf_cascade.captured_step import recorded_steps
+    from hf_cascade.decode.captured_step import recorded_steps
     from test_compiled_generate import LAYOUT_STREAM, MAX_NEW_STREAM
 
     ref = tiny_model("llama", "sdpa", device="cuda")
@@ -278,13 +278,13 @@ def _layers_options(**extra):
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
 @pytest.mark.parametrize("mode", ["greedy", "samples"])
 def test_gpu_compiled_layers_decode_step_matches_reference(family, mode):
-    """decode_step="layers": the recorded step with the decoder layers compiled (hf_cascade.compiled_layers), fp32
+    """decode_step="layers": the recorded step with the decoder layers compiled (hf_cascade.decode.compiled_layers), fp32
     tokens equal to the reference; the layers compile at the first call only (a second call with other tokens
     replays the recorded step, compiling nothing)."""
     from torch._dynamo.utils import counters
 
-    from hf_cascade.captured_step import recorded_steps
-    from hf_cascade.compiled_layers import layer_compilations
+    from hf_cascade.decode.captured_step import recorded_steps
+    from hf_cascade.decode.compiled_layers import layer_compilations
 
     ref = tiny_model(family, reference_attention(family), device="cuda", num_hidden_layers=3)
     cas = tiny_model(family, "cascade", device="cuda", num_hidden_layers=3)
@@ -338,7 +338,7 @@ def test_gpu_compiled_layers_failure_loses_nothing(monkeypatch):
     the eager layers."""
     import contextlib
 
-    import hf_cascade.captured_step as captured_step
+    import hf_cascade.decode.captured_step as captured_step
 
     ref = tiny_model("llama", "sdpa", device="cuda", num_hidden_layers=3)
     cas = tiny_model("llama", "cascade", device="cuda", num_hidden_layers=3)
@@ -366,9 +366,9 @@ def test_gpu_compiled_layers_failure_loses_nothing(monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gpu_greedy_tokens_equal_argmax(dtype):
-    """On CUDA the greedy loop's two-reduction argmax (hf_cascade.decoding.greedy_tokens) picks the index argmax of
+    """On CUDA the greedy loop's two-reduction argmax (hf_cascade.decode.sampling.greedy_tokens) picks the index argmax of
     the fp32 copy picks: Llama-3's vocabulary (128256 = 16 chunks), ties and NaN included."""
-    from hf_cascade.decoding import greedy_tokens
+    from hf_cascade.decode.sampling import greedy_tokens
 
     g = torch.Generator(device="cuda").manual_seed(6)
     for trial in range(20):

@@ -149,8 +149,8 @@ def test_fixed_buffer_write_with_different_kv_head_sizes(backend):
 
 
 def test_static_suffix_layer_holds_values_of_their_own_width():
-    from hf_cascade.cache import _StaticSuffixLayer
+    from hf_cascade.suffix_layers import StaticSuffixLayer
 
-    layer = _StaticSuffixLayer(6)
+    layer = StaticSuffixLayer(6)
     k, v = layer.update(torch.randn(2, 1, 3, 24), torch.randn(2, 1, 3, 10))
     assert k.shape == (2, 1, 6, 24) and v.shape == (2, 1, 6, 10) and int(layer.cumulative_length) == 3

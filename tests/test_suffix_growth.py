@@ -1,14 +1,14 @@
-"""The dynamic suffix KV (``_SuffixLayer``) appends a step's columns into spare room instead of ``torch.cat`` of the
+"""The dynamic suffix KV (``SuffixLayer``) appends a step's columns into spare room instead of ``torch.cat`` of the
 whole suffix: the same tensors as concatenation after any sequence of updates, crops, reorders and resets."""
 
 import torch
 
-from hf_cascade.cache import _SuffixLayer
+from hf_cascade.suffix_layers import SuffixLayer
 
 
 def _cat_model(ops, B=3, H=2, D=4):
-    """Replays ``ops`` on a _SuffixLayer and on plain concatenation; checks they agree after every op."""
-    layer = _SuffixLayer()
+    """Replays ``ops`` on a SuffixLayer and on plain concatenation; checks they agree after every op."""
+    layer = SuffixLayer()
     keys = values = None
     gen = torch.Generator().manual_seed(0)
     for op, arg in ops:
@@ -46,7 +46,7 @@ def test_decode_steps_write_in_place():
 
 
 def test_one_step_copies_only_its_column():
-    layer = _SuffixLayer()
+    layer = SuffixLayer()
     layer.update(torch.randn(2, 2, 6, 4), torch.randn(2, 2, 6, 4))
     room = layer._room[0].data_ptr()
     before = layer.keys

@@ -91,9 +91,9 @@ def test_attention_registry_is_readable():
 
 
 def test_sample_loop_hf_cascade_mirrors():
-    """hf_cascade.decoding.sample is _sample's loop with the stop flag read a step late: the private methods it
+    """hf_cascade.decode.sampling.sample is _sample's loop with the stop flag read a step late: the private methods it
     calls keep their signatures, and _sample still selects, pads and appends tokens as it mirrors (a change here
-    means decoding.py must follow; the behaviour itself is compared in test_custom_generate)."""
+    means decode/sampling.py must follow; the behaviour itself is compared in test_custom_generate)."""
     for name, params in {
         "_prefill": {"input_ids", "generation_config", "model_kwargs", "is_first_iteration"},
         "_update_model_kwargs_for_generation": {"outputs", "model_kwargs", "is_encoder_decoder"},
@@ -138,7 +138,7 @@ def test_decode_step_masks_are_built_in_the_decoding_loop():
 
 
 def test_torch_surfaces_the_compiled_layers_rely_on():
-    """hf_cascade.compiled_layers and ops._backend use three torch internals: ``Module._compiled_call_impl`` (what
+    """hf_cascade.decode.compiled_layers and ops._backend use three torch internals: ``Module._compiled_call_impl`` (what
     ``Module.compile()`` sets and ``Module.__call__`` runs instead of ``_call_impl``), dynamo's
     ``allow_unspec_int_on_nn_module`` config, and Inductor's ``triton_cache_dir``."""
     from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
@@ -165,7 +165,7 @@ def test_triton_and_dynamo_surfaces_the_cold_start_relies_on():
     Where torch has no ``dynamic_sources`` the patch is a no-op context."""
     import re
 
-    from hf_cascade.compiled_layers import _LAYER_INDEX_SOURCES, _layer_index_symbolic
+    from hf_cascade.decode.compiled_layers import _LAYER_INDEX_SOURCES, _layer_index_symbolic
     from hf_cascade.ops._backend import _triton_key_function, triton_available
 
     if triton_available():

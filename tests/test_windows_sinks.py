@@ -289,7 +289,7 @@ def test_windowed_models_in_the_recorded_step_path(family):
     bounded layers' layout tensors are part of what a recording is keyed on."""
     if family not in _AVAILABLE:
         pytest.skip(f"no {family} config in this transformers")
-    from hf_cascade.captured_step import static_step_mode
+    from hf_cascade.decode.captured_step import static_step_mode
     from test_captured_step import _in_decode_steps
     from test_generate import tree_prompts
 

@@ -29,8 +29,8 @@ import preamble  # noqa: E402, F401  (the repository root and benchmarks/ on sys
 from bench_generate import build_model, make_batch  # noqa: E402
 from common import ResultWriter, add_shared_workload_args  # noqa: E402
 
-import hf_cascade.captured_step as captured_step  # noqa: E402
-import hf_cascade.decoding as decoding  # noqa: E402
+import hf_cascade.decode.captured_step as captured_step  # noqa: E402
+import hf_cascade.decode.sampling as decoding  # noqa: E402
 import hf_cascade.generation as generation  # noqa: E402
 import hf_cascade.inputs as inputs  # noqa: E402
 

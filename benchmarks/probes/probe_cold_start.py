@@ -37,7 +37,7 @@ _HF_CASCADE_S = time.perf_counter() - _STARTED - _TORCH_S - _TRANSFORMERS_S
 from bench_generate import LAYOUT_STREAM, build_model, make_tree_batch  # noqa: E402
 from common import ResultWriter, TritonBuilds, timed_with_compile_breakdown, triton_cache_files  # noqa: E402
 
-from hf_cascade.captured_step import CapturedDecodeStep  # noqa: E402
+from hf_cascade.decode.captured_step import CapturedDecodeStep  # noqa: E402
 
 
 class _Timeline:

@@ -18,7 +18,7 @@ from bench_generate import LAYOUT_STREAM, build_model, make_tree_batch  # noqa: 
 from common import ResultWriter, wall_time  # noqa: E402
 
 import hf_cascade  # noqa: E402
-from hf_cascade.captured_step import recorded_steps  # noqa: E402
+from hf_cascade.decode.captured_step import recorded_steps  # noqa: E402
 
 
 def main(argv=None):

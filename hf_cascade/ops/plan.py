@@ -63,7 +63,7 @@ class CascadePlan:
 
         ``prefix_keys``: per level ``[Hkv, T_l, D]``, as the compiled step passes them: the real levels last,
         after ``len(prefix_keys) - len(self.levels)`` padding levels (see :func:`padded_level_count`).
-        ``buffers``: a :class:`~hf_cascade.step_buffers.StepBuffers`; the tensors are copies in tensors taken from
+        ``buffers``: a :class:`~hf_cascade.decode.step_buffers.StepBuffers`; the tensors are copies in tensors taken from
         it, in the order returned (so that a later layout of the same sizes has them at the same addresses).
 
         What may change between two layouts is a size of dimension 0 of these tensors (nodes + 2, tiles), marked

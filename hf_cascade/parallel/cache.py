@@ -42,8 +42,8 @@ import torch
 from transformers.cache_utils import Cache
 
 from hf_cascade.attention import bind_layer, check_model_uses_cascade
-from hf_cascade.cache import _num_layers, _SuffixLayer
-from hf_cascade.compiled_layers import outside_layer_graphs
+from hf_cascade.cache import _num_layers
+from hf_cascade.decode.compiled_layers import outside_layer_graphs
 from hf_cascade.model_scan import attention_modules
 from hf_cascade.ops.fused_attention import KERNEL_CHOICES
 from hf_cascade.ops.plan import CascadePlan, plan_cascade
@@ -53,13 +53,14 @@ from hf_cascade.parallel._group import GroupInfo
 from hf_cascade.parallel.combine import all_gather_kv, check_combine, combine_states
 from hf_cascade.parallel.fixed import DecodeBuffers, attend_fixed, check_max_new_tokens
 from hf_cascade.parallel.layout import ZigzagLayout
+from hf_cascade.suffix_layers import SuffixLayer
 from hf_cascade.parallel.ring import ring_attention
 
 PLACEMENTS = ("least_loaded", "round_robin")
 _GROW = 256  # columns of spare capacity added when a rank's row KV storage is full
 
 
-class _ShardLayer(_SuffixLayer):
+class _ShardLayer(SuffixLayer):
     """One model layer's slice of the sequence on this rank.
 
     Attributes:
@@ -431,7 +432,7 @@ class ContextParallelCache(Cache):
 
     def static_step_tensors(self) -> list[torch.Tensor]:
         """Every device tensor a decode step with fixed buffers reads or writes (what a recorded CUDA graph is keyed
-        on: :class:`~hf_cascade.captured_step.CapturedDecodeStep`)."""
+        on: :class:`~hf_cascade.decode.captured_step.CapturedDecodeStep`)."""
         tensors = []
         for layer in self.layers:
             decode = layer.decode

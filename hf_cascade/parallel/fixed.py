@@ -5,7 +5,7 @@ zigzag shard, plus any shared prefix) and gives every layer fixed buffers for th
 feeds afterwards (the last prompt token and the generated ones: at most ``N``). Decode token ``t`` (``t = 0`` is
 the last prompt token, global column ``prompt_length + t``) lives on rank ``(first_owner + t) % world_size`` in
 slot ``t // world_size``: round-robin, so every rank holds ``ceil(N / world_size)`` columns at most. Each rank
-writes every step in place at a device-side length (as ``_StaticSuffixLayer`` does); a token it does not own goes
+writes every step in place at a device-side length (as ``StaticSuffixLayer`` does); a token it does not own goes
 to one extra "trash" column that the mask never shows. So a decode step has no host ints that change from step
 to step, no host synchronisation and fixed addresses: ``is_compileable`` is True and generate() compiles the step
 (``torch.compile(fullgraph=True)``; the per-layer combine then runs functional collectives, see
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_cascade.captured_step import static_step
+from hf_cascade.decode.captured_step import static_step
 from hf_cascade.ops.fused_attention import fused_attention, use_fused_attention
 from hf_cascade.ops.merge import merge_attention_states
 from hf_cascade.ops.suffix_attention import suffix_attention
@@ -64,7 +64,7 @@ class DecodeBuffers:
         self.keys = self.values = None
         self.cols = torch.full((self.capacity + 1,), _UNWRITTEN, dtype=torch.int64, device=device)
         self.length = torch.zeros((), dtype=torch.int64, device=device)
-        # Host mirror of `length` for eager bounds checks; compiled steps mark it stale (as _StaticSuffixLayer).
+        # Host mirror of `length` for eager bounds checks; compiled steps mark it stale (as StaticSuffixLayer).
         self._host_length, self._host_stale = 0, False
         self._mark_static(self.cols, self.length)
 

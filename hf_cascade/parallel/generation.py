@@ -6,10 +6,10 @@ does its usual preparation (generation config, logits processors, stopping crite
 ``num_return_sequences`` / ``num_beams``) and calls it instead of its decoding loop. What it adds:
 
 * **The decode step recorded into a CUDA graph, by default on CUDA** (greedy search and sampling), as the
-  single-GPU path does (:class:`~hf_cascade.captured_step.CapturedDecodeStep`): the cache gets fixed decode buffers
+  single-GPU path does (:class:`~hf_cascade.decode.captured_step.CapturedDecodeStep`): the cache gets fixed decode buffers
   sized for this call (:meth:`ContextParallelCache.use_fixed_buffers`, ``max_new_tokens`` read from the generation
   config, rounded up to a power of two so that later calls reuse them), the decoder layers run compiled once per
-  model (:mod:`hf_cascade.compiled_layers`; ``decode_step="layers"``) with each layer's attention one opaque op, and
+  model (:mod:`hf_cascade.decode.compiled_layers`; ``decode_step="layers"``) with each layer's attention one opaque op, and
   that op's per-layer combine (one NCCL all-gather) is recorded in the graph with the rest of the step. A step then
   costs one graph launch instead of ~1,500 kernel launches and 32 host-driven collectives.
 * **The same tokens on every rank**: every step's scores are broadcast from rank 0 (the ranks' logits agree only to
@@ -82,7 +82,7 @@ def context_parallel_generate(model, input_ids: torch.LongTensor, logits_process
     """
     from transformers.generation.utils import GENERATION_MODES_MAPPING
 
-    from hf_cascade.decoding import sample
+    from hf_cascade.decode.sampling import sample
     from hf_cascade.generation import _run
 
     cache = model_kwargs.get(CACHE_KWARG)

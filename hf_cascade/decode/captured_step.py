@@ -15,14 +15,14 @@ tensors (:meth:`CascadeCache.static_step_tensors`, by address, shape, stride and
 and the step's inputs (copied into the graph's own input tensors before every replay). A step whose key differs
 (another cache at other addresses, another shape, another argument) is recorded anew; the model's graphs are kept
 between generate() calls (at most :data:`GRAPHS_PER_MODEL`, the least recently used dropped), and since
-``hf_cascade.generate`` takes a call's buffers from the model's :class:`~hf_cascade.step_buffers.StepBuffers`, a
+``hf_cascade.generate`` takes a call's buffers from the model's :class:`~hf_cascade.decode.step_buffers.StepBuffers`, a
 call with the shapes of an earlier one replays its graph from the first step.
 
 A new key is first run eagerly in this mode on the recording stream (Triton kernels built, cuBLAS set up for that
 stream), and recorded at the next step with that key.
 
 With ``compile_layers`` (``decode_step="layers"``, the default) the model's decoder layers run compiled while a
-step is run once and recorded (:mod:`hf_cascade.compiled_layers`): they compile at that first run, once per model,
+step is run once and recorded (:mod:`hf_cascade.decode.compiled_layers`): they compile at that first run, once per model,
 and the recorded graph holds their fused kernels.
 """
 
@@ -36,8 +36,8 @@ from collections import OrderedDict
 import torch
 from transformers.utils import logging
 
-from hf_cascade.compiled_layers import compiled_layers
-from hf_cascade.step_buffers import model_state
+from hf_cascade.decode.compiled_layers import compiled_layers
+from hf_cascade.decode.step_buffers import model_state
 from hf_cascade.transformers_compat import CACHE_KWARG
 
 logger = logging.get_logger(__name__)
@@ -119,7 +119,7 @@ class CapturedDecodeStep:
         self.model = model
         self.cache = cache
         self._store = _model_graphs(model)
-        # The decoder layers compiled inside the recorded step (hf_cascade.compiled_layers), unless that failed
+        # The decoder layers compiled inside the recorded step (hf_cascade.decode.compiled_layers), unless that failed
         # for this model before.
         self.compile_layers = compile_layers and not self._store.layers_failed
         self._cache_key: tuple | None = None  # the cache's and the model's tensors: fixed for one call

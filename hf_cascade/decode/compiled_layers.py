@@ -2,7 +2,7 @@
 inside the graph: the model's own small kernels (norms, rotary, activations, residual adds) fused, in a few seconds of
 compilation instead of a minute.
 
-Why. A recorded decode step (:mod:`hf_cascade.captured_step`) replays the eager step's kernels from a CUDA graph:
+Why. A recorded decode step (:mod:`hf_cascade.decode.captured_step`) replays the eager step's kernels from a CUDA graph:
 no launch cost, but each of the model's ~40 small kernels per layer still runs on its own. The compiled step fuses
 them (about 2 ms of a 10 ms step, Llama-3-8B shape, B=32, H100) but compiles the whole model (about a minute).
 Compiling each decoder layer on its own costs as much where every layer compiles anew, and they do: transformers
@@ -14,7 +14,7 @@ which at run time writes them into the cache given to :func:`compiled_layers` an
 per-layer state by the layer's index, an argument of the op). Dynamo treats the index as a symbol
 (``allow_unspec_int_on_nn_module``, and ``torch.compiler.config.dynamic_sources`` where torch has it), so a layer is
 one graph without breaks and that graph serves every layer. Used only while
-:class:`~hf_cascade.captured_step.CapturedDecodeStep` runs a step once and records it (the compiled code is then
+:class:`~hf_cascade.decode.captured_step.CapturedDecodeStep` runs a step once and records it (the compiled code is then
 part of the CUDA graph); the model's own calls never see it. Measured (H100, Llama-3-8B shape, B=32,
 ``benchmarks/results/generate.jsonl``): 7.84–8.14 ms per step against 9.4–10.3 ms recorded eager; one graph for the
 32 layers, torch.compile 0.6–0.8 s in a new process with its caches warm (e01ef32; 1.3–1.6 s and 4–5 graphs with
@@ -38,7 +38,7 @@ import torch
 
 from transformers.utils import logging
 
-from hf_cascade.step_buffers import model_state
+from hf_cascade.decode.step_buffers import model_state
 
 logger = logging.get_logger(__name__)
 

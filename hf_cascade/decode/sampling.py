@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from hf_cascade.attention import ALWAYS_BUILD_DECODE_MASK
-from hf_cascade.compiled_layers import compiled_forward
+from hf_cascade.decode.compiled_layers import compiled_forward
 from hf_cascade.transformers_compat import CACHE_KWARG
 
 
@@ -83,11 +83,11 @@ def sample(
         decode_step: how the decode steps run on a CUDA fixed-buffer :class:`~hf_cascade.cache.CascadeCache`:
             ``"compile"`` (transformers' compiled step where generate() would compile it), ``"layers"`` (the
             step recorded into a CUDA graph with the decoder layers compiled once for all layers:
-            :mod:`hf_cascade.compiled_layers`), ``"graphs"`` (the eager step recorded, no compilation:
-            :mod:`hf_cascade.captured_step`) or ``"eager"``. Other caches and devices: transformers' choice
+            :mod:`hf_cascade.decode.compiled_layers`), ``"graphs"`` (the eager step recorded, no compilation:
+            :mod:`hf_cascade.decode.captured_step`) or ``"eager"``. Other caches and devices: transformers' choice
             (``"layers"`` and ``"graphs"`` are ``"compile"`` there).
         compile_prefill: run the first forward with the decoder layers compiled for any batch and length
-            (:func:`~hf_cascade.compiled_layers.compiled_forward`) when the cache is a
+            (:func:`~hf_cascade.decode.compiled_layers.compiled_forward`) when the cache is a
             :class:`~hf_cascade.cache.CascadeCache` and the prefill is not chunked.
         model_kwargs: generate()'s model kwargs (the cache, ``attention_mask``, ``use_cache``, ...).
     Returns:
@@ -228,7 +228,7 @@ def _decode_forward(model, model_kwargs: dict, generation_config, decode_step: s
     # quantizer): what a compiled step may not do, a recorded one may not either.
     if fixed_cascade and decode_step in ("layers", "graphs") and model._valid_auto_compile_criteria(
             model_kwargs, generation_config):
-        from hf_cascade.captured_step import CapturedDecodeStep
+        from hf_cascade.decode.captured_step import CapturedDecodeStep
 
         return CapturedDecodeStep(model, cache, compile_layers=decode_step == "layers")
     if model._valid_auto_compile_criteria(model_kwargs, generation_config):
