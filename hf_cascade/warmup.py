@@ -35,7 +35,6 @@ def warm_up(model, rows=(1, 8, 32), prompt_tokens: int = 512, new_tokens: int = 
     batch."""
     import torch
 
-    import hf_cascade
     from hf_cascade.ops._backend import prepare_triton
     from hf_cascade.tiers import tier_report
 
@@ -48,13 +47,7 @@ def warm_up(model, rows=(1, 8, 32), prompt_tokens: int = 512, new_tokens: int = 
     for n in rows:
         ids = torch.cat([shared.expand(n, -1), torch.randint(3, vocab, (n, 8), generator=g)], dim=1)
         ids = ids.to(model.device)
-        started = time.perf_counter()
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                       custom_generate=hf_cascade.generate, cascade_options={"compile": "now", "cost_model": None})
-        if model.device.type == "cuda":
-            torch.cuda.synchronize(model.device)
-        seconds = time.perf_counter() - started
+        seconds = _compiled_call(model, ids, new_tokens)
         calls = tier_report(model)["calls"]
         results.append({"rows": n, "seconds": round(seconds, 2), "tier": calls[-1][0] if calls else "none"})
         report(f"  {n:>4} rows x {prompt_tokens} shared tokens, {new_tokens} new: {seconds:.1f} s "
@@ -64,31 +57,37 @@ def warm_up(model, rows=(1, 8, 32), prompt_tokens: int = 512, new_tokens: int = 
     return results
 
 
+def _compiled_call(model, ids, new_tokens: int) -> float:
+    """Seconds of one greedy generate() of ``ids`` on the compiled tier (device work included)."""
+    import torch
+
+    import hf_cascade
+
+    started = time.perf_counter()
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                   do_sample=False, pad_token_id=0, custom_generate=hf_cascade.generate,
+                   cascade_options={"compile": "now", "cost_model": None})
+    if model.device.type == "cuda":
+        torch.cuda.synchronize(model.device)
+    return time.perf_counter() - started
+
+
 def _measure_warm_compile(model, ids, new_tokens: int, report) -> dict:
     """What a new process pays to compile the layers now that the caches are warm: the last batch again (all
     hot), then once more after dropping this process's compiled code (dynamo's, the model's compiled layers and
     recorded steps); the difference is recorded (:func:`hf_cascade.tiers.note_compile_cost`)."""
     import torch
 
-    import hf_cascade
     from hf_cascade.decode.captured_step import _ModelGraphs
     from hf_cascade.decode.compiled_layers import _LayerCalls
     from hf_cascade.decode.step_buffers import _BY_MODEL
     from hf_cascade.tiers import note_compile_cost
 
-    def call() -> float:
-        started = time.perf_counter()
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                       custom_generate=hf_cascade.generate, cascade_options={"compile": "now", "cost_model": None})
-        torch.cuda.synchronize(model.device)
-        return time.perf_counter() - started
-
-    hot = call()
+    hot = _compiled_call(model, ids, new_tokens)
     torch._dynamo.reset()
     for cls in (_LayerCalls, _ModelGraphs):
         _BY_MODEL.get(model, {}).pop(cls, None)
-    again = call()
+    again = _compiled_call(model, ids, new_tokens)
     cost = max(again - hot, 0.0)
     note_compile_cost(model, cost)
     report(f"  compiling again from the warm caches: {cost:.1f} s (recorded for later processes)")

@@ -129,7 +129,7 @@ def bounded_attend(
     Returns:
         ``(out [B, Lq, Hq, Dv] in query.dtype, lse [B, Hq, Lq] fp32)``.
     """
-    B, Lq = query.shape[0], query.shape[2]
+    Lq = query.shape[2]
     written = key.shape[2] if key_length is None else key_length.reshape(())
     query_columns = written - Lq + torch.arange(Lq, device=query.device)  # [Lq]
     positions = query_columns[None, :] + shifts.suffix_shift[:, None]  # [B, Lq]

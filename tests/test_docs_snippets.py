@@ -7,14 +7,12 @@ docs/usage.md says; each runs on its own copy of that namespace, in a temporary 
 cannot run here (a GPU, a network, several processes, a real checkpoint) has, on the line just before its opening
 fence, ``<!-- not run: REASON -->``; it is still compiled, so its syntax is checked."""
 
-import logging
 import re
-import warnings
 from pathlib import Path
 
 import pytest
 
-from test_readme import _Records, block
+from test_readme import block, run_warning_free
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ["usage.md", "scoring.md", "internals.md", "context_parallel.md"]
@@ -37,26 +35,7 @@ def doc_blocks(doc: str) -> list[tuple[int, str, str | None]]:
 SNIPPETS = [(doc, line, code, reason) for doc in DOCS for line, code, reason in doc_blocks(doc)]
 
 
-def run_doc_snippet(code: str, namespace: dict, where: str) -> None:
-    """exec ``code``; fail on any warning, or transformers / hf_cascade log record of level WARNING+."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.warning_once.cache_clear()  # a message warned once earlier in the process is warned again
-    handler = _Records()
-    loggers = [logging.getLogger("transformers"), logging.getLogger("hf_cascade")]
-    for logger in loggers:
-        logger.addHandler(handler)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            for category in (FutureWarning, DeprecationWarning):
-                warnings.filterwarnings("error", category=category)
-            exec(compile(code, where, "exec"), namespace)
-    finally:
-        for logger in loggers:
-            logger.removeHandler(handler)
-    messages = [f"{w.category.__name__}: {w.message}" for w in caught] + [r.getMessage() for r in handler.records]
-    assert not messages, f"{where} warned: {messages}"
+run_doc_snippet = run_warning_free  # README.md's runner (tests/test_readme.py)
 
 
 @pytest.fixture(scope="module")

@@ -38,8 +38,12 @@ class _Records(logging.Handler):
         self.records.append(record)
 
 
-def run_warning_free(code: str, namespace: dict) -> None:
-    """exec ``code``; fail on any Python warning or transformers / hf_cascade log record of level WARNING+."""
+def run_warning_free(code: str, namespace: dict, where: str = "README.md") -> None:
+    """exec ``code``; fail on any Python warning (FutureWarning and DeprecationWarning raised as errors) or
+    transformers / hf_cascade log record of level WARNING+, also one warned once earlier in the process."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.warning_once.cache_clear()
     handler = _Records()
     loggers = [logging.getLogger("transformers"), logging.getLogger("hf_cascade")]
     for logger in loggers:
@@ -47,12 +51,14 @@ def run_warning_free(code: str, namespace: dict) -> None:
     try:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            exec(compile(code, "README.md", "exec"), namespace)
+            for category in (FutureWarning, DeprecationWarning):
+                warnings.filterwarnings("error", category=category)
+            exec(compile(code, where, "exec"), namespace)
     finally:
         for logger in loggers:
             logger.removeHandler(handler)
-    messages = [str(w.message) for w in caught] + [r.getMessage() for r in handler.records]
-    assert not messages, f"README snippet warned: {messages}"
+    messages = [f"{w.category.__name__}: {w.message}" for w in caught] + [r.getMessage() for r in handler.records]
+    assert not messages, f"{where} warned: {messages}"
 
 
 @pytest.fixture(scope="module")

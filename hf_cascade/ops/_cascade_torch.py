@@ -38,7 +38,7 @@ def cascade_attention_torch(query: Tensor, key: Tensor, value: Tensor, prefixes,
 
     Returns ``(out [B, Hq, Lq, Dv] in query.dtype, laid out [B, Lq, Hq, Dv]; lse [B, Hq, Lq] float32)``."""
     B, Hq, Lq, D = query.shape
-    Hkv, S, Dv = key.shape[1], key.shape[2], value.shape[-1]
+    Hkv, Dv = key.shape[1], value.shape[-1]
     G = Hq // Hkv
     M = G * Lq
     # Queries batch-major [B * Hkv, M, D] (the suffix's layout) and, for levels read through one matmul, head-major

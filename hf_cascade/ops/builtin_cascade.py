@@ -75,26 +75,22 @@ def _prefix_level(query: Tensor, k_pre: Tensor, v_pre: Tensor, plan, scale: floa
     out = query.new_zeros((B, Hq, Lq, Dv), dtype=torch.float32)
     lse = query.new_full((B, Hq, Lq), float("-inf"), dtype=torch.float32)
     starts = plan.node_starts
-    for node in range(len(starts) - 1):
+    for node, rows in enumerate(plan.node_row_ranges):
         a, b = starts[node], starts[node + 1]
-        count = plan.rows_per_node[node]
-        if b == a or count == 0:
+        if b == a or rows == (0, 0):
             continue
-        members = [r for r, n in enumerate(plan.row_node) if n == node]
-        if members[-1] - members[0] + 1 == count:  # consecutive rows (a prompt's samples, a group): a slice
-            first, last = members[0], members[-1] + 1
+        if rows is not None:  # consecutive rows (a prompt's samples, a group): a slice
+            first, last = rows
             o, l = _node_attention(query[first:last], k_pre[:, a:b], v_pre[:, a:b], scale, softcap)
-            if count == B:
+            if last - first == B:
                 out, lse = o, l
             else:
                 out[first:last], lse[first:last] = o, l
             continue
-        rows = plan.rows_by_node[node]  # (a recorded step keeps the plan alive: CascadeCache.static_step_keepalive)
-        if rows is None:
-            rows = torch.tensor(members, dtype=torch.int64, device=query.device)
-        o, l = _node_attention(query.index_select(0, rows), k_pre[:, a:b], v_pre[:, a:b], scale, softcap)
-        out.index_copy_(0, rows, o)
-        lse.index_copy_(0, rows, l)
+        index = plan.rows_by_node[node]  # (a recorded step keeps the plan alive: CascadeCache.static_step_keepalive)
+        o, l = _node_attention(query.index_select(0, index), k_pre[:, a:b], v_pre[:, a:b], scale, softcap)
+        out.index_copy_(0, index, o)
+        lse.index_copy_(0, index, l)
     return out, lse
 
 

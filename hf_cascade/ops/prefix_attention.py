@@ -111,6 +111,17 @@ class PrefixPlan:
                    for n in self.row_node)
 
     @functools.cached_property
+    def node_row_ranges(self) -> tuple[tuple[int, int] | None, ...]:
+        """Per node ``(first, last + 1)`` when its rows are consecutive batch rows (they can be read as a slice), else
+        None (read them through ``rows_by_node``); ``(0, 0)`` for a node without rows."""
+        members: list[list[int]] = [[] for _ in range(self.num_nodes)]
+        for row, node in enumerate(self.row_node):
+            if node >= 0:
+                members[node].append(row)
+        return tuple((rows[0], rows[-1] + 1) if rows and rows[-1] - rows[0] + 1 == len(rows) else
+                     (None if rows else (0, 0)) for rows in members)
+
+    @functools.cached_property
     def max_node_len(self) -> int:
         return max((b - a for a, b in zip(self.node_starts, self.node_starts[1:])), default=0)
 
