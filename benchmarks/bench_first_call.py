@@ -18,8 +18,13 @@ Workloads:
     python benchmarks/bench_first_call.py                                   # every workload, peer and state
     python benchmarks/bench_first_call.py --workloads shared32 --peers sdpa cascade --states empty
 
-Peers: ``sdpa`` (generate() as it is), ``cascade`` (``custom_generate=hf_cascade.generate``, default options),
-and ``cascade_compiled_now`` (the compiled tier from the first call: ``cascade_options={"compile": "now"}``, the old default).
+Peers: ``sdpa`` (generate() as it is), ``sdpa_static`` (transformers' static cache, which generate() compiles),
+``hf_prefix_reuse`` (transformers' prefix-reuse recipe: the shared prefix prefilled once into a DynamicCache, copied
+to every row; only where the rows share leading columns), ``cascade`` (``custom_generate=hf_cascade.generate``,
+default options: the tiers, the compiled tier built in the background), ``cascade_no_background`` (the same with
+the background build off: the ski rental alone), ``cascade_compiled_now`` (the compiled tier from the first call:
+``cascade_options={"compile": "now"}``, the old default), and ``cascade_exit_during_build`` (one default call, then
+the process exits while the background build runs: its exit code and how long the exit took).
 Records ``first_call`` (one per child) in ``benchmarks/results/first_call.jsonl``.
 """
 
@@ -36,7 +41,9 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 
-PEER_OPTIONS = {"sdpa": None, "cascade": {}, "cascade_compiled_now": {"compile": "now"}}
+PEER_OPTIONS = {"sdpa": None, "sdpa_static": None, "hf_prefix_reuse": None, "cascade": {},
+                "cascade_no_background": {}, "cascade_compiled_now": {"compile": "now"},
+                "cascade_exit_during_build": {}}
 WORKLOADS = ("shared32", "chat48", "stream")
 ODD_BATCHES = (7, 13, 20, 48)
 
@@ -66,17 +73,41 @@ def _child(args) -> dict:
     model.set_attn_implementation("sdpa" if options is None else "cascade")
     torch.cuda.synchronize()
     build_s = time.perf_counter() - t
+    if peer == "cascade_no_background":
+        from hf_cascade import tier_build
+
+        tier_build.ENABLED = False
+
+    def generate(ids, mask, new_tokens, **extra):
+        return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              do_sample=False, pad_token_id=0, **extra)
 
     def timed_call(ids, mask, new_tokens):
-        extra = {} if options is None else {"custom_generate": hf_cascade.generate, "cascade_options": options or None}
         torch.cuda.synchronize()
         t = time.perf_counter()
-        out = model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                             do_sample=False, pad_token_id=0, **extra)
+        if peer == "hf_prefix_reuse":  # transformers' recipe: the shared columns prefilled once, copied per row
+            import copy
+
+            from bench_generate import common_prefix_length
+            from transformers import DynamicCache
+
+            prefix = common_prefix_length(ids)
+            with torch.no_grad():
+                cache = DynamicCache(config=model.config)
+                model(ids[:1, :prefix], past_key_values=cache, use_cache=True)
+            cache = copy.deepcopy(cache)
+            cache.batch_repeat_interleave(ids.shape[0])
+            out = generate(ids, mask, new_tokens, past_key_values=cache)
+        elif peer == "sdpa_static":
+            out = generate(ids, mask, new_tokens, cache_implementation="static")
+        elif options is None:
+            out = generate(ids, mask, new_tokens)
+        else:
+            out = generate(ids, mask, new_tokens, custom_generate=hf_cascade.generate, cascade_options=options or None)
         torch.cuda.synchronize()
         return time.perf_counter() - t, out
 
-    calls = []
+    calls, same_tokens = [], None
     if args.fill:  # fill the compile caches as `python -m hf_cascade warmup` does, for this workload's shapes
         from hf_cascade.warmup import warm_up
 
@@ -101,12 +132,16 @@ def _child(args) -> dict:
     else:
         ids, mask, new_tokens = _chat_batch(model) if args.workload == "chat48" else _shared_batch(model)
         outs = []
-        for _ in range(args.calls):
+        count = 1 if peer == "cascade_exit_during_build" else args.calls if options is not None else args.sdpa_calls
+        seconds_at_least = args.cascade_seconds if options is not None and count > 1 else 0.0
+        started_calls = time.perf_counter()
+        while len(calls) < count or (time.perf_counter() - started_calls < seconds_at_least and len(calls) < 500):
             seconds, out = timed_call(ids, mask, new_tokens)
             calls.append(round(seconds, 3))
-            outs.append(out)
-        if len(outs) > 1 and not torch.equal(outs[0], outs[-1]):
-            calls.append("first and last call's tokens differ")
+            if len(outs) < 1:
+                outs.append(out)
+        outs.append(out)
+        same_tokens = bool(torch.equal(outs[0], outs[-1]))  # bf16: tiers' kernels may round near-ties apart
     tiers = None
     if options is not None:
         from hf_cascade.tiers import tier_report
@@ -118,6 +153,8 @@ def _child(args) -> dict:
                                                  "hf_cascade": round(t_hf_cascade, 3)},
         "model_build_s": round(build_s, 3), "calls_s": calls, "total_calls_s": round(sum(
             c for c in calls if isinstance(c, float)), 3),
+        "last5_median_s": sorted(calls[-5:])[len(calls[-5:]) // 2] if calls else None,
+        "first_and_last_call_tokens_equal": same_tokens,
         "process_s": round(time.perf_counter() - STARTED, 3), "tiers": tiers,
     }
 
@@ -174,7 +211,10 @@ def main(argv=None):
     parser.add_argument("--peers", nargs="+", default=["sdpa", "cascade", "cascade_compiled_now"],
                         choices=list(PEER_OPTIONS))
     parser.add_argument("--states", nargs="+", default=["empty", "warm"], choices=["empty", "warm"])
-    parser.add_argument("--calls", type=int, default=2, help="calls per child for shared32 / chat48")
+    parser.add_argument("--calls", type=int, default=2, help="hf_cascade's calls per child for shared32 / chat48")
+    parser.add_argument("--sdpa-calls", type=int, default=2, help="the transformers peers' calls per child")
+    parser.add_argument("--cascade-seconds", type=float, default=0.0,
+                        help="hf_cascade's peers call again until this many seconds of calls (the background build)")
     parser.add_argument("--output", default=None)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
@@ -197,10 +237,17 @@ def main(argv=None):
             for state in args.states:
                 if state == "empty" and os.path.isdir(folder):
                     folder += "-again"
+                if peer == "hf_prefix_reuse" and workload == "chat48":
+                    continue  # left-padded ragged rows share no leading columns: the recipe has nothing to reuse
+                if peer == "cascade_exit_during_build" and (state == "warm" or workload == "stream"):
+                    continue
+                if peer in ("sdpa_static", "hf_prefix_reuse") and workload == "stream":
+                    continue  # the stream's batches that do not fit run in parts (sdpa_in_parts): sdpa's row only
                 cmd = [sys.executable, os.path.abspath(__file__), "--child", "--workload", workload, "--peer", peer,
-                       "--state", state, "--calls", str(args.calls)]
+                       "--state", state, "--calls", str(args.calls), "--sdpa-calls", str(args.sdpa_calls),
+                       "--cascade-seconds", str(args.cascade_seconds)]
                 fill = None
-                if state == "warm" and peer == "cascade":  # warm = after `hf_cascade warmup` filled the caches
+                if state == "warm" and peer in ("cascade", "cascade_no_background"):  # warm = after `hf_cascade warmup` filled the caches
                     done = subprocess.run([*cmd, "--fill"], env=_cache_env(folder), capture_output=True, text=True)
                     lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
                     fill = json.loads(lines[-1][len("RESULT "):]) if lines else f"error: {done.stderr[-800:]}"
@@ -214,6 +261,9 @@ def main(argv=None):
                 else:
                     record = {**json.loads(lines[-1][len("RESULT "):]), "status": "ok"}
                 record["child_wall_s"] = round(wall, 2)
+                if peer == "cascade_exit_during_build":
+                    record["exit"] = {"returncode": proc.returncode, "stderr_tail": proc.stderr[-600:],
+                                      "exit_after_result_s": round(wall - record.get("process_s", wall), 2)}
                 if fill is not None:
                     record["caches_filled_by"] = {"warmup": fill}
                 writer.write(record)

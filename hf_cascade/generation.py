@@ -123,6 +123,7 @@ def generate(
             "generate() without `custom_generate=hf_cascade.generate`."
         )
     decode = getattr(type(model), method_name)
+    handed_in = input_ids, dict(model_kwargs)  # what a background build of the compiled tier runs again
     user_cache = model_kwargs.get(CACHE_KWARG)
     real_rows = None  # set when rows are added up to a batch bucket (cut from the output)
     if not getattr(user_cache, "_is_user_defined", False):
@@ -176,6 +177,11 @@ def generate(
             return compile_prefill
         return bool(fixed and decode_step == "layers" and compiles and not _offloaded(model))
 
+    buckets = options.batch_buckets
+    if buckets is None:
+        buckets = not generation_config.do_sample
+    if streamer is not None:  # the streamer must see the user's rows only
+        buckets = False
     attention_mask = model_kwargs.get("attention_mask")
     if attention_mask is None:  # transformers >= 5.18 drops an all-ones mask
         attention_mask = torch.ones_like(input_ids)
@@ -187,14 +193,10 @@ def generate(
     else:
         from hf_cascade.inputs import batch_bucket, plan_cascade_batch
 
-        fixed, buckets = options.fixed_buffers, options.batch_buckets
+        fixed = options.fixed_buffers
         if fixed is None:  # compiled decode by default where transformers compiles it (CUDA, greedy/sampling)
             fixed = compiles or (user_cache is not None and user_cache.max_suffix_length is not None)
         rows, bucket = input_ids.shape[0], batch_bucket(input_ids.shape[0])
-        if buckets is None:
-            buckets = not generation_config.do_sample
-        if streamer is not None:  # the streamer must see the user's rows only
-            buckets = False
         if fixed and compiles and buckets and user_cache is None and bucket > rows:
             real_rows = rows
         plan_ids, plan_mask = input_ids, attention_mask
@@ -245,6 +247,11 @@ def generate(
         buffers.keep(cache.step_buffer_tensors())
     if tier is not None:
         record_call(model, tier, time.perf_counter() - started)
+        if not tier.compiled and compile_choice == "auto" and compiles and method_name == "_sample":
+            from hf_cascade.tier_build import build_in_background
+
+            build_in_background(model, handed_in[0], generation_config, handed_in[1], cascade_options, buckets,
+                                cache.nbytes)
     return out if real_rows is None else _first_rows(out, real_rows, input_ids.shape[0])
 
 

@@ -28,6 +28,11 @@ an earlier process measured when it moved up. Pointing the compile caches at a n
 ``TORCHINDUCTOR_CACHE_DIR``) starts from no record. ``python -m hf_cascade warmup --model PATH`` compiles every
 tier ahead (for images and CI) and writes the records.
 
+**In the background**, after the first call that could use the compiled tier: :mod:`hf_cascade.tier_build` builds it
+on a thread from that call's rows while the calls go on below it (they build nothing themselves meanwhile), and the
+first call after the build ends runs it. The ski rental above decides only where no background build ran (it did
+not fit in memory, or failed).
+
 ``compile="now"`` runs the compiled tier from the first call (the old default: the first call compiles);
 ``compile="never"`` never compiles the layers (Triton kernels when ready, by the same rule).
 """
@@ -48,6 +53,13 @@ from hf_cascade.decode.step_buffers import model_state
 __all__ = ["COMPILE_CHOICES", "SAVED_FRACTION", "Tier", "choose_tier", "note_compile_cost", "record_call", "tier_report"]
 
 COMPILE_CHOICES = ("auto", "now", "never")
+
+
+class _InBuild(threading.local):
+    active = False  # set on the thread of a background build (hf_cascade.tier_build): its call is not a user's
+
+
+IN_BUILD = _InBuild()
 # What each tier saves over the one below it, as a fraction of a call's seconds there (Llama-3-8B shape, H100,
 # benchmarks/results/first_call.jsonl: a stream of 12 layouts ran 1.0-2.5 s per batch on the built-in tier and
 # 0.65-1.1 s compiled, about half; a decode step 10.3 -> 8.1 ms with the layers compiled, and a step's attention
@@ -88,10 +100,20 @@ class _ModelTiers:
         self.record_path: str | None = None
         self.record_key: dict | None = None
         self.calls: list[tuple[str, float]] = []  # (tier, seconds) of the calls so far
+        # the background build of the compiled tier (hf_cascade.tier_build): its thread while it runs, its error
+        self.building: threading.Thread | None = None
+        self.build_error: str | None = None
+        self.build_started: float | None = None
+        self.build_s: float | None = None
 
 
 def _state(model) -> _ModelTiers:
     return model_state(model, _ModelTiers)
+
+
+def building_state(model) -> _ModelTiers:
+    """``model``'s tier state, for :mod:`hf_cascade.tier_build` (read and write it under its ``lock``)."""
+    return _state(model)
 
 
 def choose_tier(model, compile: str = "auto") -> Tier:
@@ -106,14 +128,19 @@ def choose_tier(model, compile: str = "auto") -> Tier:
     with state.lock:
         if compile == "now":
             return _TIERS["compiled"]
+        if state.ready["compiled"] and compile == "auto":
+            return _TIERS["compiled"]
+        # While the compiled tier builds in the background (hf_cascade.tier_build: it builds the Triton kernels
+        # too), the calls do not build anything themselves: they would wait for what the build is making.
+        building = state.building is not None and compile == "auto"
         record = _load_record(model, state)
         triton_cost = RECORDED_TRITON_COST_S if record.get("triton_built") else DEFAULT_COST_S["triton"]
-        triton = state.ready["triton"] or state.regret["triton"] >= triton_cost
+        triton = state.ready["triton"] or (state.regret["triton"] >= triton_cost and not building)
         if not triton:
             return _TIERS["builtin"]
         if compile == "never":
             return _TIERS["triton"]
-        compiled = state.ready["compiled"] or state.regret["compiled"] >= _compiled_cost(record)
+        compiled = state.ready["compiled"] or (state.regret["compiled"] >= _compiled_cost(record) and not building)
         return _TIERS["compiled" if compiled else "triton"]
 
 
@@ -123,7 +150,7 @@ def record_call(model, tier: Tier, seconds: float) -> None:
     of what getting it ready cost)."""
     state = _state(model)
     with state.lock:
-        state.calls.append((tier.name, round(seconds, 3)))
+        state.calls.append((("background " if IN_BUILD.active else "") + tier.name, round(seconds, 3)))
         record = _load_record(model, state)
         changed = False
         if not tier.builtin_kernels:
@@ -157,12 +184,14 @@ def note_compile_cost(model, seconds: float) -> None:
 
 
 def tier_report(model) -> dict:
-    """``{"calls": [(tier, seconds), ...], "ready": {...}, "regret_s": {...}, "record": path}`` for ``model`` in
-    this process (benchmarks print it)."""
+    """``{"calls": [(tier, seconds), ...], "ready": {...}, "regret_s": {...}, "record": path, "background_build":
+    {"running", "seconds", "error"}}`` for ``model`` in this process (benchmarks print it)."""
     state = _state(model)
     with state.lock:
         return {"calls": list(state.calls), "ready": dict(state.ready),
-                "regret_s": {k: round(v, 3) for k, v in state.regret.items()}, "record": state.record_path}
+                "regret_s": {k: round(v, 3) for k, v in state.regret.items()}, "record": state.record_path,
+                "background_build": {"running": state.building is not None, "seconds": state.build_s,
+                                     "error": state.build_error}}
 
 
 def _compiled_cost(record: dict) -> float:

@@ -162,6 +162,33 @@ def test_ski_rental_moves_up_when_regret_reaches_cost(records, tiny_llama_pair):
     assert tiers.choose_tier(model).name == "compiled"
 
 
+def test_calls_build_nothing_while_the_background_build_runs(records, tiny_llama_pair):
+    """While hf_cascade.tier_build builds the compiled tier (a thread is set on the state), the calls stay on the
+    tier they have whatever their regret (they would wait for what the build makes); a finished build's compiled
+    tier is taken at once; the build's own call is marked in the report."""
+    import threading
+
+    from hf_cascade import tiers
+
+    model = tiny_llama_pair[0]
+    _fresh_process(model)
+    state = tiers._state(model)
+    state.building = threading.current_thread()
+    for name in ("triton", "compiled"):
+        state.regret[name] = 1e6
+    assert tiers.choose_tier(model).name == "builtin"
+    assert tiers.choose_tier(model, "now").name == "compiled"  # the user's explicit choice is kept
+    tiers.IN_BUILD.active = True
+    try:
+        tiers.record_call(model, tiers._TIERS["compiled"], 9.0)
+    finally:
+        tiers.IN_BUILD.active = False
+    state.building = None
+    assert tiers.choose_tier(model).name == "compiled"
+    assert tiers.tier_report(model)["calls"] == [("background compiled", 9.0)]
+    assert tiers.tier_report(model)["background_build"] == {"running": False, "seconds": None, "error": None}
+
+
 def test_tier_choices_and_records_off(records, tiny_llama_pair, monkeypatch):
     from hf_cascade import tiers
 

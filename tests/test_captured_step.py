@@ -271,3 +271,44 @@ def test_host_length_follows_steps_that_ran_no_python():
     assert cache.suffix_length == before + 1
     cache.crop(-1)
     assert cache.suffix_length == before and int(cache.layers[0].cumulative_length) == before
+
+
+def test_compiled_layers_are_installed_for_their_own_thread_only():
+    """A thread inside compiled_layers (a background build of the compiled tier: hf_cascade.tier_build) leaves the
+    model as it was for every other thread: a generate() on the main thread meanwhile runs the model's own layers
+    (fp32 tokens equal to the reference, nothing compiled), and the layers' previous calls are back afterwards."""
+    import threading
+
+    from torch._dynamo.utils import counters
+
+    from hf_cascade.decode.compiled_layers import _ThreadCompiledCall, compiled_layers, decoder_layers
+
+    ref, cas = model_pair("llama", num_hidden_layers=3)
+    ids, mask = pad_batch(make_prompts(seed=5, system=23, block=9))
+    gen = dict(max_new_tokens=5, min_new_tokens=5, pad_token_id=0, do_sample=False)
+    cache = _call(cas, ids, mask)
+    entered, leave, failures = threading.Event(), threading.Event(), []
+
+    def builder():
+        try:
+            with compiled_layers(cas, cache):
+                entered.set()
+                leave.wait(timeout=120)
+        except Exception as err:  # noqa: BLE001 (reported by the assertion below)
+            failures.append(err)
+            entered.set()
+
+    thread = threading.Thread(target=builder)
+    thread.start()
+    try:
+        assert entered.wait(timeout=60) and not failures, failures
+        assert all(isinstance(layer._compiled_call_impl, _ThreadCompiledCall) for layer in decoder_layers(cas))
+        graphs = counters["stats"]["unique_graphs"]
+        got = cas.generate(ids, attention_mask=mask, custom_generate=hf_cascade.generate, disable_compile=True,
+                           cascade_options=dict(min_shared_tokens=2, cost_model=None), **gen)
+        assert torch.equal(got, ref.generate(ids, attention_mask=mask, **gen))
+        assert counters["stats"]["unique_graphs"] == graphs, "the main thread ran the other thread's compiled layers"
+    finally:
+        leave.set()
+        thread.join()
+    assert all(layer._compiled_call_impl is None for layer in decoder_layers(cas))

@@ -395,7 +395,7 @@ def _hf_cascade_triton_variants() -> int:
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
-def test_gpu_first_calls_compile_nothing_and_move_up_exactly(family):
+def test_gpu_first_calls_compile_nothing_and_move_up_exactly(family, monkeypatch):
     """The default path's tiers (hf_cascade.tiers) on a fresh model with no compile record: the first calls run the
     built-in kernels with the recorded (not compiled) step, compile nothing (no dynamo graph, no new hf_cascade
     Triton kernel), and give the reference's fp32 tokens, also for a second layout of the same shapes (the recorded
@@ -403,8 +403,9 @@ def test_gpu_first_calls_compile_nothing_and_move_up_exactly(family):
     tier and then the compiled tier give the same tokens."""
     from torch._dynamo.utils import counters
 
-    from hf_cascade import tiers
+    from hf_cascade import tier_build, tiers
 
+    monkeypatch.setattr(tier_build, "ENABLED", False)  # the ski rental alone (the background build: below)
     ref = tiny_model(family, reference_attention(family), device="cuda", num_hidden_layers=3)
     cas = tiny_model(family, "cascade", device="cuda", num_hidden_layers=3)
     gen = dict(max_new_tokens=7, min_new_tokens=7, pad_token_id=0, do_sample=False)
@@ -429,6 +430,50 @@ def test_gpu_first_calls_compile_nothing_and_move_up_exactly(family):
                            cascade_options=dict(cost_model=None, min_shared_tokens=2), **gen)
         assert torch.equal(got, ref.generate(ids, attention_mask=mask, **gen)), tier
         assert tiers.tier_report(cas)["calls"][-1][0] == tier
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_gpu_compiled_tier_built_in_the_background(family, do_sample):
+    """The default policy: after the first call (built-in tier), a thread builds the compiled tier from that call's
+    rows (hf_cascade.tier_build) while the calls go on on the built-in tier; they give the reference's fp32 tokens
+    meanwhile (the model's layers are not the compiled ones on the calling thread), seeded samples are the
+    reference's too (the build is greedy: it draws no random numbers), and once the build ends the next calls run
+    the compiled tier, for this layout and another one."""
+    from hf_cascade import tiers
+    from hf_cascade.tier_build import wait_for_build
+
+    ref = tiny_model(family, reference_attention(family), device="cuda", num_hidden_layers=3)
+    cas = tiny_model(family, "cascade", device="cuda", num_hidden_layers=3)
+    gen = dict(max_new_tokens=7, min_new_tokens=7, pad_token_id=0, do_sample=do_sample)
+    if do_sample:
+        gen["top_k"] = 20
+    first = tree_prompts([(1, 24), (2, 12)], 5, rows=6, seed=91)
+    second = tree_prompts([(1, 30)], 9, rows=5, seed=92)
+    options = dict(cost_model=None, min_shared_tokens=2)
+
+    def check(rows, what):
+        ids, mask = (t.cuda() for t in pad_batch(rows))
+        torch.manual_seed(7)
+        got = cas.generate(ids, attention_mask=mask, custom_generate=hf_cascade.generate, cascade_options=options,
+                           **gen)
+        torch.manual_seed(7)
+        assert torch.equal(got, ref.generate(ids, attention_mask=mask, **gen)), what
+        return tiers.tier_report(cas)
+
+    report = check(first, "first call")
+    assert report["calls"][0][0] == "builtin" and (report["background_build"]["running"] or report["ready"]["compiled"])
+    during = 0
+    while tiers.tier_report(cas)["background_build"]["running"] and during < 20:
+        report = check(second if during % 2 else first, f"call {during} during the build")
+        during += 1
+    assert wait_for_build(cas, timeout=600), tiers.tier_report(cas)
+    assert tiers.tier_report(cas)["background_build"]["error"] is None
+    for rows, what in ((first, "first layout, compiled"), (second, "second layout, compiled")):
+        report = check(rows, what)
+        assert report["calls"][-1][0] == "compiled", report
+    names = [name for name, _ in report["calls"]]
+    assert names.count("background compiled") == 1 and set(names[1:-2]) <= {"builtin", "background compiled"}, names
 
 
 def test_gpu_builtin_kernels_bf16_close_to_sdpa():

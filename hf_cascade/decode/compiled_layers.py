@@ -59,7 +59,7 @@ _TRACING = _Tracing()
 # run the graph of the forwards that have one (the rows' first forward), not a graph of their own.
 PREFILL_BATCH_MASKS: contextvars.ContextVar[bool] = contextvars.ContextVar("hf_cascade_prefill_masks", default=False)
 _ACTIVE_LOCK = threading.RLock()
-_STEP = threading.local()  # .cache: the cache of the step running with compiled layers on this thread
+_STEP = threading.local()  # .cache / .calls: the cache and compiled layer calls of the step running on this thread
 
 
 def layer_step_cache():
@@ -191,16 +191,38 @@ def compiled_layers(model: torch.nn.Module, cache, dynamic: bool = False):
     with _ACTIVE_LOCK, torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True), _layer_index_symbolic(), \
             _recompile_limit():
         previous = [layer._compiled_call_impl for layer in layers], _TRACING.active, layer_step_cache()
-        previous_written = getattr(_STEP, "written", None)
-        for layer, call in zip(layers, calls):  # (entered again: all restored on the way out)
-            layer._compiled_call_impl = call
-        _TRACING.active, _STEP.cache, _STEP.written = True, cache, []
+        previous_written, previous_calls = getattr(_STEP, "written", None), getattr(_STEP, "calls", None)
+        for index, layer in enumerate(layers):  # (entered again: all restored on the way out)
+            if not isinstance(layer._compiled_call_impl, _ThreadCompiledCall):
+                layer._compiled_call_impl = _ThreadCompiledCall(layer, index, layer._compiled_call_impl)
+        _TRACING.active, _STEP.cache, _STEP.written, _STEP.calls = True, cache, [], calls
         try:
             yield True
         finally:
             _TRACING.active, _STEP.cache, _STEP.written = previous[1], previous[2], previous_written
+            _STEP.calls = previous_calls
             for layer, impl in zip(layers, previous[0]):
                 layer._compiled_call_impl = impl
+
+
+class _ThreadCompiledCall:
+    """A decoder layer's ``_compiled_call_impl`` while :func:`compiled_layers` runs: the compiled call on the thread
+    inside it, the layer's own call (or what was installed before) on every other thread. So a thread that builds
+    the compiled tier in the background (:mod:`hf_cascade.tier_build`) leaves the model as it was for the threads
+    that keep serving calls on it."""
+
+    __slots__ = ("layer", "index", "previous")
+
+    def __init__(self, layer: torch.nn.Module, index: int, previous):
+        self.layer, self.index, self.previous = layer, index, previous
+
+    def __call__(self, *args, **kwargs):
+        calls = getattr(_STEP, "calls", None)
+        if calls is not None:
+            return calls[self.index](*args, **kwargs)
+        if self.previous is not None:
+            return self.previous(*args, **kwargs)
+        return self.layer._call_impl(*args, **kwargs)
 
 
 def note_layer_written(layer_idx: int, tokens: int) -> None:
