@@ -25,7 +25,7 @@ default options: the tiers, the compiled tier built in the background), ``cascad
 the background build off: the ski rental alone), ``cascade_compiled_now`` (the compiled tier from the first call:
 ``cascade_options={"compile": "now"}``, the old default), and ``cascade_exit_during_build`` (one default call, then
 the process exits while the background build runs: its exit code and how long the exit took), and
-``cascade_gil_default`` (the background build with Python's default GIL switch interval).
+``cascade_no_prewarm`` (the background build without the child process that fills the compile caches first).
 Records ``first_call`` (one per child) in ``benchmarks/results/first_call.jsonl``.
 """
 
@@ -44,7 +44,7 @@ import tempfile  # noqa: E402
 
 PEER_OPTIONS = {"sdpa": None, "sdpa_static": None, "hf_prefix_reuse": None, "cascade": {},
                 "cascade_no_background": {}, "cascade_compiled_now": {"compile": "now"},
-                "cascade_exit_during_build": {}, "cascade_gil_default": {}}
+                "cascade_exit_during_build": {}, "cascade_no_prewarm": {}}
 WORKLOADS = ("shared32", "chat48", "stream")
 ODD_BATCHES = (7, 13, 20, 48)
 
@@ -78,10 +78,10 @@ def _child(args) -> dict:
         from hf_cascade import tier_build
 
         tier_build.ENABLED = False
-    if peer == "cascade_gil_default":  # the background build without a shorter GIL switch interval
+    if peer == "cascade_no_prewarm":  # the background build without its child process
         from hf_cascade import tier_build
 
-        tier_build.SWITCH_INTERVAL_S = 1.0
+        tier_build.PREWARM = False
 
     def generate(ids, mask, new_tokens, **extra):
         return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
@@ -244,7 +244,7 @@ def main(argv=None):
                     folder += "-again"
                 if peer == "hf_prefix_reuse" and workload == "chat48":
                     continue  # left-padded ragged rows share no leading columns: the recipe has nothing to reuse
-                if peer in ("cascade_exit_during_build", "cascade_gil_default") and (
+                if peer in ("cascade_exit_during_build", "cascade_no_prewarm") and (
                         state == "warm" or workload == "stream"):
                     continue
                 if peer in ("sdpa_static", "hf_prefix_reuse") and workload == "stream":

@@ -105,6 +105,7 @@ class _ModelTiers:
         self.build_error: str | None = None
         self.build_started: float | None = None
         self.build_s: float | None = None
+        self.build_prewarm: dict | None = None  # the child process that filled the compile caches first
 
 
 def _state(model) -> _ModelTiers:
@@ -191,7 +192,7 @@ def tier_report(model) -> dict:
         return {"calls": list(state.calls), "ready": dict(state.ready),
                 "regret_s": {k: round(v, 3) for k, v in state.regret.items()}, "record": state.record_path,
                 "background_build": {"running": state.building is not None, "seconds": state.build_s,
-                                     "error": state.build_error}}
+                                     "error": state.build_error, "prewarm": state.build_prewarm}}
 
 
 def _compiled_cost(record: dict) -> float:

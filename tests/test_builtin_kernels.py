@@ -10,6 +10,7 @@ import torch
 from hf_cascade.ops import plan_shared_prefix
 from hf_cascade.ops import builtin_cascade
 from hf_cascade.ops.builtin_cascade import builtin_cascade_attention
+from hf_cascade.transformers_compat import CACHE_KWARG
 
 from _ops_common import NEG_INF
 from test_ops_kv_head_sizes import _f64
@@ -186,7 +187,8 @@ def test_calls_build_nothing_while_the_background_build_runs(records, tiny_llama
     state.building = None
     assert tiers.choose_tier(model).name == "compiled"
     assert tiers.tier_report(model)["calls"] == [("background compiled", 9.0)]
-    assert tiers.tier_report(model)["background_build"] == {"running": False, "seconds": None, "error": None}
+    assert tiers.tier_report(model)["background_build"] == {"running": False, "seconds": None, "error": None,
+                                                             "prewarm": None}
 
 
 def test_tier_choices_and_records_off(records, tiny_llama_pair, monkeypatch):
@@ -244,3 +246,27 @@ def test_warmup_command_runs_on_cpu(capsys):
     assert "2 rows x 20 shared tokens, 3 new" in out and "3 rows" in out and "warmup: done" in out
     with pytest.raises(SystemExit, match="no CUDA GPU"):
         main(["warmup", "--model", "tiny", "--device", "cuda"] if not torch.cuda.is_available() else ["--bad"])
+
+
+def test_background_build_child_process_runs_the_call_on_a_cut_model(tiny_llama_pair):
+    """The child process of a background build (hf_cascade.tier_build._prewarm_in_child): the call's rows, prepared
+    generation config and options pickled, the model's config cut to PREWARM_LAYERS layers, the build call run
+    there (here on CPU, nothing compiled: the plumbing a CUDA build uses), exit code 0; the model is untouched."""
+    from hf_cascade import tier_build
+
+    model = tiny_llama_pair[1]
+    layers = model.config.num_hidden_layers
+    captured = {}
+
+    def capture(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None, **kwargs):
+        captured.update(input_ids=input_ids, generation_config=generation_config, kwargs=kwargs)
+        return input_ids
+
+    ids = torch.randint(3, 100, (3, 21))
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0,
+                   disable_compile=True, custom_generate=capture)
+    kwargs = {k: v for k, v in captured["kwargs"].items() if k != CACHE_KWARG}
+    outcome = tier_build._prewarm_in_child(model, captured["input_ids"], captured["generation_config"], kwargs,
+                                           {"cost_model": None, "compile": "now", "batch_buckets": True}, None)
+    assert outcome["returncode"] == 0, outcome
+    assert model.config.num_hidden_layers == layers
