@@ -178,9 +178,11 @@ def plain_attention(
     scaling: float | None,
     dropout: float = 0.0,
     softcap: float | None = None,
+    backend: str = "auto",
     **kwargs,
 ) -> torch.Tensor:
-    """Standard attention over ``key``/``value`` as given: sdpa, or an exact soft-capped path (Gemma2).
+    """Standard attention over ``key``/``value`` as given: sdpa, or an exact soft-capped path (Gemma2; ``backend``
+    of :func:`~hf_cascade.ops.suffix_attention.suffix_attention`: ``"torch"`` builds no Triton kernel).
 
     Returns ``[batch, q_len, num_heads, head_dim]``.
     """
@@ -198,13 +200,15 @@ def plain_attention(
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out, _ = suffix_attention(
-        query, key, value, scale=scale, mask=_as_bool_mask(attention_mask), causal=True, softcap=softcap
+        query, key, value, scale=scale, mask=_as_bool_mask(attention_mask), causal=True, softcap=softcap,
+        backend=backend,
     )
     return out.transpose(1, 2)
 
 
 def sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-                   sinks: torch.Tensor, *, scale: float, softcap: float | None = None) -> torch.Tensor:
+                   sinks: torch.Tensor, *, scale: float, softcap: float | None = None,
+                   backend: str = "auto") -> torch.Tensor:
     """Attention over ``key``/``value`` as given with one sink per head (GPT-OSS's ``s_aux``: a logit in the softmax
     denominator whose value is zero), merged into the state's LSE.
 
@@ -212,12 +216,13 @@ def sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, 
         query: ``[B, Hq, Lq, D]``; key, value: ``[B, Hkv, S, D / Dv]``; mask: bool ``[B or 1, Lq, S]`` (True =
             attend) or None (causal, bottom-right); sinks: ``[Hq]``.
     Returns:
-        ``[B, Lq, Hq, Dv]`` in ``query.dtype``.
+        ``[B, Lq, Hq, Dv]`` in ``query.dtype``. ``backend``: as :func:`~hf_cascade.ops.suffix_attention.suffix_attention`'s.
     """
     from hf_cascade.ops.bounded import merge_sink
     from hf_cascade.ops.suffix_attention import suffix_attention
 
-    out, lse = suffix_attention(query, key, value, scale=scale, mask=mask, causal=True, softcap=softcap)
+    out, lse = suffix_attention(query, key, value, scale=scale, mask=mask, causal=True, softcap=softcap,
+                                backend=backend)
     return merge_sink(out.transpose(1, 2), lse, sinks, heads_dim=2)[0]
 
 

@@ -556,9 +556,11 @@ class CascadeCache(StaticStepMixin, Cache):
             return out if sinks is None else merge_sink(out, lse, sinks, heads_dim=2)[0]
         if not self.levels:  # nothing shared (e.g. prefilling a tree's first level): the fastest exact kernel
             if sinks is not None:
-                return sink_attention(query, key, value, attention_mask, sinks, scale=scaling, softcap=softcap)
+                return sink_attention(query, key, value, attention_mask, sinks, scale=scaling, softcap=softcap,
+                                      backend="torch" if builtin else "auto")
             mask = None if attention_mask is None else attention_mask[:, None]
-            return plain_attention(module, query, key, value, mask, scaling=scaling, softcap=softcap)
+            return plain_attention(module, query, key, value, mask, scaling=scaling, softcap=softcap,
+                                   backend="torch" if builtin else "auto")
         prefix_keys = [level.keys[layer_idx] for level in self.levels]
         prefix_values = [level.values[layer_idx] for level in self.levels]
         if builtin:  # PyTorch's own kernels (no Triton build): hf_cascade.ops.builtin_cascade
