@@ -31,7 +31,7 @@ from collections.abc import Sequence
 import torch
 from transformers.cache_utils import Cache
 
-from hf_cascade.attention import ATTENTION_NAME, bind_layer, check_model_uses_cascade, plain_attention, sink_attention
+from hf_cascade.attention import ATTENTION_NAME, bind_layer, check_model_uses_cascade, plain_attention
 from hf_cascade.decode.captured_step import static_step
 from hf_cascade.decode.compiled_layers import outside_layer_graphs
 from hf_cascade.decode.step_buffers import StepBuffers
@@ -540,10 +540,8 @@ class CascadeCache(StaticStepMixin, Cache):
                                             position_ids=kwargs.get("position_ids"),
                                             static=static or self.builtin_kernels)
         elif self._wrapper.prefix_slots is None and not self.levels:  # nothing shared: the fastest exact kernel
-            if sinks is not None:
-                return sink_attention(query, key, value, attention_mask, sinks, scale=scaling, softcap=softcap)
             mask = None if attention_mask is None else attention_mask[:, None]
-            return plain_attention(module, query, key, value, mask, scaling=scaling, softcap=softcap)
+            return plain_attention(module, query, key, value, mask, scaling=scaling, softcap=softcap, sinks=sinks)
         else:
             if not torch.compiler.is_compiling() and self._wrapper.layout is None:
                 self._plan_for(query.shape[0], query.device)
