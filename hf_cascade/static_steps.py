@@ -11,8 +11,7 @@ from __future__ import annotations
 import torch
 
 from hf_cascade.decode.step_buffers import StepBuffers, take_or_new
-from hf_cascade.ops.cascade_wrapper import PrefixSlots
-from hf_cascade.ops.plan import padded_level_count
+from hf_cascade.ops.cascade_wrapper import PrefixSlots, padded_level_count
 from hf_cascade.suffix_layers import StaticSuffixLayer
 
 __all__ = ["StaticStepMixin", "stacked_base"]

@@ -251,7 +251,7 @@ def test_planned_op_any_layout_same_shapes(backend, pad):
     shapes, so two layouts with equal shapes (what a CUDA-graph replay sees) are both exact. Odd shapes: GQA 6/2,
     d=24, a node with no rows, rows with no node at a level, an empty node. ``pad``: empty levels in front, as a
     compiled step of a shallower tree takes them (their keys hold garbage that no row may read)."""
-    from hf_cascade.ops.cascade_wrapper import _planned_attention
+    from hf_cascade.ops.cascade_wrapper import _planned_attention, step_inputs
     from hf_cascade.ops.plan import plan_cascade
 
     torch.manual_seed(0)
@@ -271,7 +271,7 @@ def test_planned_op_any_layout_same_shapes(backend, pad):
         plan = plan_cascade(torch.tensor(row_nodes), [s.tolist() for *_, s in levels], B, torch.device(DEVICE))
         garbage = [torch.full((Hkv, 2, D), 1e4, device=DEVICE, dtype=dtype) for _ in range(pad)]
         keys, values = garbage + [k for k, *_ in levels], garbage + [v for _, v, *_ in levels]
-        tensors = [t for level in plan.op_inputs(q, ks, keys) for t in level]
+        tensors = [t for level in step_inputs(plan, q, ks, keys) for t in level]
         assert len(tensors) == 6 * (pad + len(levels))
         out, lse = _planned_attention(q, ks, vs, keys, values, tensors, mask, D ** -0.5, None, backend=backend)
         exp_out, exp_lse = cascade_f64(q, ks, vs, levels, D ** -0.5, mask.expand(B, 1, S))
@@ -284,7 +284,7 @@ def test_planned_op_any_layout_same_shapes(backend, pad):
 def test_planned_op_key_length(backend):
     """The compiled / recorded step's op with ``key_length`` (fixed buffers written up to it): exact against the
     written keys only; on Triton the unwritten columns (NaN here) are not read."""
-    from hf_cascade.ops.cascade_wrapper import _planned_attention
+    from hf_cascade.ops.cascade_wrapper import _planned_attention, step_inputs
     from hf_cascade.ops.plan import plan_cascade
 
     torch.manual_seed(4)
@@ -299,7 +299,7 @@ def test_planned_op_key_length(backend):
     mask = torch.ones(B, 1, S, dtype=torch.bool, device=DEVICE)
     mask[1, :, :2] = False
     keys, values = [k for k, *_ in levels], [v for _, v, *_ in levels]
-    tensors = [t for level in plan.op_inputs(q, ks, keys) for t in level]
+    tensors = [t for level in step_inputs(plan, q, ks, keys) for t in level]
     out, lse = _planned_attention(q, ks, vs, keys, values, tensors, mask, D ** -0.5, None,
                                   backend=backend, key_length=torch.tensor(written, device=DEVICE))
     exp_out, exp_lse = cascade_f64(q, ks[:, :, :written], vs[:, :, :written], levels, D ** -0.5,
@@ -312,6 +312,7 @@ def test_planned_op_key_length(backend):
 def test_planned_op_reads_one_layer_of_stacked_levels():
     """The compiled step passes each level's KV of every layer as one ``[layers, Hkv, T, D]`` tensor and the layer
     index: the op reads that layer's keys, the same answer as given that layer's tensors (and not another's)."""
+    from hf_cascade.ops.cascade_wrapper import step_inputs
     from hf_cascade.ops.plan import plan_cascade
 
     torch.manual_seed(1)
@@ -323,7 +324,7 @@ def test_planned_op_reads_one_layer_of_stacked_levels():
     plan = plan_cascade(torch.tensor(row_nodes), [[0, 6, 9]], B, torch.device(DEVICE))
     stacked_k = torch.randn(layers, Hkv, sum(lens[0]), D, device=DEVICE)
     stacked_v = torch.randn(layers, Hkv, sum(lens[0]), D, device=DEVICE)
-    tensors = [t for level in plan.op_inputs(q, ks, [stacked_k[0]]) for t in level]
+    tensors = [t for level in step_inputs(plan, q, ks, [stacked_k[0]]) for t in level]
     op = torch.ops.hf_cascade.cascade_attention
     for layer in range(layers):
         got, got_lse = op(q, ks, vs, [stacked_k], [stacked_v], tensors, mask, D ** -0.5, None, layer)

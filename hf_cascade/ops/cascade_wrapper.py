@@ -6,8 +6,11 @@ layout), the tensors a compiled or recorded decode step reads (the prefix KV slo
 every call of the custom op ``hf_cascade::cascade_attention`` (``run(layer, ...)``, per layer): an eager launch, the
 built-in kernels (:mod:`~hf_cascade.ops.builtin_cascade`), or the op while a step is compiled or recorded.
 
-The op takes the plan as index tensors only (no layout ints) and makes every launch choice from tensor shapes, so a
-batch with another sharing tree runs the same compiled graph (see :mod:`hf_cascade.ops.plan`).
+The op takes the layout as **index tensors** only (no layout ints; :func:`step_inputs`), and every launch choice it
+makes (tile size, KV splits, fused suffix or not) is a function of tensor shapes alone. So a batch with another
+sharing tree re-plans on the host and runs the same compiled graph: dynamo has nothing to specialise on (the
+tensors' sizes are marked dynamic), and a CUDA graph replay reads the new layout from the op's inputs. Per level the
+op takes the six tensors of a :class:`LevelTensors`.
 """
 
 from __future__ import annotations
@@ -22,10 +25,23 @@ from ._backend import resolve_backend
 from ._cascade_torch import dense_part, heads_major, joint_softmax, suffix_part
 from .builtin_cascade import builtin_cascade_attention
 from .cascade_attention import cascade_attention, launch_cascade, launch_configs
-from .plan import CascadePlan, LevelTensors, plan_cascade
+from .plan import CascadePlan, plan_cascade
+from .prefix_attention import _Schedule, plan_shared_prefix
 from .suffix_attention import mask_with_key_length
 
-__all__ = ["CascadeWrapper", "LevelKV", "PrefixSlots"]
+__all__ = ["COMPILED_LEVELS", "CascadeWrapper", "LevelKV", "LevelTensors", "PrefixSlots", "padded_level_count",
+           "step_inputs"]
+
+# A compiled step takes at least this many prefix levels: a tree with fewer is padded with empty levels in front
+# (no node, so the op launches nothing for them), so trees of 1 to 4 levels share one graph. Deeper trees compile
+# one graph per level count.
+COMPILED_LEVELS = 4
+_NO_OP_TILE_M0 = 1 << 30  # a tile past every node's rows: reads nothing, writes nothing
+
+
+def padded_level_count(num_levels: int) -> int:
+    """The number of prefix levels a compiled step takes for a tree of ``num_levels`` levels."""
+    return max(num_levels, COMPILED_LEVELS)
 
 
 class LevelKV(NamedTuple):
@@ -45,15 +61,38 @@ class PrefixSlots(NamedTuple):
     values: list[Tensor]
 
 
+class LevelTensors(NamedTuple):
+    """One prefix level's index tensors as the compiled op reads them: the prefix kernel's tile schedule for the
+    step's ``G * Lq`` query rows per batch row (see ``_prefix_kernel``) and each row's node (the torch path's key
+    mask)."""
+
+    rows: Tensor  # int32 [B]: rows sorted by node, then the rows without keys here
+    row_start: Tensor  # int32 [N + 2]
+    node_starts: Tensor  # int64 [N + 2]: the nodes' key offsets + [T] (the keyless rows' empty pseudo-node)
+    tile_node: Tensor  # int32 [tiles]
+    tile_m0: Tensor  # int32 [tiles]
+    row_node: Tensor  # int64 [B]: each row's node, -1 none
+
+    def schedule(self) -> _Schedule:
+        """The prefix kernel's tile schedule these tensors hold."""
+        return _Schedule(rows=self.rows, row_start=self.row_start, node_starts=self.node_starts,
+                         tile_node=self.tile_node, tile_m0=self.tile_m0, num_tiles=self.tile_node.numel())
+
+    @staticmethod
+    def unflatten(tensors: Sequence[Tensor]) -> list["LevelTensors"]:
+        """The levels of the op's flat ``Tensor[]`` argument (``len(LevelTensors._fields)`` tensors a level)."""
+        n = len(LevelTensors._fields)
+        return [LevelTensors(*tensors[i : i + n]) for i in range(0, len(tensors), n)]
+
+
 class CascadeWrapper:
     """Plan once per batch layout, run per layer.
 
     Attributes:
         layout: the :class:`CascadePlan` of the current rows, or None before :meth:`plan`.
         prefix_slots: :class:`PrefixSlots` (fixed buffers; set once per cache) or None.
-        op_inputs: the op's index tensors for a one-query step on ``layout`` (the tensors of a
-            :class:`~hf_cascade.ops.plan.LevelTensors` per level, flat), planned by the first eager :meth:`run` after
-            the slots are set, before any step is compiled or recorded; or None.
+        op_inputs: the op's index tensors for a one-query step on ``layout`` (:func:`step_inputs`, flat), planned
+            by the first eager :meth:`run` after the slots are set, before any step is compiled or recorded; or None.
         buffers: a :class:`~hf_cascade.decode.step_buffers.StepBuffers` the index tensors are taken from, or None.
         builtin: attend with PyTorch's own kernels (:mod:`~hf_cascade.ops.builtin_cascade`) outside ``torch.compile``.
     """
@@ -99,28 +138,67 @@ class CascadeWrapper:
             ``(out [B, Lq, Hq, Dv] contiguous in query.dtype, lse [B, Hq, Lq] fp32)``.
         """
         builtin = self.builtin and not torch.compiler.is_compiling()
+        if self.prefix_slots is not None and self.op_inputs is None and not (static or builtin):
+            # The decode step's index tensors (one query position), planned now, outside its CUDA graphs.
+            tensors = step_inputs(self.layout, query[:, :, -1:], key, [slot[layer] for slot in self.prefix_slots.keys],
+                                  buffers=self.buffers)
+            self.op_inputs = [t for level in tensors for t in level]
         if static and self.prefix_slots is not None and not builtin:
             # The padded levels: the graph reads no level count (a tree of 1 to 4 levels is the same graph).
             return torch.ops.hf_cascade.cascade_attention(query, key, value, self.prefix_slots.keys,
                                                           self.prefix_slots.values, self.op_inputs, mask, scale,
                                                           softcap, layer, key_length)
         prefixes = self.layout.prefixes([lv.keys[layer] for lv in levels], [lv.values[layer] for lv in levels])
-        if builtin:
-            return builtin_cascade_attention(query, key, value, prefixes, scale=scale, mask=mask, softcap=softcap)
-        if self.prefix_slots is not None and self.op_inputs is None:
-            # Plan the decode step (one query position) now, outside the compiled step's CUDA graphs.
-            levels = self.layout.op_inputs(query[:, :, -1:], key, [slot[layer] for slot in self.prefix_slots.keys],
-                                           buffers=self.buffers)
-            self.op_inputs = [t for level in levels for t in level]
-        out, lse = cascade_attention(query, key, value, prefixes, scale=scale, mask=mask, causal=causal,
-                                     softcap=softcap, key_length=key_length)
-        return out.transpose(1, 2).contiguous(), lse
+        if not builtin:
+            out, lse = cascade_attention(query, key, value, prefixes, scale=scale, mask=mask, causal=causal,
+                                         softcap=softcap, key_length=key_length)
+            return out.transpose(1, 2).contiguous(), lse
+        return builtin_cascade_attention(query, key, value, prefixes, scale=scale, mask=mask, softcap=softcap)
+
+
+def step_inputs(plan: CascadePlan, query: Tensor, key: Tensor, prefix_keys: Sequence[Tensor],
+                buffers=None) -> tuple[LevelTensors, ...]:
+    """The index tensors of the compiled op for a step on ``plan`` with ``query`` ``[B, Hq, Lq, D]`` (call it
+    eagerly, before a CUDA graph captures the step).
+
+    ``prefix_keys``: per level ``[Hkv, T_l, D]``, as the compiled step passes them: the real levels last, after
+    ``len(prefix_keys) - len(plan.levels)`` padding levels (see :func:`padded_level_count`). ``buffers``: a
+    :class:`~hf_cascade.decode.step_buffers.StepBuffers`; the tensors are copies in tensors taken from it, in the
+    order returned (so that a later layout of the same sizes has them at the same addresses).
+
+    What may change between two layouts is a size of dimension 0 of these tensors (nodes + 2, tiles), marked
+    dynamic; each is >= 2 (a no-op tile is appended to a 1-tile list), so that no layout gets a size dynamo
+    specialises (0 or 1). Every tensor is its own object (dynamo guards on which inputs alias; a padding slot holds
+    a real level in another batch)."""
+    B = query.shape[0]
+    pad = len(prefix_keys) - len(plan.levels)
+    if pad < 0:
+        raise ValueError(f"step_inputs: {len(prefix_keys)} prefix keys for a plan of {len(plan.levels)} levels.")
+    device = plan.row_node[0].device if plan.row_node else torch.device("cpu")
+    empty = tuple(plan_shared_prefix(torch.full((B,), -1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64),
+                                     device=device) for _ in range(pad))  # levels no row has keys at
+    levels = empty + plan.levels
+    row_nodes = tuple(torch.full((B,), -1, dtype=torch.int64, device=query.device) for _ in range(pad))
+    _fuse, configs = launch_configs(query, key, [(k, None, p) for k, p in zip(prefix_keys, levels)], shape_only=True)
+    tensors = ()
+    for level_plan, row_node, (sched, *_rest) in zip(levels, row_nodes + plan.row_node, configs):
+        tile_node, tile_m0 = sched.tile_node, sched.tile_m0
+        if tile_node.numel() < 2:
+            tile_node = torch.cat([tile_node, tile_node.new_full((1,), level_plan.num_nodes)])
+            tile_m0 = torch.cat([tile_m0, tile_m0.new_full((1,), _NO_OP_TILE_M0)])
+        level = LevelTensors(sched.rows, sched.row_start, sched.node_starts, tile_node, tile_m0, row_node)
+        if buffers is not None:
+            level = LevelTensors(*(buffers.take(t.shape, t.dtype, t.device).copy_(t) for t in level))
+        for t in (level.row_start, level.node_starts, level.tile_node, level.tile_m0):  # differ between trees
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        tensors += (level,)
+    return tensors
 
 
 def _planned_attention(query, key, value, prefix_keys, prefix_values, plan_tensors, mask, scale, softcap,
                        backend: str = "auto", key_length=None):
     """The op's body: launch choices from shapes only, the layout from ``plan_tensors`` (flat, a
-    :class:`~hf_cascade.ops.plan.LevelTensors` per level)."""
+    :class:`LevelTensors` per level)."""
     levels = LevelTensors.unflatten(plan_tensors)
     # A level of no node (node_starts [N + 2] with N = 0: the padding of a shallower tree) has no keys for any
     # row: nothing to launch. A shape, so a CUDA graph recorded for this layout's shapes holds no launch for it.
