@@ -176,8 +176,9 @@ def launch_configs(query: Tensor, key: Tensor, prefixes, fuse_suffix: bool | Non
     """The Triton launch choices of a call with these shapes: (fuse the suffix into the last level's launch?,
     per level ``(schedule, splits, BLOCK_M, BLOCK_N, num_warps, num_stages)``). ``prefixes``: per level
     ``(prefix_key, _, PrefixPlan or a ready _Schedule)``. ``shape_only``: every choice from tensor shapes alone,
-    so that a compiled step replayed with another layout keeps valid choices (see ``ops/plan.py``). Cached in the
-    plans: calling this once ahead (before CUDA-graph capture) leaves the call nothing to allocate but outputs."""
+    so that a compiled step replayed with another layout keeps valid choices (see ``ops/cascade_wrapper.py``).
+    Cached in the plans: calling this once ahead (before CUDA-graph capture) leaves the call nothing to allocate
+    but outputs."""
     if fuse_suffix is None:
         fuse_suffix = _fuse_suffix(query, key, prefixes, shape_only)
     if not shape_only:
