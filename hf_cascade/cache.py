@@ -543,7 +543,7 @@ class CascadeCache(StaticStepMixin, Cache):
             mask = None if attention_mask is None else attention_mask[:, None]
             return plain_attention(module, query, key, value, mask, scaling=scaling, softcap=softcap, sinks=sinks)
         else:
-            if not torch.compiler.is_compiling() and self._wrapper.layout is None:
+            if not torch.compiler.is_compiling():  # (planned by the layout's first forward; here if not yet)
                 self._plan_for(query.shape[0], query.device)
             out, lse = self._wrapper.run(layer_idx, query, key, value, self.levels, scale=scaling,
                                          mask=attention_mask, softcap=softcap, key_length=written, static=static)
