@@ -133,12 +133,12 @@ class CascadeWrapper:
             mask: None (causal, bottom-right; full with ``causal=False``) or bool ``[B or 1, Lq, S]`` over the suffix.
             key_length: the written suffix keys (int64 device scalar; fixed buffers), as in ``cascade_attention``.
             static: a compiled or recorded decode step: with prefix slots, the op on the index tensors (device
-                work only; no plan is read on the host).
+                work only, no plan read on the host; a causal suffix).
         Returns:
             ``(out [B, Lq, Hq, Dv] contiguous in query.dtype, lse [B, Hq, Lq] fp32)``.
         """
         builtin = self.builtin and not torch.compiler.is_compiling()
-        if self.prefix_slots is not None and self.op_inputs is None and not (static or builtin):
+        if not (static or builtin) and self.prefix_slots is not None and self.op_inputs is None:
             # The decode step's index tensors (one query position), planned now, outside its CUDA graphs.
             tensors = step_inputs(self.layout, query[:, :, -1:], key, [slot[layer] for slot in self.prefix_slots.keys],
                                   buffers=self.buffers)
