@@ -178,52 +178,41 @@ def plain_attention(
     scaling: float | None,
     dropout: float = 0.0,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     backend: str = "auto",
     **kwargs,
 ) -> torch.Tensor:
-    """Standard attention over ``key``/``value`` as given: sdpa, or an exact soft-capped path (Gemma2; ``backend``
-    of :func:`~hf_cascade.ops.suffix_attention.suffix_attention`: ``"torch"`` builds no Triton kernel).
+    """Standard attention over ``key``/``value`` as given: sdpa, or an exact path (hf_cascade's suffix kernel) for
+    soft-capping (Gemma 2) and attention sinks (GPT-OSS's ``s_aux``, ``sinks`` ``[Hq]``: one logit per head in the
+    softmax denominator whose value is zero, merged into the state's LSE). ``backend``: as
+    :func:`~hf_cascade.ops.suffix_attention.suffix_attention`'s (``"torch"`` builds no Triton kernel).
 
-    Returns ``[batch, q_len, num_heads, head_dim]``.
+    Args:
+        attention_mask: None (causal, bottom-right) or 4-D ``[batch, 1, q_len, kv_len]`` (bool, or additive).
+    Returns:
+        ``[batch, q_len, num_heads, head_dim]``.
     """
-    if softcap is None:
+    if softcap is None and sinks is None:
         out, _ = sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
         return out
+    from hf_cascade.ops.bounded import merge_sink
     from hf_cascade.ops.suffix_attention import suffix_attention
 
     if dropout and module.training:
         raise NotImplementedError(
-            "The cascade attention does not implement attention dropout with `softcap` in training mode; "
-            "call `model.eval()` or train with attn_implementation='eager'."
+            f"The cascade attention does not implement attention dropout with "
+            f"{'`softcap`' if sinks is None else 'attention sinks (`s_aux`)'} in training mode; call `model.eval()` "
+            "or train with attn_implementation='eager'."
         )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out, _ = suffix_attention(
+    out, lse = suffix_attention(
         query, key, value, scale=scale, mask=_as_bool_mask(attention_mask), causal=True, softcap=softcap,
         backend=backend,
     )
-    return out.transpose(1, 2)
-
-
-def sink_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
-                   sinks: torch.Tensor, *, scale: float, softcap: float | None = None,
-                   backend: str = "auto") -> torch.Tensor:
-    """Attention over ``key``/``value`` as given with one sink per head (GPT-OSS's ``s_aux``: a logit in the softmax
-    denominator whose value is zero), merged into the state's LSE.
-
-    Args:
-        query: ``[B, Hq, Lq, D]``; key, value: ``[B, Hkv, S, D / Dv]``; mask: bool ``[B or 1, Lq, S]`` (True =
-            attend) or None (causal, bottom-right); sinks: ``[Hq]``.
-    Returns:
-        ``[B, Lq, Hq, Dv]`` in ``query.dtype``. ``backend``: as :func:`~hf_cascade.ops.suffix_attention.suffix_attention`'s.
-    """
-    from hf_cascade.ops.bounded import merge_sink
-    from hf_cascade.ops.suffix_attention import suffix_attention
-
-    out, lse = suffix_attention(query, key, value, scale=scale, mask=mask, causal=True, softcap=softcap,
-                                backend=backend)
-    return merge_sink(out.transpose(1, 2), lse, sinks, heads_dim=2)[0]
+    out = out.transpose(1, 2)
+    return out if sinks is None else merge_sink(out, lse, sinks, heads_dim=2)[0]
 
 
 def cascade_attention_forward(
@@ -255,18 +244,9 @@ def cascade_attention_forward(
     if provider is None:
         if query.shape[0] > 1 and query.shape[2] > 1 and getattr(module, "layer_idx", None) == 0:
             _suggest_custom_generate()
-        if kwargs.get("s_aux") is not None:  # attention sinks (GPT-OSS): the mask holds any sliding window
-            if dropout and module.training:
-                raise NotImplementedError(
-                    "The cascade attention does not implement attention dropout with attention sinks (`s_aux`) in "
-                    "training mode; call `model.eval()` or train with attn_implementation='eager'."
-                )
-            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-            return sink_attention(query, key, value, _as_bool_mask(attention_mask), kwargs["s_aux"], scale=scale,
-                                  softcap=softcap), None
-        out = plain_attention(
-            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, softcap=softcap, **kwargs
-        )
+        # (With attention sinks, GPT-OSS's s_aux, the mask holds any sliding window.)
+        out = plain_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
+                              softcap=softcap, sinks=kwargs.pop("s_aux", None), **kwargs)
         return out, None
     if scaling is None:
         scaling = query.shape[-1] ** -0.5

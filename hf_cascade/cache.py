@@ -31,15 +31,15 @@ from collections.abc import Sequence
 import torch
 from transformers.cache_utils import Cache
 
-from hf_cascade.attention import ATTENTION_NAME, bind_layer, check_model_uses_cascade, plain_attention, sink_attention
+from hf_cascade.attention import ATTENTION_NAME, bind_layer, check_model_uses_cascade, plain_attention
 from hf_cascade.decode.captured_step import static_step
 from hf_cascade.decode.compiled_layers import outside_layer_graphs
 from hf_cascade.decode.step_buffers import StepBuffers
 from hf_cascade.model_scan import attention_modules
 from hf_cascade.ops._backend import host_to_device
 from hf_cascade.ops.bounded import merge_sink
-from hf_cascade.ops.builtin_cascade import builtin_cascade_attention
-from hf_cascade.ops.plan import CascadePlan, cascade_attention_planned, plan_cascade
+from hf_cascade.ops.cascade_wrapper import CascadeWrapper
+from hf_cascade.ops.plan import CascadePlan
 from hf_cascade.prefill import PrefixLevel, prefill_levels, validate_token_ids
 from hf_cascade.static_steps import StaticStepMixin
 from hf_cascade.suffix_layers import StaticSuffixLayer, SuffixLayer, append_columns, memoized
@@ -148,6 +148,8 @@ class CascadeCache(StaticStepMixin, Cache):
         # compiled step builds it from device data and nothing in the graph depends on prefix_length (a batch
         # with another layout reuses the compiled step). ``window_mask`` bool [B, sw]: the user's mask over the
         # suffix window's prompt columns; stored [max_suffix_length, B] (batch last, like row_nodes).
+        # The one door to the attention kernels: the rows' plan, the compiled step's tensors, the op's call.
+        self._wrapper = CascadeWrapper()
         self._planned_window = None
         if window_mask is not None and max_suffix_length is not None:
             window = torch.ones((max_suffix_length, window_mask.shape[0]), dtype=torch.bool)
@@ -163,12 +165,9 @@ class CascadeCache(StaticStepMixin, Cache):
         self.rows_verified = row_nodes is not None
         self.prefix_tree = prefix_tree
         self.prefilled_prefix_tokens = sum(level.node_starts[-1] for level in self.levels)
-        # The prefix KV a compiled step reads: (key slots, value slots), one [layers, Hkv, T, D] tensor per level,
-        # padded to padded_level_count levels (_pad_prefix_levels). Built at the first forward (_match_rows), from
-        # the StepBuffers given by use_step_buffers if any.
-        self._compiled_prefix: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
-        # Whether _compiled_prefix has the empty levels that let one compiled graph serve trees of 1 to
-        # COMPILED_LEVELS levels (a recorded step, recorded per tree, launches for the real levels only).
+        # Whether the prefix slots a compiled step reads (the wrapper's prefix_slots, built at the first forward by
+        # _pad_prefix_levels) have the empty levels that let one compiled graph serve trees of 1 to COMPILED_LEVELS
+        # levels (a recorded step, recorded per tree, launches for the real levels only).
         self.pad_levels = True
         self._step_buffers: StepBuffers | None = None
         # The attention modules this cache may serve (reusing it with another model is an error); the model's
@@ -181,7 +180,6 @@ class CascadeCache(StaticStepMixin, Cache):
         self._lock = threading.Lock()
         self._owner: int | None = None
         self._positions_checked = False
-        self._builtin_kernels = False
 
     @property
     def builtin_kernels(self) -> bool:
@@ -189,14 +187,14 @@ class CascadeCache(StaticStepMixin, Cache):
         matmuls: :mod:`hf_cascade.ops.builtin_cascade`) instead of hf_cascade's Triton kernels, which a process
         with an empty Triton cache must build first. Set by ``hf_cascade.generate`` from :mod:`hf_cascade.tiers`;
         False (Triton on CUDA) by default. Never used inside ``torch.compile``."""
-        return self._builtin_kernels
+        return self._wrapper.builtin
 
     @builtin_kernels.setter
     def builtin_kernels(self, value: bool) -> None:
-        self._builtin_kernels = bool(value)
+        self._wrapper.builtin = bool(value)
         for layer in self.layers:
             if isinstance(layer, StaticSuffixLayer):
-                layer.builtin_kernels = self._builtin_kernels
+                layer.builtin_kernels = bool(value)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -391,22 +389,19 @@ class CascadeCache(StaticStepMixin, Cache):
         self._suffix_start_dev = self._window_dev = None
         self._mask_memo = None
         self._step_memo: dict | None = None  # per eager device-only step (see update)
-        self._plans: dict[int, CascadePlan] = {}
-        self._plan: CascadePlan | None = None
-        self._op_inputs: list[torch.Tensor] | None = None
+        self._wrapper.reset()
         self._shifts = None  # hf_cascade.windows.RowShifts of these rows, built by the first bounded layer
         self._layout_key: tuple | None = None  # static_layout_key, computed once per layout
 
     def _row_state(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
         return self.row_nodes, self.suffix_start, self.window
 
-    def _plan_for(self, batch_size: int, device: torch.device) -> CascadePlan:
-        """The :class:`CascadePlan` of the current rows (built once per batch layout, on the host)."""
-        plan = self._plans.get(batch_size)
-        if plan is None:
-            plan = plan_cascade(self.row_nodes, [level.node_starts for level in self.levels], batch_size, device)
-            self._plans[batch_size] = plan
-        return plan
+    def _plan_for(self, batch_size: int, device: torch.device, check: bool = False) -> CascadePlan | None:
+        """The :class:`CascadePlan` of the current rows (built once per batch layout, on the host, by the layout's
+        first forward: ``check``), or None without prefix levels."""
+        if self.levels and (check or self._wrapper.layout is None):
+            self._wrapper.plan(self.row_nodes, [level.node_starts for level in self.levels], batch_size, device)
+        return self._wrapper.layout if self.levels else None
 
     def _match_rows(self, batch_size: int, device: torch.device) -> None:
         """Fit the planned rows to the batch generate() runs: num_return_sequences / num_beams expand rows
@@ -424,9 +419,9 @@ class CascadeCache(StaticStepMixin, Cache):
                 *(None if t is None else t.repeat_interleave(batch_size // planned, dim=-1) for t in self._row_state())
             )
         # Planned here, outside any compiled or captured region.
-        self._plan = self._plan_for(batch_size, device) if self.levels else None
-        if self._compiled_prefix is None and self.max_suffix_length is not None and self.levels:
-            self._compiled_prefix = self._pad_prefix_levels(self._step_buffers)
+        self._plan_for(batch_size, device, check=True)
+        if self._wrapper.prefix_slots is None and self.max_suffix_length is not None and self.levels:
+            self._wrapper.prefix_slots = self._pad_prefix_levels(self._step_buffers)
         if self.suffix_start is not None and self._suffix_start_dev is None:
             self._suffix_start_dev = host_to_device(self.suffix_start, device)
         if self.window is not None and self._window_dev is None:
@@ -517,9 +512,8 @@ class CascadeCache(StaticStepMixin, Cache):
         Returns:
             ``[batch, q_len, num_heads, head_dim]`` in ``query.dtype``.
         """
-        compiling = static_step()  # a compiled or recorded step (device work only)
-        builtin = self._builtin_kernels and not torch.compiler.is_compiling()
-        if not compiling:  # checked eagerly at prefill; a compiled step is bound to this model
+        static = static_step()  # a compiled or recorded step (device work only)
+        if not static:  # checked eagerly at prefill; a compiled step is bound to this model
             self._check_module(module)
         layer_idx = module.layer_idx
         window, chunk = layer_window(module, sliding_window), _attention_chunk(module)
@@ -533,7 +527,7 @@ class CascadeCache(StaticStepMixin, Cache):
                                                 self.max_suffix_length) - 1
             bounded = any(size is not None and last_column >= size for size in (window, chunk))
         layer = self.layers[layer_idx]
-        if not self.rows_verified and not self._positions_checked and not compiling:
+        if not self.rows_verified and not self._positions_checked and not static:
             if layer.host_length == query.shape[2]:  # the first forward over an empty suffix (the prefill)
                 self._check_positions(attention_mask, kwargs.get("position_ids"))
         # Fixed buffers: None would also admit the columns not written yet; rows' own columns: see _suffix_mask.
@@ -543,39 +537,15 @@ class CascadeCache(StaticStepMixin, Cache):
         if bounded:  # (Triton in eager forwards; the PyTorch path in compiled / recorded steps, for now)
             out, lse = cache_bounded_attend(self, layer_idx, query, key, value, attention_mask, scale=scaling,
                                             softcap=softcap, window=window, chunk=chunk, key_length=written,
-                                            position_ids=kwargs.get("position_ids"), static=compiling or builtin)
-            return out if sinks is None else merge_sink(out, lse, sinks, heads_dim=2)[0]
-        if compiling and self._compiled_prefix is not None and not builtin:
-            # The padded levels: the graph reads no level count (a tree of 1 to 4 levels is the same graph).
-            # L + 1 Triton launches (see ops/cascade_attention.launch_cascade).
-            prefix_keys, prefix_values = self._compiled_prefix  # every layer's; the op reads this layer's
-            out, lse = torch.ops.hf_cascade.cascade_attention(
-                query, key, value, prefix_keys, prefix_values, self._op_inputs, attention_mask, scaling, softcap,
-                layer_idx, written,
-            )
-            return out if sinks is None else merge_sink(out, lse, sinks, heads_dim=2)[0]
-        if not self.levels:  # nothing shared (e.g. prefilling a tree's first level): the fastest exact kernel
-            if sinks is not None:
-                return sink_attention(query, key, value, attention_mask, sinks, scale=scaling, softcap=softcap,
-                                      backend="torch" if builtin else "auto")
+                                            position_ids=kwargs.get("position_ids"),
+                                            static=static or self.builtin_kernels)
+        elif self._wrapper.prefix_slots is None and not self.levels:  # nothing shared: the fastest exact kernel
             mask = None if attention_mask is None else attention_mask[:, None]
-            return plain_attention(module, query, key, value, mask, scaling=scaling, softcap=softcap,
-                                   backend="torch" if builtin else "auto")
-        prefix_keys = [level.keys[layer_idx] for level in self.levels]
-        prefix_values = [level.values[layer_idx] for level in self.levels]
-        if builtin:  # PyTorch's own kernels (no Triton build): hf_cascade.ops.builtin_cascade
-            if self._plan is None:
-                self._plan = self._plan_for(query.shape[0], query.device)
-            out, lse = builtin_cascade_attention(query, key, value, self._plan.prefixes(prefix_keys, prefix_values),
-                                                 scale=scaling, mask=attention_mask, softcap=softcap)
-            return out if sinks is None else merge_sink(out, lse, sinks, heads_dim=2)[0]
-        if self._compiled_prefix is not None and self._op_inputs is None:
-            # Plan the decode step (one query position) now, outside the compiled step's CUDA graphs.
-            self._op_inputs = self._plan.op_inputs(query[:, :, -1:], key,
-                                                   [slot[layer_idx] for slot in self._compiled_prefix[0]],
-                                                   buffers=self._step_buffers)
-        out, lse = cascade_attention_planned(
-            query, key, value, prefix_keys, prefix_values, self._plan, scale=scaling, mask=attention_mask,
-            softcap=softcap, key_length=written, return_lse=True,
-        )
+            return plain_attention(module, query, key, value, mask, scaling=scaling, softcap=softcap, sinks=sinks,
+                                   backend="torch" if self.builtin_kernels else "auto")
+        else:
+            if not torch.compiler.is_compiling():  # (planned by the layout's first forward; here if not yet)
+                self._plan_for(query.shape[0], query.device)
+            out, lse = self._wrapper.run(layer_idx, query, key, value, self.levels, scale=scaling,
+                                         mask=attention_mask, softcap=softcap, key_length=written, static=static)
         return out if sinks is None else merge_sink(out, lse, sinks, heads_dim=2)[0]

@@ -1,6 +1,7 @@
 """The face of :class:`~hf_cascade.cache.CascadeCache` that a compiled or recorded decode step reads.
 
-A mixin of ``CascadeCache`` (it reads the cache's levels, plan and fixed buffers): which device tensors a step reads
+A mixin of ``CascadeCache`` (it reads the cache's levels, fixed buffers and the plan and step tensors its
+:class:`~hf_cascade.ops.cascade_wrapper.CascadeWrapper` holds): which device tensors a step reads
 in place, in which order a call takes them from the model's :class:`~hf_cascade.decode.step_buffers.StepBuffers`, what
 a recorded step is keyed on, and the prefix KV stacked into the slots a compiled step takes.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from hf_cascade.decode.step_buffers import StepBuffers, take_or_new
-from hf_cascade.ops.plan import padded_level_count
+from hf_cascade.ops.cascade_wrapper import PrefixSlots, padded_level_count
 from hf_cascade.suffix_layers import StaticSuffixLayer
 
 __all__ = ["StaticStepMixin", "stacked_base"]
@@ -36,7 +37,7 @@ class StaticStepMixin:
         """What a recorded decode step must be keyed on besides its tensors: the rows' layout (per level the
         nodes' key ranges and each row's node) when the built-in kernels run, which read it on the host (the
         Triton op reads it from the plan's index tensors, so one graph serves every layout of its shapes)."""
-        if not self._builtin_kernels:
+        if not self.builtin_kernels:
             return None
         if self._layout_key is None:
             nodes = None if self.row_nodes is None else tuple(map(tuple, self.row_nodes.tolist()))
@@ -46,9 +47,9 @@ class StaticStepMixin:
     def static_step_keepalive(self):
         """What a recorded decode step must keep alive besides the step buffers: the plan whose host-made index
         tensors the built-in kernels read (a later call with the same layout replays the graph at their addresses)."""
-        return self._plan if self._builtin_kernels else None
+        return self._wrapper.layout if self.builtin_kernels else None
 
-    def _pad_prefix_levels(self, buffers: StepBuffers | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _pad_prefix_levels(self, buffers: StepBuffers | None = None) -> PrefixSlots:
         """The prefix KV a compiled step takes: per level slot, the keys (values) of every layer as one tensor
         ``[layers, Hkv, T, D]``, with empty slots (2 keys that no row reads) in front of the real levels, so that
         trees of 1 to COMPILED_LEVELS levels run one graph (where ``pad_levels``). One tensor per slot, not per layer: the step's inputs,
@@ -84,7 +85,7 @@ class StaticStepMixin:
         for tensor in (*slots[0], *slots[1]):
             torch._dynamo.mark_static_address(tensor, guard=False)
             torch._dynamo.maybe_mark_dynamic(tensor, 2)
-        return slots[0], slots[1]
+        return PrefixSlots(*slots)
 
     def use_step_buffers(self, buffers: StepBuffers) -> None:
         """Take this cache's fixed buffers and prefix KV from ``buffers`` (a model's :class:`StepBuffers`), so a
@@ -95,18 +96,18 @@ class StaticStepMixin:
             return
         for layer in self.layers:
             layer.step_buffers = buffers
-        self._step_buffers = buffers
+        self._step_buffers = self._wrapper.buffers = buffers
 
     def step_buffer_tensors(self) -> list[torch.Tensor]:
         """The device tensors a compiled or recorded decode step reads in place, in the order a call takes them
         from its :class:`StepBuffers`: the padded prefix slots, the window mask, the suffix buffers and their
         lengths, the op's index tensors."""
-        tensors = [t for slots in self._compiled_prefix or () for t in slots]
+        tensors = [t for slots in self._wrapper.prefix_slots or () for t in slots]
         if self._window_dev is not None:
             tensors.append(self._window_dev)
         tensors += [t for layer in self.layers if layer.is_initialized
                     for t in (layer.keys, layer.values, layer.cumulative_length)]
-        return tensors + list(self._op_inputs or ())
+        return tensors + list(self._wrapper.op_inputs or ())
 
     def static_step_tensors(self) -> list[torch.Tensor]:
         """Every device tensor of this cache that a compiled or recorded decode step reads (the step buffers, and the
@@ -116,8 +117,9 @@ class StaticStepMixin:
             tensors.append(self._suffix_start_dev)
         if self._shifts is not None:  # layers whose window is shorter than the sequence (hf_cascade.windows)
             tensors += [self._shifts.level_shift, self._shifts.suffix_shift]
-            if self._plan is not None:
-                tensors += [*self._plan.row_node, *(level.node_starts_dev for level in self._plan.levels)]
+            plan = self._wrapper.layout
+            if plan is not None:
+                tensors += [*plan.row_node, *(level.node_starts_dev for level in plan.levels)]
         return tensors
 
     def suffix_lengths(self) -> list[torch.Tensor]:

@@ -157,14 +157,13 @@ def cache_bounded_attend(cache, layer_idx: int, query: Tensor, key: Tensor, valu
     """:func:`bounded_attend` for one layer of a :class:`~hf_cascade.cache.CascadeCache` (its rows' plan and
     :class:`RowShifts`, built at the first bounded layer of the layout and kept on the cache). ``static``: a compiled
     or recorded step (the PyTorch path: the Triton wrappers plan on the host)."""
-    if cache.levels and cache._plan is None:
-        cache._plan = cache._plan_for(query.shape[0], query.device)
+    plan = cache._plan_for(query.shape[0], query.device)  # (None without prefix levels)
     if cache._shifts is None:
         last = (key.shape[2] if key_length is None else key_length.reshape(())) - 1
         cache._shifts = row_shifts(cache.levels, cache.row_nodes, cache.suffix_start, query.shape[0], query.device,
                                    position_ids, last)
     return bounded_attend(
-        cache._shifts, cache._plan if cache.levels else None, query, key, value,
+        cache._shifts, plan, query, key, value,
         [level.keys[layer_idx] for level in cache.levels], [level.values[layer_idx] for level in cache.levels], mask,
         scale=scale, softcap=softcap, window=window if chunk is None else None, chunk=chunk, key_length=key_length,
         backend="torch" if static else "auto",

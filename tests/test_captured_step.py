@@ -73,7 +73,7 @@ def test_replay_key_follows_addresses_shapes_and_arguments():
     assert keys[0] == keys[1]
     # Every device tensor the step reads is in the key: the op's index tensors and the window mask included.
     read = {t.data_ptr() for t in third.static_step_tensors()}
-    assert {t.data_ptr() for t in third._op_inputs} <= read and third._window_dev.data_ptr() in read
+    assert {t.data_ptr() for t in third._wrapper.op_inputs} <= read and third._window_dev.data_ptr() in read
 
 
 
@@ -122,7 +122,7 @@ def test_decode_steps_in_the_recorded_path_match_the_reference(family, levels):
                            disable_compile=True, cascade_options=dict(min_shared_tokens=2, cost_model=None,
                                                                       fixed_buffers=True), **gen)
     assert len(entered) == gen["max_new_tokens"] - 1 and caches[0].num_levels == len(levels)
-    assert caches[0]._compiled_prefix is not None and caches[0]._op_inputs is not None  # the op's path ran
+    assert caches[0]._wrapper.prefix_slots is not None and caches[0]._wrapper.op_inputs is not None  # the op ran
     assert torch.equal(got.sequences, want.sequences)
     for w, g in zip(want.logits, got.logits):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=0)

@@ -247,11 +247,12 @@ def test_cascade_rejects_bad_inputs():
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("pad", [0, 2])
 def test_planned_op_any_layout_same_shapes(backend, pad):
-    """The compiled step's op (ops/plan.py): the layout arrives as index tensors and every launch choice comes from
+    """The compiled step's op (ops/cascade_wrapper.py): the layout arrives as index tensors and every launch choice comes from
     shapes, so two layouts with equal shapes (what a CUDA-graph replay sees) are both exact. Odd shapes: GQA 6/2,
     d=24, a node with no rows, rows with no node at a level, an empty node. ``pad``: empty levels in front, as a
     compiled step of a shallower tree takes them (their keys hold garbage that no row may read)."""
-    from hf_cascade.ops.plan import _planned_attention, plan_cascade
+    from hf_cascade.ops.cascade_wrapper import _planned_attention, step_inputs
+    from hf_cascade.ops.plan import plan_cascade
 
     torch.manual_seed(0)
     B, Hq, Hkv, D, S = 5, 6, 2, 24, 7
@@ -270,7 +271,7 @@ def test_planned_op_any_layout_same_shapes(backend, pad):
         plan = plan_cascade(torch.tensor(row_nodes), [s.tolist() for *_, s in levels], B, torch.device(DEVICE))
         garbage = [torch.full((Hkv, 2, D), 1e4, device=DEVICE, dtype=dtype) for _ in range(pad)]
         keys, values = garbage + [k for k, *_ in levels], garbage + [v for _, v, *_ in levels]
-        tensors = plan.op_inputs(q, ks, keys)
+        tensors = [t for level in step_inputs(plan, q, ks, keys) for t in level]
         assert len(tensors) == 6 * (pad + len(levels))
         out, lse = _planned_attention(q, ks, vs, keys, values, tensors, mask, D ** -0.5, None, backend=backend)
         exp_out, exp_lse = cascade_f64(q, ks, vs, levels, D ** -0.5, mask.expand(B, 1, S))
@@ -283,7 +284,8 @@ def test_planned_op_any_layout_same_shapes(backend, pad):
 def test_planned_op_key_length(backend):
     """The compiled / recorded step's op with ``key_length`` (fixed buffers written up to it): exact against the
     written keys only; on Triton the unwritten columns (NaN here) are not read."""
-    from hf_cascade.ops.plan import _planned_attention, plan_cascade
+    from hf_cascade.ops.cascade_wrapper import _planned_attention, step_inputs
+    from hf_cascade.ops.plan import plan_cascade
 
     torch.manual_seed(4)
     B, Hq, Hkv, D, S, written = 5, 6, 2, 24, 11, 6
@@ -297,7 +299,8 @@ def test_planned_op_key_length(backend):
     mask = torch.ones(B, 1, S, dtype=torch.bool, device=DEVICE)
     mask[1, :, :2] = False
     keys, values = [k for k, *_ in levels], [v for _, v, *_ in levels]
-    out, lse = _planned_attention(q, ks, vs, keys, values, plan.op_inputs(q, ks, keys), mask, D ** -0.5, None,
+    tensors = [t for level in step_inputs(plan, q, ks, keys) for t in level]
+    out, lse = _planned_attention(q, ks, vs, keys, values, tensors, mask, D ** -0.5, None,
                                   backend=backend, key_length=torch.tensor(written, device=DEVICE))
     exp_out, exp_lse = cascade_f64(q, ks[:, :, :written], vs[:, :, :written], levels, D ** -0.5,
                                    mask[:, :, :written].expand(B, 1, written))
@@ -309,6 +312,7 @@ def test_planned_op_key_length(backend):
 def test_planned_op_reads_one_layer_of_stacked_levels():
     """The compiled step passes each level's KV of every layer as one ``[layers, Hkv, T, D]`` tensor and the layer
     index: the op reads that layer's keys, the same answer as given that layer's tensors (and not another's)."""
+    from hf_cascade.ops.cascade_wrapper import step_inputs
     from hf_cascade.ops.plan import plan_cascade
 
     torch.manual_seed(1)
@@ -320,7 +324,7 @@ def test_planned_op_reads_one_layer_of_stacked_levels():
     plan = plan_cascade(torch.tensor(row_nodes), [[0, 6, 9]], B, torch.device(DEVICE))
     stacked_k = torch.randn(layers, Hkv, sum(lens[0]), D, device=DEVICE)
     stacked_v = torch.randn(layers, Hkv, sum(lens[0]), D, device=DEVICE)
-    tensors = plan.op_inputs(q, ks, [stacked_k[0]])
+    tensors = [t for level in step_inputs(plan, q, ks, [stacked_k[0]]) for t in level]
     op = torch.ops.hf_cascade.cascade_attention
     for layer in range(layers):
         got, got_lse = op(q, ks, vs, [stacked_k], [stacked_v], tensors, mask, D ** -0.5, None, layer)
@@ -328,3 +332,39 @@ def test_planned_op_reads_one_layer_of_stacked_levels():
         assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
     other, _ = op(q, ks, vs, [stacked_k[0]], [stacked_v[0]], tensors, mask, D ** -0.5, None)
     assert not torch.allclose(got, other)
+
+
+def test_wrapper_plans_once_and_runs_eager_or_the_op():
+    """CascadeWrapper, the caches' one door (ops/cascade_wrapper.py): ``plan`` builds once per layout (a new batch
+    size, key count or rows object re-plans; ``reset`` drops the plan and the op's index tensors); ``run`` launches
+    eagerly, planning the op's index tensors on the way once prefix slots are set, and in a static step calls the op
+    on the slots and the layer index: the same attention, as exact as the eager launch."""
+    from hf_cascade.ops.cascade_wrapper import CascadeWrapper, LevelKV, PrefixSlots
+
+    torch.manual_seed(2)
+    B, Hq, Hkv, D, S, layers = 3, 4, 2, 16, 5, 2
+    q = torch.randn(B, Hq, 1, D, device=DEVICE)
+    ks, vs = torch.randn(B, Hkv, S, D, device=DEVICE), torch.randn(B, Hkv, S, D, device=DEVICE)
+    mask = torch.ones(B, 1, S, dtype=torch.bool, device=DEVICE)
+    mask[2, :, :2] = False
+    row_nodes = torch.tensor([[0, 0, 1]])
+    stacked_k = torch.randn(layers, Hkv, 9, D, device=DEVICE)
+    stacked_v = torch.randn(layers, Hkv, 9, D, device=DEVICE)
+    wrapper = CascadeWrapper()
+    plan = wrapper.plan(row_nodes, [[0, 6, 9]], B, torch.device(DEVICE))
+    assert wrapper.plan(row_nodes, [[0, 6, 9]], B, torch.device(DEVICE)) is plan
+    assert wrapper.plan(row_nodes.clone(), [[0, 6, 9]], B, torch.device(DEVICE)) is not plan
+    wrapper.prefix_slots = PrefixSlots([stacked_k], [stacked_v])
+    level = LevelKV(list(stacked_k.unbind(0)), list(stacked_v.unbind(0)))
+    levels = [make_level(Hkv, D, torch.float32, [6, 3], [0, 0, 1])]
+    for layer in range(layers):
+        eager, eager_lse = wrapper.run(layer, q, ks, vs, [level], scale=D ** -0.5, mask=mask)
+        assert wrapper.op_inputs is not None and len(wrapper.op_inputs) == 6
+        got, got_lse = wrapper.run(layer, q, ks, vs, [level], scale=D ** -0.5, mask=mask, static=True)
+        torch.testing.assert_close(got, eager, atol=2e-5, rtol=2e-5)
+        torch.testing.assert_close(got_lse, eager_lse, atol=1e-4, rtol=1e-5)
+        levels[0] = (stacked_k[layer], stacked_v[layer], *levels[0][2:])
+        exp_out, _ = cascade_f64(q, ks, vs, levels, D ** -0.5, mask.expand(B, 1, S))
+        torch.testing.assert_close(eager.transpose(1, 2).double().cpu(), exp_out, atol=2e-5, rtol=2e-5)
+    wrapper.reset()
+    assert wrapper.layout is None and wrapper.op_inputs is None and wrapper.prefix_slots is not None

@@ -6,8 +6,8 @@ against the composition of the public ops (per level, merge, suffix) where a sof
 import pytest
 import torch
 
-from hf_cascade.ops import cascade_attention, plan_shared_prefix
-from hf_cascade.ops.cascade_attention import _cascade_unfused
+from hf_cascade.ops import (cascade_attention, merge_attention_states, plan_shared_prefix, shared_prefix_attention,
+                            suffix_attention)
 
 from test_ops_cascade import cascade_f64, check, make_level
 
@@ -25,6 +25,21 @@ LAYOUTS = {
     # a level whose only node is empty
     "empty": ([((30,), (0, 0, 0, 0)), ((0,), (0, 0, 0, 0))], ["dense", "empty"]),
 }
+
+
+def _composition(query, key, value, prefixes, *, scale, softcap, backend):
+    """The composition of the three public ops: per level shared_prefix_attention, merged level by level, then
+    suffix_attention merging the prefix state (causal suffix)."""
+    prefix_out = prefix_lse = None
+    for k_pre, v_pre, plan in prefixes:
+        o, lse = shared_prefix_attention(query, k_pre, v_pre, plan.rows, plan.node_starts_dev, scale=scale,
+                                         softcap=softcap, backend=backend, plan=plan)
+        if prefix_out is None:
+            prefix_out, prefix_lse = o, lse
+        else:
+            prefix_out, prefix_lse = merge_attention_states(prefix_out, prefix_lse, o, lse, backend=backend)
+    return suffix_attention(query, key, value, scale=scale, causal=True, softcap=softcap, prefix_out=prefix_out,
+                            prefix_lse=prefix_lse, backend=backend)
 
 
 def _levels(name, hkv, d, dtype):
@@ -64,8 +79,7 @@ def test_soft_cap_matches_the_composition(name):
     q = torch.randn(B, hq, lq, d) * 4
     ks, vs = torch.randn(B, hkv, S, d), torch.randn(B, hkv, S, d)
     out, lse = cascade_attention(q, ks, vs, prefixes, scale=0.3, softcap=5.0, causal=True, backend="torch")
-    ref_out, ref_lse = _cascade_unfused(q, ks, vs, prefixes, scale=0.3, mask=None, causal=True, softcap=5.0,
-                                        backend="torch")
+    ref_out, ref_lse = _composition(q, ks, vs, prefixes, scale=0.3, softcap=5.0, backend="torch")
     torch.testing.assert_close(out, ref_out, atol=2e-5, rtol=2e-5)
     torch.testing.assert_close(lse, ref_lse, atol=1e-5, rtol=1e-5)
 

@@ -146,10 +146,10 @@ def test_merge_sink_is_the_merge_with_a_zero_state():
         merge_sink(out, lse, sinks[:3])
 
 
-def test_sink_attention_matches_gpt_oss_eager():
+def test_plain_attention_with_sinks_matches_gpt_oss_eager():
     from transformers.models.gpt_oss.modeling_gpt_oss import eager_attention_forward
 
-    from hf_cascade.attention import sink_attention
+    from hf_cascade.attention import plain_attention
 
     torch.manual_seed(3)
     q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 2, 7, 8), torch.randn(2, 2, 7, 8)
@@ -158,7 +158,7 @@ def test_sink_attention_matches_gpt_oss_eager():
     visible[1, :, :2] = False  # a padded row
     additive = torch.zeros(2, 1, 5, 7).masked_fill(~visible[:, None], torch.finfo(torch.float32).min)
     want, _ = eager_attention_forward(module, q, k, v, additive, scaling=0.35)
-    got = sink_attention(q, k, v, visible, module.sinks, scale=0.35)
+    got = plain_attention(module, q, k, v, visible[:, None], scaling=0.35, sinks=module.sinks)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
 
 

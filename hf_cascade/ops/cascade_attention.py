@@ -9,7 +9,6 @@ from torch import Tensor
 
 from ._backend import dot_precision, padded_head_dim, resolve_backend
 from ._cascade_torch import cascade_attention_torch
-from .merge import merge_attention_states
 from .prefix_attention import (
     PrefixPlan,
     _check_plan,
@@ -19,7 +18,6 @@ from .prefix_attention import (
     launch_combine,
     launch_prefix,
     partial_strides,
-    shared_prefix_attention,
 )
 from .prefix_attention import _validate as _validate_prefix
 from .suffix_attention import _validate as _validate_suffix
@@ -95,7 +93,8 @@ def cascade_attention(
             raise ValueError(f"{_OP}: each prefix level needs a PrefixPlan (plan_shared_prefix); got {type(plan)}.")
         _check_plan(plan, query, k_pre)
     bounded = _check_bounds(key_lower, suffix_lower, query, prefixes)
-    if bounded and (resolve_backend(backend, query.device, _OP) == "torch" or not prefixes):
+    torch_path = resolve_backend(backend, query.device, _OP) == "torch"
+    if bounded and (torch_path or not prefixes):
         from .bounded import bounded_cascade_attention
 
         out, lse = bounded_cascade_attention(
@@ -104,14 +103,13 @@ def cascade_attention(
             [torch.tensor(plan.row_node, dtype=torch.int64, device=query.device) for _, _, plan in prefixes],
             key_lower, suffix_lower, scale=scale, mask=mask, causal=causal, softcap=softcap, key_length=key_length)
         return out.to(query.dtype), lse
-    if resolve_backend(backend, query.device, _OP) == "torch":
+    if torch_path or not prefixes:
         mask = mask_with_key_length(mask, key_length, query.shape[2], key.shape[2], causal, key.device)
+        if not torch_path:  # no prefix level: the suffix kernel alone
+            return suffix_attention(query, key, value, scale=scale, mask=mask, causal=causal, softcap=softcap,
+                                    backend=backend)
         return cascade_attention_torch(query, key, value, prefixes, scale=scale, mask=mask, causal=causal,
                                        softcap=softcap)
-    if not prefixes:
-        mask = mask_with_key_length(mask, key_length, query.shape[2], key.shape[2], causal, key.device)
-        return _cascade_unfused(query, key, value, prefixes, scale=scale, mask=mask, causal=causal,
-                                softcap=softcap, backend=backend)
     return _cascade_triton(query, key, value, prefixes, scale=scale, mask=mask, causal=causal, softcap=softcap,
                            key_length=key_length, key_lower=key_lower, suffix_lower=suffix_lower)
 
@@ -178,8 +176,9 @@ def launch_configs(query: Tensor, key: Tensor, prefixes, fuse_suffix: bool | Non
     """The Triton launch choices of a call with these shapes: (fuse the suffix into the last level's launch?,
     per level ``(schedule, splits, BLOCK_M, BLOCK_N, num_warps, num_stages)``). ``prefixes``: per level
     ``(prefix_key, _, PrefixPlan or a ready _Schedule)``. ``shape_only``: every choice from tensor shapes alone,
-    so that a compiled step replayed with another layout keeps valid choices (see ``ops/plan.py``). Cached in the
-    plans: calling this once ahead (before CUDA-graph capture) leaves the call nothing to allocate but outputs."""
+    so that a compiled step replayed with another layout keeps valid choices (see ``ops/cascade_wrapper.py``).
+    Cached in the plans: calling this once ahead (before CUDA-graph capture) leaves the call nothing to allocate
+    but outputs."""
     if fuse_suffix is None:
         fuse_suffix = _fuse_suffix(query, key, prefixes, shape_only)
     if not shape_only:
@@ -301,17 +300,3 @@ def _launch_fused(query, k_pre, v_pre, config, key, value, mask, causal, part_ou
         BLOCK_MP=block_mp, BLOCK_MS=block_ms, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
         num_warps=num_warps, num_stages=num_stages,
     )
-
-
-def _cascade_unfused(query, key, value, prefixes, *, scale, mask, causal, softcap, backend):
-    """The composition of the three public ops (torch backend, or no prefix level)."""
-    prefix_out = prefix_lse = None
-    for k_pre, v_pre, plan in prefixes:
-        o, lse = shared_prefix_attention(query, k_pre, v_pre, plan.rows, plan.node_starts_dev, scale=scale,
-                                         softcap=softcap, backend=backend, plan=plan)
-        if prefix_out is None:
-            prefix_out, prefix_lse = o, lse
-        else:
-            prefix_out, prefix_lse = merge_attention_states(prefix_out, prefix_lse, o, lse, backend=backend)
-    return suffix_attention(query, key, value, scale=scale, mask=mask, causal=causal, softcap=softcap,
-                            prefix_out=prefix_out, prefix_lse=prefix_lse, backend=backend)

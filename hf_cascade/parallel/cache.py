@@ -46,8 +46,7 @@ from hf_cascade.cache import _num_layers
 from hf_cascade.decode.compiled_layers import outside_layer_graphs
 from hf_cascade.model_scan import attention_modules
 from hf_cascade.ops.fused_attention import KERNEL_CHOICES
-from hf_cascade.ops.plan import CascadePlan, plan_cascade
-from hf_cascade.ops.prefix_attention import shared_prefix_attention
+from hf_cascade.ops.cascade_wrapper import CascadeWrapper, LevelKV
 from hf_cascade.ops.suffix_attention import suffix_attention
 from hf_cascade.parallel._group import GroupInfo
 from hf_cascade.parallel.combine import all_gather_kv, check_combine, combine_states
@@ -189,7 +188,9 @@ class ContextParallelCache(Cache):
         self._segments: list[tuple[int, int, int]] = []  # (start, end, owner rank) of each later forward
         self._counts = [0] * info.world_size  # keys held by each rank (= rank_token_counts())
         self._prefix_length = 0
-        self._prefix_plan: CascadePlan | None = None  # one level, one node (the shared prefix shard); per batch
+        # The door to the attention kernels (as CascadeCache's): the plan of the shared prefix shard (one level, one
+        # node every row reads, or none), per batch.
+        self._wrapper = CascadeWrapper()
         self._prompt_length = 0  # what generate() starts from (see _is_user_defined)
         self._user_defined = False
         self._attention_modules = attention_modules(model)
@@ -499,13 +500,6 @@ class ContextParallelCache(Cache):
 
         q_len = query.shape[2]
         start = layer.length - q_len  # first new column
-        prefix_out = prefix_lse = None
-        if layer.prefix_keys is not None and layer.prefix_keys.shape[1] > 0:
-            plan = self._shared_plan(query, layer)
-            prefix_out, prefix_lse = shared_prefix_attention(
-                query, layer.prefix_keys, layer.prefix_values, plan.row_node[0], plan.levels[0].node_starts_dev,
-                scale=scaling, softcap=softcap, plan=plan.levels[0],
-            )
         mask, causal = None, False
         if attention_mask is not None:
             if attention_mask.shape[-1] != layer.length:
@@ -517,20 +511,14 @@ class ContextParallelCache(Cache):
             mask = attention_mask.index_select(-1, layer.cols)
         else:  # causal: only the rank holding the new tokens has keys at or after column `start`
             causal = layer.cols.numel() > 0 and bool(self._owner(start, q_len) == self.info.rank)
-        out, lse = suffix_attention(query, key, value, scale=scaling, mask=mask, causal=causal, softcap=softcap,
-                                    prefix_out=prefix_out, prefix_lse=prefix_lse)
-        out, _ = combine_states(out, lse, self.info, self.combine)
+        # This rank's partial state: its shard of the shared prefix (every row reads it) and its row KV.
+        idx, shared = module.layer_idx, layer.prefix_keys is not None and layer.prefix_keys.shape[1] > 0
+        self._wrapper.plan(None, [(0, layer.prefix_keys.shape[1])] if shared else [], query.shape[0], query.device)
+        levels = [LevelKV({idx: layer.prefix_keys}, {idx: layer.prefix_values})] if shared else []
+        out, lse = self._wrapper.run(idx, query, key, value, levels, scale=scaling, mask=mask, causal=causal,
+                                     softcap=softcap)
+        out, _ = combine_states(out.transpose(1, 2), lse, self.info, self.combine)
         return out.transpose(1, 2)
-
-    def _shared_plan(self, query: torch.Tensor, layer: _ShardLayer) -> CascadePlan:
-        """The shared-prefix shard's plan (one level, one node that every row reads); built once per batch layout
-        with :func:`hf_cascade.ops.plan.plan_cascade`, as the single-process cache builds its own."""
-        batch, keys = query.shape[0], layer.prefix_keys.shape[1]
-        plan = self._prefix_plan
-        level = plan.levels[0] if plan is not None else None
-        if level is None or (level.batch_size, level.total_keys, level.device) != (batch, keys, query.device):
-            plan = self._prefix_plan = plan_cascade(None, [(0, keys)], batch, query.device)
-        return plan
 
     def _attend_all_gather_kv(self, layer, query, key, value, attention_mask, scaling, softcap):
         """Baseline: gather every rank's row KV, then plain attention over the whole sequence on every rank."""
