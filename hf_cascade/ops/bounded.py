@@ -244,7 +244,7 @@ def bounded_planned_attention(
     # A slot of no node (node_starts [N + 2] with N = 0) pads a shallower tree: nothing to read (a shape, so a graph
     # recorded for this layout's shapes holds no launch for it). Real levels are the last len(key_lower) slots.
     kept = [i for i, t in enumerate(levels) if t[2].shape[0] > 2]
-    if pad < 0 or any(i < pad for i in kept):
+    if kept != list(range(pad, len(levels))):
         raise ValueError(f"{_OP}: {len(key_lower)} level bounds for {len(levels)} slots, {len(kept)} with nodes.")
     lowers = [key_lower[i - pad] for i in kept]
     keys, values, levels = [prefix_keys[i] for i in kept], [prefix_values[i] for i in kept], [levels[i] for i in kept]
