@@ -14,8 +14,11 @@ Peers, each timed warm (the median of ``--repeats`` calls after an untimed one; 
     ``DynamicCache``, ``copy.deepcopy``, ``batch_repeat_interleave(B)``, then ``generate(past_key_values=...)``);
   * ``cascade_default``: ``custom_generate=hf_cascade.generate`` with default options (tiers: its first calls run the
     built-in kernels; every call's tier is recorded);
-  * ``cascade_compile_now``: the same with ``cascade_options={"compile": "now"}`` (the compiled tier from the first
-    call, untimed: ``first_call_s``).
+  * ``cascade_graphs``: ``cascade_options={"decode_step": "graphs"}`` (hf_cascade's Triton kernels, decode steps
+    recorded into CUDA graphs, nothing compiled);
+  * ``cascade_compile_now``: ``cascade_options={"compile": "now"}`` (the compiled tier from the first call, untimed:
+    ``first_call_s``; decode steps recorded with the decoder layers compiled).
+The default peer runs before ``cascade_compile_now`` (a compiled tier, once ready, is the default's too).
 Each record says whether the greedy tokens equal sdpa's, and which path the bounded (sliding) layers ran
 (``bounded_paths``, :data:`hf_cascade.ops.bounded.BOUNDED_PATHS`: ``step:op/triton`` = the decode steps' bounded
 layers on the Triton kernels inside the recorded / compiled step; ``step:torch`` = the PyTorch path), and the
@@ -32,7 +35,8 @@ bounds that cut nothing (the cost of the bound itself; target: within 10% of the
     TRITON_INTERPRET=1 python benchmarks/bench_windows.py --smoke   # CPU: the plumbing on tiny shapes, fp32
 
 Records go to ``benchmarks/results/windows.jsonl`` (``--smoke``: a temporary file unless ``--output``). Exits
-nonzero when a peer fails, the bf16 logits check fails, or a cascade peer's decode steps did not run where expected.
+nonzero when a peer fails, the bf16 logits check fails, or the decode steps of ``cascade_graphs`` /
+``cascade_compile_now`` did not run their bounded layers on the Triton op.
 """
 
 from __future__ import annotations
@@ -267,9 +271,12 @@ def main(argv=None) -> int:
     parser.add_argument("--own", type=int, default=None, help="each row's own tokens after the shared prefix")
     parser.add_argument("--new-tokens", type=int, default=None)
     parser.add_argument("--repeats", type=int, default=3, help="timed calls per peer (after an untimed one)")
-    parser.add_argument("--peers", nargs="+", default=["sdpa", "hf_prefix_reuse", "cascade_default",
+    parser.add_argument("--peers", nargs="+", default=["sdpa", "hf_prefix_reuse", "cascade_default", "cascade_graphs",
                                                        "cascade_compile_now"])
     parser.add_argument("--no-kernels", action="store_true", help="skip the kernel point")
+    parser.add_argument("--budget-s", type=float, default=420.0,
+                        help="a peer that would start after this many seconds of the process is skipped (and the "
+                        "run fails): the run stays inside the device's time limit")
     parser.add_argument("--smoke", action="store_true",
                         help="tiny shapes, fp32, CPU (with TRITON_INTERPRET=1 for the kernel point): the plumbing")
     parser.add_argument("--output", default=None)
@@ -312,7 +319,8 @@ def main(argv=None) -> int:
         print("FAILED: hf_cascade's first logits are further from sdpa's than eager's; not timing.", flush=True)
         return 1
 
-    options = {"cascade_default": None, "cascade_compile_now": {"compile": "now"}}
+    options = {"cascade_default": None, "cascade_graphs": {"decode_step": "graphs"},
+               "cascade_compile_now": {"compile": "now"}}
     runners = {
         "sdpa": lambda: run_sdpa(model, ids, mask, args.new_tokens),
         "hf_prefix_reuse": lambda: run_prefix_reuse(model, ids, mask, args.new_tokens, args.prefix),
@@ -321,10 +329,30 @@ def main(argv=None) -> int:
     unknown = set(args.peers) - set(runners)
     if unknown:
         raise SystemExit(f"unknown peers {sorted(unknown)}; choose from {sorted(runners)}")
+    kernels = {}
+    if not args.no_kernels:  # first: a few seconds, and recorded whatever the peers do
+        try:
+            kernels = kernel_point(args, device, dtype)
+        except Exception as err:
+            import traceback
+
+            traceback.print_exc()
+            kernels = {"bench": "windows_kernels", "status": f"error: {type(err).__name__}: {str(err)[:400]}"}
+            failures.append("kernels")
+        writer.write({**workload, **kernels})
+        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in kernels.items()}, flush=True)
+
     reference = None
     rows = []
     for peer in args.peers:
         record = {"bench": "windows_generate", "peer": peer, **workload}
+        if time.perf_counter() - STARTED > args.budget_s:
+            record["status"] = f"skipped: past --budget-s {args.budget_s:.0f} s"
+            failures.append(peer)
+            writer.write(record)
+            rows.append(record)
+            print(record["status"], peer, flush=True)
+            continue
         if peer in options:
             record["cascade_options"] = options[peer]
         reset_memory()
@@ -354,25 +382,13 @@ def main(argv=None) -> int:
                 "triton (bounded op in the recorded/compiled step)" if BOUNDED_PATHS["step:op/triton"]
                 else "torch" if BOUNDED_PATHS["step:torch"] or BOUNDED_PATHS["step:op/torch"]
                 else "eager" if BOUNDED_PATHS["eager:triton"] or BOUNDED_PATHS["eager:torch"] else "none seen")
-            if peer == "cascade_compile_now" and device == "cuda" and record["status"] == "ok" and (
+            if peer != "cascade_default" and device == "cuda" and record["status"] == "ok" and (
                     BOUNDED_PATHS["step:torch"] or not BOUNDED_PATHS["step:op/triton"]):
                 failures.append(f"{peer}: decode steps' bounded layers not on the Triton op")
         writer.write(record)
         rows.append(record)
         print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in record.items()
                if k not in ("git_sha",)}, flush=True)
-
-    if not args.no_kernels:
-        try:
-            kernels = kernel_point(args, device, dtype)
-        except Exception as err:
-            import traceback
-
-            traceback.print_exc()
-            kernels = {"bench": "windows_kernels", "status": f"error: {type(err).__name__}: {str(err)[:400]}"}
-            failures.append("kernels")
-        writer.write({**workload, **kernels})
-        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in kernels.items()}, flush=True)
 
     print(f"\n{'peer':>20} {'median s':>9} {'first s':>8} {'peak GiB':>9} {'KV GiB':>7} {'=sdpa':>6}  decode path / "
           "status")
@@ -385,7 +401,7 @@ def main(argv=None) -> int:
     if drop:
         print(f"sliding-layer prefix KV no row can see: {drop['droppable_sliding_kv_gib']:.3f} GiB of "
               f"{drop['kv_gib']:.3f} GiB held ({drop['droppable_fraction_of_kv']:.0%})")
-    if not args.no_kernels and "unbounded_us" in kernels:
+    if "unbounded_us" in kernels:
         print(f"kernels: unbounded {kernels['unbounded_us']:.1f} us, window {kernels['bounded_window_us']:.1f} us "
               f"({kernels['bounded_window_over_unbounded']:.2f}x), bound cutting nothing "
               f"{kernels['bounded_cut_nothing_us']:.1f} us ({kernels['bounded_cut_nothing_over_unbounded']:.2f}x), "

@@ -24,7 +24,7 @@ def test_bench_windows_smoke(tmp_path):
         by_bench.setdefault(r["bench"], []).append(r)
     assert by_bench["windows_check"][0]["check_ok"]
     peers = {r["peer"]: r for r in by_bench["windows_generate"]}
-    assert set(peers) == {"sdpa", "hf_prefix_reuse", "cascade_default", "cascade_compile_now"}
+    assert set(peers) == {"sdpa", "hf_prefix_reuse", "cascade_default", "cascade_graphs", "cascade_compile_now"}
     for r in peers.values():
         assert r["status"] == "ok" and r["greedy_equal_sdpa"] and r["git_sha"], r
     assert peers["cascade_default"]["droppable_sliding_kv_gib"] > 0
