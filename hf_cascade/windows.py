@@ -196,8 +196,8 @@ def cache_bounded_attend(cache, layer_idx: int, query: Tensor, key: Tensor, valu
     if not static and not builtin and compiled_prefix is not None and cache._op_inputs is None:
         # Plan the decode step (one query position) now, outside the compiled step's CUDA graphs (as cache.attend
         # does for the unbounded layers; whichever layer comes first plans it).
-        cache._op_inputs = cache._plan.op_inputs(query[:, :, -1:], key, [slot[layer_idx] for slot in compiled_prefix[0]],
-                                                 buffers=cache._step_buffers)
+        slots = [slot[layer_idx] for slot in compiled_prefix[0]]
+        cache._op_inputs = cache._plan.op_inputs(query[:, :, -1:], key, slots, buffers=cache._step_buffers)
     levels = len(cache.levels)
     step = _in_static_step()
     in_step = step and not builtin

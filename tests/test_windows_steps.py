@@ -255,3 +255,34 @@ def test_gpu_windows_steps(compile_choice):
         assert torch.equal(got, want)
     if compile_choice == "now":  # the compiled tier: the bounded op's Triton kernels in the recorded steps
         assert BOUNDED_PATHS["step:op/triton"] > 0 and BOUNDED_PATHS["step:torch"] == 0, dict(BOUNDED_PATHS)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [100, 1 << 20])
+def test_gpu_bounded_op_at_gemma3_decode_shapes(window):
+    """CUDA, bf16, head_dim 256 (the prefix and suffix launches apart): the bounded op against the fp32 reference,
+    and, with bounds that cut nothing, against the unbounded op."""
+    from hf_cascade.windows import RowShifts, bound_columns
+
+    torch.manual_seed(0)
+    B, Hq, Hkv, D, T, S, dev = 8, 8, 4, 256, 600, 24, "cuda"
+    rand = lambda *s: torch.randn(*s, device=dev, dtype=torch.bfloat16)  # noqa: E731
+    q, k, v, pre_k, pre_v = rand(B, Hq, 1, D), rand(B, Hkv, S, D), rand(B, Hkv, S, D), rand(Hkv, T, D), rand(Hkv, T, D)
+    plan = plan_cascade(None, [[0, T]], B, torch.device(dev))
+    op_inputs = plan.op_inputs(q, k, [pre_k])
+    written = torch.tensor(S - 5, device=dev)
+    shifts = RowShifts(level_shift=torch.zeros(1, B, dtype=torch.int64, device=dev),
+                       suffix_shift=torch.arange(T, T + B, device=dev), first_position=list(range(T, T + B)))
+    key_lower, suffix_lower = bound_columns(shifts, 1, written, 1, window=window, chunk=None)
+    got, lse = torch.ops.hf_cascade.bounded_cascade_attention(q, k, v, [pre_k], [pre_v], op_inputs, None, 0.0625,
+                                                              None, None, written, key_lower, suffix_lower)
+    want, want_lse = bounded_cascade_attention(q, k, v, [pre_k], [pre_v], [plan.levels[0].node_starts_dev],
+                                               list(plan.row_node), key_lower, suffix_lower, scale=0.0625,
+                                               key_length=written)
+    torch.testing.assert_close(got.float(), want.transpose(1, 2), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(lse, want_lse, atol=1e-2, rtol=1e-3)
+    if window > T + S:
+        plain, _ = torch.ops.hf_cascade.cascade_attention(q, k, v, [pre_k], [pre_v], op_inputs, None, 0.0625, None,
+                                                          None, written)
+        torch.testing.assert_close(got, plain, atol=2e-3, rtol=1.6e-2)
