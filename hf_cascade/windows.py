@@ -63,11 +63,14 @@ class RowShifts:
         level_shift: int64 ``[L, B]`` on the device: position = column - level_shift (inside the row's node).
         suffix_shift: int64 ``[B]`` on the device: position = suffix column + suffix_shift.
         first_position: host list of ``B`` ints, the position of each row's first own token (its chain length).
+        from_step_buffers: the two device tensors were taken from the model's step buffers (a fixed-buffer cache's
+            decode step reads them; the call gives them back with the others).
     """
 
     level_shift: Tensor
     suffix_shift: Tensor
     first_position: list[int]
+    from_step_buffers: bool = False  # the two tensors were taken from a model's StepBuffers (given back with it)
 
 
 def row_shifts(levels, row_nodes: Tensor | None, suffix_start: Tensor | None, batch_size: int,
@@ -188,16 +191,25 @@ def cache_bounded_attend(cache, layer_idx: int, query: Tensor, key: Tensor, valu
     builtin = bool(getattr(cache, "_builtin_kernels", False)) and not torch.compiler.is_compiling()
     if cache.levels and cache._plan is None:
         cache._plan = cache._plan_for(query.shape[0], query.device)
-    if cache._shifts is None:
-        last = (key.shape[2] if key_length is None else key_length.reshape(())) - 1
-        cache._shifts = row_shifts(cache.levels, cache.row_nodes, cache.suffix_start, query.shape[0], query.device,
-                                   position_ids, last)
     compiled_prefix = getattr(cache, "_compiled_prefix", None)
     if not static and not builtin and compiled_prefix is not None and cache._op_inputs is None:
         # Plan the decode step (one query position) now, outside the compiled step's CUDA graphs (as cache.attend
         # does for the unbounded layers; whichever layer comes first plans it).
         slots = [slot[layer_idx] for slot in compiled_prefix[0]]
         cache._op_inputs = cache._plan.op_inputs(query[:, :, -1:], key, slots, buffers=cache._step_buffers)
+    if cache._shifts is None:
+        last = (key.shape[2] if key_length is None else key_length.reshape(())) - 1
+        shifts = row_shifts(cache.levels, cache.row_nodes, cache.suffix_start, query.shape[0], query.device,
+                            position_ids, last)
+        buffers = getattr(cache, "_step_buffers", None)
+        if buffers is not None and cache._op_inputs is not None and not static and not builtin:
+            # Taken from the model's step buffers after the op's index tensors (the order a call gives them back,
+            # see StaticStepMixin.step_buffer_tensors): the next call of these shapes has them at the same
+            # addresses and replays the decode step recorded for this one.
+            take = lambda t: buffers.take(t.shape, t.dtype, t.device).copy_(t)  # noqa: E731
+            shifts = RowShifts(take(shifts.level_shift), take(shifts.suffix_shift), shifts.first_position,
+                               from_step_buffers=True)
+        cache._shifts = shifts
     levels = len(cache.levels)
     step = _in_static_step()
     in_step = step and not builtin

@@ -62,6 +62,30 @@ def test_recorded_step_runs_the_bounded_op(family, window, body, monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["gemma3", "mistral"])
+def test_recorded_step_of_a_windowed_model_replays_in_the_next_call(family):
+    """The bounded layers' row shifts come from the model's step buffers, after the op's index tensors: a second
+    call with the same shapes (other tokens) has every tensor its decode step reads at the same address, so it
+    replays the graph the first call recorded (the key is equal); the plan's own tensors are not read."""
+    if family not in _AVAILABLE:
+        pytest.skip(f"no {family} config in this transformers")
+    from hf_cascade.decode.captured_step import CapturedDecodeStep
+    from test_captured_step import _call, _step_inputs
+
+    _, cas = model_pair(family, sliding_window=6)
+    layout = ([(1, 20), (2, 6)], 5)
+    keys = []
+    for seed in (86, 87):
+        ids, mask = pad_batch(tree_prompts(*layout, rows=6, seed=seed))
+        cache = _call(cas, ids, mask)
+        assert cache._shifts is not None and cache._shifts.from_step_buffers and cache._op_inputs is not None
+        read = {t.data_ptr() for t in cache.static_step_tensors()}
+        assert cache._shifts.level_shift.data_ptr() in read and cache._shifts.suffix_shift.data_ptr() in read
+        assert not any(t.data_ptr() in read for t in cache._plan.row_node)
+        keys.append(CapturedDecodeStep(cas, cache)._key(_step_inputs(cache, cache.layers[0].keys.shape[0]))[0])
+    assert keys[0] == keys[1]
+
+
+@pytest.mark.parametrize("family", ["gemma3", "mistral"])
 def test_compiled_decode_runs_the_bounded_op(family):
     """generate()'s compiled decode step (CPU, aot_eager, fullgraph: a graph break fails) calls the op: its body runs
     at every step, the bounds traced as device arithmetic on the written length."""
