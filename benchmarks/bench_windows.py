@@ -357,6 +357,9 @@ def main(argv=None) -> int:
             record["cascade_options"] = options[peer]
         reset_memory()
         BOUNDED_PATHS.clear()
+        from hf_cascade.decode.captured_step import recorded_steps
+
+        steps_before = recorded_steps(model)
         try:
             seconds, tokens, extra, peak = timed_calls(runners[peer], 1 + args.repeats)
             timed = seconds[1:] or seconds
@@ -372,19 +375,21 @@ def main(argv=None) -> int:
 
             traceback.print_exc()
         if peer in options:
-            from hf_cascade.decode.captured_step import recorded_steps
             from hf_cascade.tiers import tier_report
 
             record["bounded_paths"] = dict(BOUNDED_PATHS)
             record["tiers"] = tier_report(model) if device == "cuda" else None
-            record["recorded_steps"] = recorded_steps(model)
+            steps = recorded_steps(model)
+            # this peer's decode steps: graphs recorded, steps replayed from them
+            record["recorded_steps"] = {k: steps[k] - steps_before[k] for k in ("recorded", "replayed")}
             record["decode_step_bounded_path"] = (
                 "triton (bounded op in the recorded/compiled step)" if BOUNDED_PATHS["step:op/triton"]
                 else "torch" if BOUNDED_PATHS["step:torch"] or BOUNDED_PATHS["step:op/torch"]
                 else "eager" if BOUNDED_PATHS["eager:triton"] or BOUNDED_PATHS["eager:torch"] else "none seen")
             if peer != "cascade_default" and device == "cuda" and record["status"] == "ok" and (
-                    BOUNDED_PATHS["step:torch"] or not BOUNDED_PATHS["step:op/triton"]):
-                failures.append(f"{peer}: decode steps' bounded layers not on the Triton op")
+                    BOUNDED_PATHS["step:torch"] or not BOUNDED_PATHS["step:op/triton"]
+                    or not record["recorded_steps"]["replayed"]):
+                failures.append(f"{peer}: decode steps not replayed with the bounded layers on the Triton op")
         writer.write(record)
         rows.append(record)
         print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in record.items()
