@@ -77,6 +77,14 @@ KERNELS = [
      dict(MASK_MODE=2, HAS_SOFTCAP=True, HAS_PREFIX=True, HAS_KEY_LEN=True, HAS_LOWER=True, EVEN_D=True,
           EVEN_DV=True, INPUT_PRECISION="tf32", BLOCK_M=64, BLOCK_N=32, BLOCK_D=256, BLOCK_DV=256),
      dict(num_warps=8, num_stages=2)),
+    # Gemma 3's decode step (d=256: the prefix and suffix launches apart) and a long prefill with no shared level.
+    ("_prefix_kernel", "_prefix_fwd_kernel",
+     dict(HAS_SOFTCAP=False, HAS_LOWER=True, EVEN_D=True, EVEN_DV=True, INPUT_PRECISION="tf32", BLOCK_M=64,
+          BLOCK_N=32, BLOCK_D=256, BLOCK_DV=256), dict(num_warps=8, num_stages=2)),
+    ("_suffix_kernel", "_suffix_fwd_kernel",
+     dict(MASK_MODE=1, HAS_SOFTCAP=False, HAS_PREFIX=False, HAS_KEY_LEN=False, HAS_LOWER=True, EVEN_D=True,
+          EVEN_DV=True, INPUT_PRECISION="tf32", BLOCK_M=64, BLOCK_N=32, BLOCK_D=256, BLOCK_DV=256),
+     dict(num_warps=8, num_stages=2)),
     ("_merge_kernel", "_merge_attention_states_kernel", dict(BLOCK_R=16, BLOCK_D=128), dict(num_warps=4)),
     # The context-parallel combine's N-way merge of the gathered states (ops/merge_states.py).
     ("_merge_kernel", "_merge_states_kernel", dict(BLOCK_R=16, BLOCK_D=128), dict(num_warps=4)),

@@ -70,6 +70,12 @@ def _scan(model: torch.nn.Module) -> _ModelScan:
             layer_idx = getattr(module, "layer_idx", None)
             if isinstance(layer_idx, int):
                 modules.setdefault(layer_idx, weakref.WeakSet()).add(module)
+        for layer_idx, found in modules.items():
+            # Decoder layers that keep a layer_idx of their own (Gemma 3, GPT-OSS) hold their attention module: keep
+            # the innermost, the module the attention is called with (its window, sinks, ...).
+            if len(found) > 1:
+                inner = [m for m in found if not any(o is not m and o in found for o in m.modules())]
+                modules[layer_idx] = weakref.WeakSet(inner)
         scan.attention_modules, scan.non_embedding_parameters = modules, None
         scan.generation = generation
     return scan

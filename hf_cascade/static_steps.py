@@ -107,7 +107,10 @@ class StaticStepMixin:
             tensors.append(self._window_dev)
         tensors += [t for layer in self.layers if layer.is_initialized
                     for t in (layer.keys, layer.values, layer.cumulative_length)]
-        return tensors + list(self._wrapper.op_inputs or ())
+        tensors += list(self._wrapper.op_inputs or ())
+        if self._shifts is not None and self._shifts.from_step_buffers:  # taken after the op's (hf_cascade.windows)
+            tensors += [self._shifts.level_shift, self._shifts.suffix_shift]
+        return tensors
 
     def static_step_tensors(self) -> list[torch.Tensor]:
         """Every device tensor of this cache that a compiled or recorded decode step reads (the step buffers, and the
@@ -118,7 +121,8 @@ class StaticStepMixin:
         if self._shifts is not None:  # layers whose window is shorter than the sequence (hf_cascade.windows)
             tensors += [self._shifts.level_shift, self._shifts.suffix_shift]
             plan = self._wrapper.layout
-            if plan is not None:
+            if plan is not None and (self.builtin_kernels or self._wrapper.op_inputs is None):
+                # read by the PyTorch path (the bounded op reads the layout from the op's index tensors instead)
                 tensors += [*plan.row_node, *(level.node_starts_dev for level in plan.levels)]
         return tensors
 

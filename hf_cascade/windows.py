@@ -24,8 +24,11 @@ import torch
 from torch import Tensor
 
 from hf_cascade.ops._backend import host_to_device, resolve_backend
+from hf_cascade.ops.bounded import BOUNDED_PATHS, bounded_cascade_attention, count_path, lower_positions  # noqa: F401
 from hf_cascade.ops.cascade_attention import cascade_attention
-from hf_cascade.ops.bounded import bounded_cascade_attention, lower_positions
+from hf_cascade.ops.suffix_attention import _validate as _validate_suffix
+from hf_cascade.ops.suffix_attention import check_key_length, launch_suffix
+from hf_cascade.suffix_layers import memoized
 
 
 def layer_window(module: torch.nn.Module, sliding_window: int | None = None) -> int | None:
@@ -60,11 +63,14 @@ class RowShifts:
         level_shift: int64 ``[L, B]`` on the device: position = column - level_shift (inside the row's node).
         suffix_shift: int64 ``[B]`` on the device: position = suffix column + suffix_shift.
         first_position: host list of ``B`` ints, the position of each row's first own token (its chain length).
+        from_step_buffers: the two device tensors were taken from the model's step buffers (a fixed-buffer cache's
+            decode step reads them; the call gives them back with the others).
     """
 
     level_shift: Tensor
     suffix_shift: Tensor
     first_position: list[int]
+    from_step_buffers: bool = False  # the two tensors were taken from a model's StepBuffers (given back with it)
 
 
 def row_shifts(levels, row_nodes: Tensor | None, suffix_start: Tensor | None, batch_size: int,
@@ -100,6 +106,19 @@ def row_shifts(levels, row_nodes: Tensor | None, suffix_start: Tensor | None, ba
     )
 
 
+def bound_columns(shifts: RowShifts, query_length: int, written, levels: int, *, window: int | None,
+                  chunk: int | None) -> tuple[list[Tensor], Tensor]:
+    """The first visible column of each query: per prefix level (``key_lower``) and over the suffix
+    (``suffix_lower``), int64 ``[B, Lq]`` on the device, for a forward whose last query is suffix column
+    ``written - 1`` (``written``: an int, or the int64 device scalar of fixed buffers: then no host data at all)."""
+    device = shifts.suffix_shift.device
+    query_columns = written - query_length + torch.arange(query_length, device=device)  # [Lq]
+    positions = query_columns[None, :] + shifts.suffix_shift[:, None]  # [B, Lq]
+    lower = lower_positions(positions, window=window, chunk=chunk)
+    key_lower = [lower + shifts.level_shift[level, :, None] for level in range(levels)]
+    return key_lower, lower - shifts.suffix_shift[:, None]
+
+
 def bounded_attend(
     shifts: RowShifts,
     plan,
@@ -116,6 +135,7 @@ def bounded_attend(
     chunk: int | None,
     key_length: Tensor | None,
     backend: str = "auto",
+    bounds: tuple[list[Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
     """One layer's cascade attention with its window (or chunk) as a lower bound on every query's keys.
 
@@ -126,20 +146,24 @@ def bounded_attend(
             ``[Hkv, T_l, D / Dv]``; mask: bool ``[B or 1, Lq, S]`` over the suffix, or None (causal).
         key_length: the written suffix columns (fixed buffers, int64 device scalar) or None (all S).
         backend: "auto" (the Triton kernels with the bounds on CUDA, else PyTorch), "triton" or "torch".
+        bounds: :func:`bound_columns` of this forward, when already computed (another layer of the same window).
     Returns:
         ``(out [B, Lq, Hq, Dv] in query.dtype, lse [B, Hq, Lq] fp32)``.
     """
-    Lq = query.shape[2]
     written = key.shape[2] if key_length is None else key_length.reshape(())
-    query_columns = written - Lq + torch.arange(Lq, device=query.device)  # [Lq]
-    positions = query_columns[None, :] + shifts.suffix_shift[:, None]  # [B, Lq]
-    lower = lower_positions(positions, window=window, chunk=chunk)
-    key_lower = [lower + shifts.level_shift[level, :, None] for level in range(len(prefix_keys))]
-    suffix_lower = lower - shifts.suffix_shift[:, None]
-    if plan is not None and resolve_backend(backend, query.device, "cascade_attention") == "triton":
-        out, lse = cascade_attention(query, key, value, plan.prefixes(prefix_keys, prefix_values), scale=scale,
-                                     mask=mask, causal=True, softcap=softcap, backend="triton", key_length=key_length,
-                                     key_lower=key_lower, suffix_lower=suffix_lower)
+    if bounds is None:
+        bounds = bound_columns(shifts, query.shape[2], written, len(prefix_keys), window=window, chunk=chunk)
+    key_lower, suffix_lower = bounds
+    if resolve_backend(backend, query.device, "cascade_attention") == "triton":
+        if plan is not None:
+            out, lse = cascade_attention(query, key, value, plan.prefixes(prefix_keys, prefix_values), scale=scale,
+                                         mask=mask, causal=True, softcap=softcap, backend="triton",
+                                         key_length=key_length, key_lower=key_lower, suffix_lower=suffix_lower)
+        else:  # nothing shared (a segment's own prefill): the suffix kernel alone takes the bound
+            mask = _validate_suffix(query, key, value, scale, mask, softcap, None, None)
+            check_key_length(key_length, key, "bounded_attend")
+            out, lse = launch_suffix(query, key, value, scale=scale, mask=mask, causal=True, softcap=softcap,
+                                     states=None, key_length=key_length, lower=suffix_lower)
         return out.transpose(1, 2).contiguous(), lse
     node_starts = [p.node_starts_dev for p in plan.levels] if plan is not None else []
     row_node = list(plan.row_node) if plan is not None else []
@@ -151,23 +175,72 @@ def bounded_attend(
     return out.to(query.dtype).transpose(1, 2).contiguous(), lse
 
 
+
+
 def cache_bounded_attend(cache, layer_idx: int, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, *,
                          scale: float, softcap: float | None, window: int | None, chunk: int | None,
                          key_length: Tensor | None, position_ids: Tensor | None, static: bool) -> tuple[Tensor, Tensor]:
     """:func:`bounded_attend` for one layer of a :class:`~hf_cascade.cache.CascadeCache` (its rows' plan and
-    :class:`RowShifts`, built at the first bounded layer of the layout and kept on the cache). ``static``: a compiled
-    or recorded step (the PyTorch path: the Triton wrappers plan on the host)."""
-    plan = cache._plan_for(query.shape[0], query.device)  # (None without prefix levels)
+    :class:`RowShifts`, built at the first bounded layer of the layout and kept on the cache).
+
+    ``static``: a compiled or recorded step, or the built-in tier (no Triton). In a decode step with fixed buffers
+    the Triton kernels run through ``torch.ops.hf_cascade.bounded_cascade_attention`` on the index tensors of the
+    cache's :class:`~hf_cascade.ops.cascade_wrapper.CascadeWrapper` (``op_inputs``, planned at the prefill, as the
+    unbounded layers' op), the bounds computed on the device from the written length (once per step for all layers
+    of one window); the PyTorch path where that op cannot run (the built-in tier, a step of several queries)."""
+    from hf_cascade.ops.cascade_wrapper import step_inputs
+
+    wrapper = cache._wrapper
+    builtin = cache.builtin_kernels and not torch.compiler.is_compiling()
+    plan = cache._plan_for(query.shape[0], query.device) if not torch.compiler.is_compiling() else wrapper.layout
+    slots = wrapper.prefix_slots
+    if not static and not builtin and slots is not None and wrapper.op_inputs is None:
+        # Plan the decode step (one query position) now, outside the compiled step's CUDA graphs (as the wrapper's
+        # run does for the unbounded layers; whichever layer comes first plans it).
+        tensors = step_inputs(plan, query[:, :, -1:], key, [slot[layer_idx] for slot in slots.keys],
+                              buffers=cache._step_buffers)
+        wrapper.op_inputs = [t for level in tensors for t in level]
     if cache._shifts is None:
         last = (key.shape[2] if key_length is None else key_length.reshape(())) - 1
-        cache._shifts = row_shifts(cache.levels, cache.row_nodes, cache.suffix_start, query.shape[0], query.device,
-                                   position_ids, last)
+        shifts = row_shifts(cache.levels, cache.row_nodes, cache.suffix_start, query.shape[0], query.device,
+                            position_ids, last)
+        buffers = getattr(cache, "_step_buffers", None)
+        if buffers is not None and wrapper.op_inputs is not None and not static and not builtin:
+            # Taken from the model's step buffers after the op's index tensors (the order a call gives them back,
+            # see StaticStepMixin.step_buffer_tensors): the next call of these shapes has them at the same
+            # addresses and replays the decode step recorded for this one.
+            take = lambda t: buffers.take(t.shape, t.dtype, t.device).copy_(t)  # noqa: E731
+            shifts = RowShifts(take(shifts.level_shift), take(shifts.suffix_shift), shifts.first_position,
+                               from_step_buffers=True)
+        cache._shifts = shifts
+    levels = len(cache.levels)
+    step = _in_static_step()
+    in_step = step and not builtin
+    memo = cache._step_memo if in_step and not torch.compiler.is_compiling() else None
+    written = key.shape[2] if key_length is None else key_length.reshape(())
+    bounds = memoized(memo, ("bounds", window, chunk, query.shape[2], key.shape[2]), lambda: bound_columns(
+        cache._shifts, query.shape[2], written, levels, window=window if chunk is None else None, chunk=chunk))
+    op_ready = (in_step and levels and slots is not None and wrapper.op_inputs is not None
+                and key_length is not None and query.shape[2] == 1)
+    if op_ready:  # every layer's prefix slots: the op reads this layer's
+        return torch.ops.hf_cascade.bounded_cascade_attention(
+            query, key, value, slots.keys, slots.values, wrapper.op_inputs, mask, scale, softcap, layer_idx,
+            key_length, bounds[0], bounds[1])
+    backend = "torch" if static else "auto"
+    count_path(f"{'step' if step else 'eager'}:" + ("torch" if static or resolve_backend(
+        "auto", query.device, "cascade_attention") == "torch" else "triton"))
     return bounded_attend(
         cache._shifts, plan, query, key, value,
         [level.keys[layer_idx] for level in cache.levels], [level.values[layer_idx] for level in cache.levels], mask,
         scale=scale, softcap=softcap, window=window if chunk is None else None, chunk=chunk, key_length=key_length,
-        backend="torch" if static else "auto",
+        backend=backend, bounds=bounds,
     )
+
+
+def _in_static_step() -> bool:
+    from hf_cascade.decode.captured_step import static_step  # (lazy: the decode engine imports the cache)
+
+    return static_step()
 
 
 def droppable_prefix_tokens(shifts: RowShifts, levels, row_nodes: Tensor | None, window: int) -> int:

@@ -176,10 +176,24 @@ def _prefix_tile(
     if HAS_LOWER:
         bound = tl.load(lower_ptr + row * lw_b + pos.to(tl.int64) * lw_l, mask=valid, other=0)
         first = tl.maximum(lo, tl.min(tl.where(valid, bound, hi), 0))  # blocks below every row's bound: skipped
-        for start in range(first, hi, BLOCK_N):
+        # From the tile's largest bound on every row sees every key: the bounded (masked) blocks stop at the block
+        # holding it, the rest run as the unbounded kernel's (no bound mask, unmasked loads but the last block).
+        top = tl.max(tl.where(valid, bound, lo), 0)
+        mid = tl.minimum(hi, first + tl.cdiv(tl.maximum(top - first, 0), BLOCK_N) * BLOCK_N)
+        for start in range(first, mid, BLOCK_N):
             m_i, l_i, acc = _prefix_block_bounded(q, k_ptrs, v_ptrs, start, hi, bound, m_i, l_i, acc, qk_scale,
                                                   sm_scale, softcap, stride_kt, stride_vt, D, DV, HAS_SOFTCAP,
                                                   EVEN_D, EVEN_DV, INPUT_PRECISION, BLOCK_N, BLOCK_D, BLOCK_DV)
+        mid = tl.maximum(mid, first)  # (first > hi: nothing at all)
+        free_hi = mid + tl.maximum(hi - mid, 0) // BLOCK_N * BLOCK_N
+        for start in range(mid, free_hi, BLOCK_N):
+            m_i, l_i, acc = _prefix_block(q, k_ptrs, v_ptrs, start, hi, m_i, l_i, acc, qk_scale, sm_scale, softcap,
+                                          stride_kt, stride_vt, D, DV, False, HAS_SOFTCAP, EVEN_D, EVEN_DV,
+                                          INPUT_PRECISION, BLOCK_N, BLOCK_D, BLOCK_DV)
+        if free_hi < hi:  # the last, partial block
+            m_i, l_i, acc = _prefix_block(q, k_ptrs, v_ptrs, free_hi, hi, m_i, l_i, acc, qk_scale, sm_scale,
+                                          softcap, stride_kt, stride_vt, D, DV, True, HAS_SOFTCAP, EVEN_D, EVEN_DV,
+                                          INPUT_PRECISION, BLOCK_N, BLOCK_D, BLOCK_DV)
     else:
         for start in range(lo, full_hi, BLOCK_N):
             m_i, l_i, acc = _prefix_block(q, k_ptrs, v_ptrs, start, hi, m_i, l_i, acc, qk_scale, sm_scale, softcap,
