@@ -113,6 +113,7 @@ def _child(args) -> dict:
         return time.perf_counter() - t, out
 
     calls, same_tokens = [], None
+    stalls = _StallSampler() if args.sample_stalls and options is not None else None
     if args.fill:  # fill the compile caches as `python -m hf_cascade warmup` does, for this workload's shapes
         from hf_cascade.warmup import warm_up
 
@@ -161,7 +162,44 @@ def _child(args) -> dict:
         "last5_median_s": sorted(calls[-5:])[len(calls[-5:]) // 2] if calls else None,
         "first_and_last_call_tokens_equal": same_tokens,
         "process_s": round(time.perf_counter() - STARTED, 3), "tiers": tiers,
+        "gil_stalls": stalls.report() if stalls is not None else None,
     }
+
+
+class _StallSampler:
+    """A thread that wakes every 10 ms; a wake-up late by more than 100 ms means another thread held the GIL (or the
+    import lock) that long: the stacks of the other threads right after are kept (what the background build did)."""
+
+    def __init__(self):
+        import threading
+
+        self.stalls, self.stop = [], threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        import traceback
+
+        last = time.perf_counter()
+        while not self.stop.wait(0.01):
+            now = time.perf_counter()
+            late = now - last - 0.01
+            last = now
+            if late > 0.1 and len(self.stalls) < 200:
+                frames = sys._current_frames()
+                import threading
+
+                names = {t.ident: t.name for t in threading.enumerate()}
+                stacks = {names.get(ident, str(ident)): [f"{f.filename.split('site-packages/')[-1]}:{f.lineno}:{f.name}"
+                                                         for f in traceback.extract_stack(frame)[-8:]]
+                          for ident, frame in frames.items() if ident != self.thread.ident}
+                self.stalls.append({"at_s": round(now - STARTED, 2), "late_s": round(late, 3), "stacks": stacks})
+
+    def report(self):
+        self.stop.set()
+        self.thread.join()
+        return {"count": len(self.stalls), "total_s": round(sum(s["late_s"] for s in self.stalls), 2),
+                "worst": sorted(self.stalls, key=lambda s: -s["late_s"])[:12]}
 
 
 def _smollm2_shape_model():
@@ -220,6 +258,7 @@ def main(argv=None):
     parser.add_argument("--sdpa-calls", type=int, default=2, help="the transformers peers' calls per child")
     parser.add_argument("--cascade-seconds", type=float, default=0.0,
                         help="hf_cascade's peers call again until this many seconds of calls (the background build)")
+    parser.add_argument("--sample-stalls", action="store_true", help="record where the GIL was held > 100 ms")
     parser.add_argument("--output", default=None)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
@@ -251,7 +290,7 @@ def main(argv=None):
                     continue  # the stream's batches that do not fit run in parts (sdpa_in_parts): sdpa's row only
                 cmd = [sys.executable, os.path.abspath(__file__), "--child", "--workload", workload, "--peer", peer,
                        "--state", state, "--calls", str(args.calls), "--sdpa-calls", str(args.sdpa_calls),
-                       "--cascade-seconds", str(args.cascade_seconds)]
+                       "--cascade-seconds", str(args.cascade_seconds)] + (["--sample-stalls"] if args.sample_stalls else [])
                 fill = None
                 if state == "warm" and peer in ("cascade", "cascade_no_background"):  # warm = after `hf_cascade warmup` filled the caches
                     done = subprocess.run([*cmd, "--fill"], env=_cache_env(folder), capture_output=True, text=True)
