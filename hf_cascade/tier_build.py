@@ -47,7 +47,7 @@ from hf_cascade.transformers_compat import CACHE_KWARG
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["BUILD_STEPS", "ENABLED", "build_in_background", "wait_for_build"]
+__all__ = ["BUILD_STEPS", "ENABLED", "build_in_background", "wait_for_all_builds", "wait_for_build"]
 
 ENABLED = True
 # Decode steps of the build call: the first new key runs once (compiling the layers), the next step records the
@@ -58,6 +58,7 @@ CACHE_MULTIPLE = 3
 PREWARM = True  # the child process that fills the compile caches first (see the module docstring)
 PREWARM_LAYERS = 2
 PREWARM_TIMEOUT_S = 900
+_THREAD_NAME = "hf_cascade-compiled-tier"
 
 
 def build_in_background(model, input_ids: torch.Tensor, generation_config, model_kwargs: dict,
@@ -101,7 +102,7 @@ def build_in_background(model, input_ids: torch.Tensor, generation_config, model
         inputs_ready.record(torch.cuda.current_stream(device))
         thread = threading.Thread(target=_build, args=(model, state, ids, config, kwargs, options, inputs_ready,
                                                        PREWARM and not caches_warm),
-                                  name="hf_cascade-compiled-tier", daemon=True)
+                                  name=_THREAD_NAME, daemon=True)
         state.building = thread
         state.build_started = time.perf_counter()
     thread.start()
@@ -148,6 +149,15 @@ def _build_call(model, input_ids, generation_config, model_kwargs, options) -> N
     with torch.no_grad():
         generate(model, input_ids, LogitsProcessorList(), stopping, generation_config, cascade_options=options,
                  **model_kwargs)
+
+
+def wait_for_all_builds(timeout: float | None = None) -> None:
+    """Wait until every background build of this process has ended (tests; a job that wants its compile records
+    written before it exits)."""
+    deadline = None if timeout is None else time.perf_counter() + timeout
+    for thread in threading.enumerate():
+        if thread.name == _THREAD_NAME:
+            thread.join(None if deadline is None else max(0.0, deadline - time.perf_counter()))
 
 
 def _build(model, state, input_ids, generation_config, model_kwargs, options, inputs_ready, prewarm: bool) -> None:

@@ -13,6 +13,20 @@ def _own_compile_records(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_CASCADE_RECORDS", str(tmp_path / "compile_records"))
 
 
+@pytest.fixture(autouse=True)
+def _no_background_builds(request, monkeypatch):
+    """No background build of the compiled tier (``hf_cascade.tier_build``) outlives its test: off unless the test
+    is marked ``background_build`` (then every build it started is waited for at its end). A build left running
+    compiles beside the next tests (their compile counters) and slows the suite."""
+    from hf_cascade import tier_build
+
+    enabled = request.node.get_closest_marker("background_build") is not None
+    monkeypatch.setattr(tier_build, "ENABLED", enabled)
+    yield
+    if enabled:
+        tier_build.wait_for_all_builds(timeout=900)
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """``(model, tokenizer)``: SmolLM2-135M-Instruct in fp32 with attn_implementation="cascade" (CI installs it;

@@ -405,7 +405,7 @@ def test_gpu_first_calls_compile_nothing_and_move_up_exactly(family, monkeypatch
 
     from hf_cascade import tier_build, tiers
 
-    monkeypatch.setattr(tier_build, "ENABLED", False)  # the ski rental alone (the background build: below)
+    assert not tier_build.ENABLED  # the ski rental alone (conftest; the background build: below)
     ref = tiny_model(family, reference_attention(family), device="cuda", num_hidden_layers=3)
     cas = tiny_model(family, "cascade", device="cuda", num_hidden_layers=3)
     gen = dict(max_new_tokens=7, min_new_tokens=7, pad_token_id=0, do_sample=False)
@@ -432,6 +432,7 @@ def test_gpu_first_calls_compile_nothing_and_move_up_exactly(family, monkeypatch
         assert tiers.tier_report(cas)["calls"][-1][0] == tier
 
 
+@pytest.mark.background_build
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 @pytest.mark.parametrize("do_sample", [False, True])
 def test_gpu_compiled_tier_built_in_the_background(family, do_sample):
