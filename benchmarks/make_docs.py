@@ -151,7 +151,41 @@ def generated() -> str:
         parts += ["", f"### {label}", "", history_table(gen, bench, workload, batch)]
     parts += ["", "## One decode step of attention (`benchmarks/results/kernels.jsonl`)", "",
               kernels_table(load("kernels.jsonl"))]
+    windows = windows_table(load("windows.jsonl"))
+    if windows:
+        parts += ["", "## Sliding windows: a Gemma-3-shaped model (`benchmarks/results/windows.jsonl`)", "", windows]
     return "\n".join(parts)
+
+
+def windows_table(records: list[dict]) -> str:
+    """The newest GPU run of bench_windows.py: its peers, the KV a sliding layer could drop, the kernel point."""
+    gpu = [r for r in records if not r.get("smoke") and r.get("gpu")]
+    runs_by_sha = [r for r in gpu if r.get("git_sha") == gpu[-1]["git_sha"]] if gpu else []
+    peers = [r for r in runs_by_sha if r.get("bench") == "windows_generate" and r.get("status") == "ok"]
+    if not peers:
+        return ""
+    w = peers[0]
+    lines = [f"{w['gpu']}, torch {w['torch']}, transformers {w['transformers']}; {w['model']}, {w['layers']} layers "
+             f"({w['sliding_layers']} sliding, window {w['window']}), random {w['dtype'].replace('torch.', '')}; "
+             f"{w['batch']} rows sharing {w['prefix']:,} tokens + {w['own']} own, {w['new_tokens']} new, greedy; "
+             f"git `{w['git_sha'][:7]}`. Median of the calls after the first; `cascade_default` is the built-in tier the "
+             f"default's first calls run (the background build is off in this benchmark).", "",
+             "| peer | call s | first call s | peak GiB | KV GiB | tokens equal to sdpa's | sliding layers in the decode "
+             "step |", "|---|---|---|---|---|---|---|"]
+    for r in peers:
+        lines.append(f"| {r['peer']} | {r['seconds']:.2f} | {r['first_call_s']:.2f} | {r['peak_gib']:.1f} | "
+                     f"{r.get('kv_gib', 0):.2f} | {r.get('greedy_equal_sdpa_frac', 1.0):.1%} | "
+                     f"{r.get('decode_step_bounded_path', '-')} |")
+    drop = next((r for r in peers if "droppable_sliding_kv_gib" in r), None)
+    if drop is not None:
+        lines += ["", f"Shared-prefix KV of the sliding layers that no row can see any more: "
+                      f"{drop['droppable_sliding_kv_gib']:.2f} GiB of {drop['kv_gib']:.2f} GiB held "
+                      f"({drop['droppable_fraction_of_kv']:.0%}; reported, kept)."]
+    kernel = next((r for r in runs_by_sha if r.get("bench") == "windows_kernels"), None)
+    if kernel is not None:
+        lines += ["", "Decode-step kernels (µs, CUDA graphs): " + ", ".join(
+            f"{k} {v:.1f}" for k, v in kernel.items() if k.endswith("_us") and isinstance(v, float)) + "."]
+    return "\n".join(lines)
 
 
 def rendered_doc() -> str:
