@@ -41,6 +41,8 @@ import os  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
+import threading  # noqa: E402
+import traceback  # noqa: E402
 
 PEER_OPTIONS = {"sdpa": None, "sdpa_static": None, "hf_prefix_reuse": None, "cascade": {},
                 "cascade_no_background": {}, "cascade_compiled_now": {"compile": "now"},
@@ -171,15 +173,11 @@ class _StallSampler:
     import lock) that long: the stacks of the other threads right after are kept (what the background build did)."""
 
     def __init__(self):
-        import threading
-
         self.stalls, self.stop = [], threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _run(self):
-        import traceback
-
         last = time.perf_counter()
         while not self.stop.wait(0.01):
             now = time.perf_counter()
@@ -187,8 +185,6 @@ class _StallSampler:
             last = now
             if late > 0.1 and len(self.stalls) < 200:
                 frames = sys._current_frames()
-                import threading
-
                 names = {t.ident: t.name for t in threading.enumerate()}
                 stacks = {names.get(ident, str(ident)): [f"{f.filename.split('site-packages/')[-1]}:{f.lineno}:{f.name}"
                                                          for f in traceback.extract_stack(frame)[-8:]]

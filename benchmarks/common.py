@@ -77,11 +77,11 @@ class ResultWriter:
                 f.write(line + "\n")
 
 
-def add_shared_workload_args(parser, layers: int = 32) -> None:
+def add_shared_workload_args(parser, layers: int = 32, batch: int = 32) -> None:
     """The shared workload's size flags (``bench_generate.make_batch``: ``--batch`` rows sharing ``--prefix`` tokens,
     ``--suffix`` own tokens each, a Llama-3-8B-shaped model of ``--layers`` layers)."""
     parser.add_argument("--layers", type=int, default=layers)
-    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=batch)
     parser.add_argument("--prefix", type=int, default=4096)
     parser.add_argument("--suffix", type=int, default=64)
 

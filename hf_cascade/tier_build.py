@@ -76,15 +76,15 @@ def build_in_background(model, input_ids: torch.Tensor, generation_config, model
     Returns:
         Whether a build started (False: one is running or done or failed for this model, or it would not fit).
     """
-    from hf_cascade.tiers import building_state
+    from hf_cascade.tiers import building_state, recorded_compile_costs
 
     if not ENABLED or input_ids.device.type != "cuda":
         return False
     state = building_state(model)
-    caches_warm = caches_filled_before(model)
     with state.lock:
         if state.ready["compiled"] or state.building is not None or state.build_error is not None:
             return False
+        caches_warm = bool(recorded_compile_costs(model, state))
         device = input_ids.device
         free, total = torch.cuda.mem_get_info(device)
         free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
@@ -120,16 +120,6 @@ def wait_for_build(model, timeout: float | None = None) -> bool:
         thread.join(timeout)
     with state.lock:
         return state.ready["compiled"]
-
-
-def caches_filled_before(model) -> bool:
-    """Whether a record says a process compiled ``model``'s layers with these compile caches (then they are warm
-    and the build needs no child process)."""
-    from hf_cascade.tiers import building_state, _load_record
-
-    state = building_state(model)
-    with state.lock:
-        return bool(_load_record(model, state).get("compiled_call_s"))
 
 
 def _build_call(model, input_ids, generation_config, model_kwargs, options) -> None:

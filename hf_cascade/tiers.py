@@ -195,6 +195,12 @@ def tier_report(model) -> dict:
                                      "error": state.build_error, "prewarm": state.build_prewarm}}
 
 
+def recorded_compile_costs(model, state: _ModelTiers) -> list:
+    """What earlier processes recorded compiling ``model``'s layers cost with these compile caches (empty: no process
+    did, the caches hold none of its graphs). Call with ``state.lock`` held."""
+    return _load_record(model, state).get("compiled_call_s") or []
+
+
 def _compiled_cost(record: dict) -> float:
     """Expected seconds to compile the layers: the least an earlier process's first compiled call took (it
     includes the call's own work, so it overstates), else :data:`DEFAULT_COST_S`."""

@@ -16,17 +16,14 @@ import torch
 import preamble  # noqa: E402, F401  (the repository root and benchmarks/ on sys.path)
 
 from bench_generate import build_model, make_batch  # noqa: E402
-from common import ResultWriter  # noqa: E402
+from common import ResultWriter, add_shared_workload_args  # noqa: E402
 
 import hf_cascade  # noqa: E402
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--prefix", type=int, default=4096)
-    parser.add_argument("--suffix", type=int, default=64)
+    add_shared_workload_args(parser, batch=4)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)

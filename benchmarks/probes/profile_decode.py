@@ -27,17 +27,14 @@ from torch.profiler import ProfilerActivity, profile
 import preamble  # noqa: E402, F401  (the repository root and benchmarks/ on sys.path)
 
 from bench_generate import build_model, make_batch  # noqa: E402
-from common import ResultWriter, timed_with_compile_breakdown, wall_time  # noqa: E402
+from common import ResultWriter, add_shared_workload_args, timed_with_compile_breakdown, wall_time  # noqa: E402
 
 import hf_cascade  # noqa: E402
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--prefix", type=int, default=4096)
-    parser.add_argument("--suffix", type=int, default=64)
+    add_shared_workload_args(parser)
     parser.add_argument("--steps", type=int, default=8)
     peers = ["cascade_generate", "cascade_generate_synced", "cascade_generate_eager", "cascade_generate_graphs",
              "cascade_generate_compile", "cascade_compiled", "cascade", "sdpa"]
