@@ -10,7 +10,10 @@ Peers, on the same model:
 * ``hf_cascade_score``: :func:`hf_cascade.score` (``--max-batch-tokens``).
 
 Every timed run is checked: the chosen answer of each question (argmax over its choices) and the max |difference| of
-the log-probabilities between the peers (bf16: not bitwise). Reports seconds (synchronised wall time, after one
+the log-probabilities between the peers (bf16: not bitwise). bf16 agreement (``--agreement-questions``, the first
+questions only): the same pairs scored by sdpa, eager attention and hf_cascade in bf16, and by sdpa with the model
+in float32 (the reference); each bf16 peer's |error| against it (the bar: hf_cascade no further than eager).
+``--sweep-min-shared`` times the scorer with other ``min_shared_tokens`` (which segments become shared levels). Reports seconds (synchronised wall time, after one
 warm-up run of each), tokens through the model, and peak memory; JSON lines to results/scoring_gpu.jsonl.
 
     python benchmarks/bench_scoring_gpu.py                       # the issue's point (H100, 32 layers)
@@ -115,6 +118,10 @@ def main(argv=None) -> int:
     parser.add_argument("--max-batch-tokens", type=int, default=None)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="the tiny test model (a smoke test of the script)")
+    parser.add_argument("--agreement-questions", type=int, default=32,
+                        help="questions scored by every peer in bf16 and by sdpa in float32 (0: none)")
+    parser.add_argument("--sweep-min-shared", type=int, nargs="*", default=[],
+                        help="also time hf_cascade.score with these min_shared_tokens")
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
 
@@ -148,10 +155,52 @@ def main(argv=None) -> int:
         "forwards": out.stats["forwards"], "same_picks": float((picks == ref_picks).float().mean()),
         "max_abs_logprob_diff": float((out.logprobs - ref).abs().max()),
     }
+    sweep = {}
+    for value in args.sweep_min_shared:
+        seconds, peak, swept = timed(lambda: hf_cascade.score(model, contexts, continuations, progress=False,
+                                                              min_shared_tokens=value, **options), args.device)
+        sweep[str(value)] = {"seconds": round(seconds, 3), "peak_gib": peak, "forwards": swept.stats["forwards"],
+                             "tokens_run": swept.stats["tokens_run"],
+                             "max_abs_diff_vs_default": float((swept.logprobs - out.logprobs).abs().max())}
+    record["min_shared_sweep"] = sweep or None
+    if args.agreement_questions:
+        record["bf16_agreement"] = agreement(model, contexts, continuations, args, options)
     ResultWriter("scoring_gpu.jsonl", args.output).write(record)
     print({k: record[k] for k in ("hf_cascade_s", "sdpa_batched_s", "speedup", "hf_cascade_peak_gib",
-                                  "sdpa_batched_peak_gib", "same_picks", "max_abs_logprob_diff")})
+                                  "sdpa_batched_peak_gib", "same_picks", "max_abs_logprob_diff", "min_shared_sweep",
+                                  "bf16_agreement") if k in record})
     return 0
+
+
+def agreement(model, contexts, continuations, args, options) -> dict:
+    """The first ``--agreement-questions`` questions scored by sdpa, eager and hf_cascade in the model's dtype, and
+    by sdpa in float32 (the model cast up and back: bf16 -> fp32 -> bf16 is exact). Per peer: max and mean |error|
+    against float32, and the share of questions whose pick matches float32's."""
+    n = min(args.agreement_questions, args.questions) * args.choices
+    ctx, cont = contexts[:n], continuations[:n]
+
+    def attention(name):
+        model.set_attn_implementation(name)
+        try:
+            return sdpa_batched(model, ctx, cont, args.sdpa_batch)
+        finally:
+            model.set_attn_implementation("cascade")
+
+    got = {"sdpa": attention("sdpa"), "eager": attention("eager"),
+           "hf_cascade": hf_cascade.score(model, ctx, cont, progress=False, **options).logprobs}
+    dtype = model.dtype
+    model.float()
+    try:
+        ref = attention("sdpa")
+    finally:
+        model.to(dtype)
+    picks = ref.view(-1, args.choices).argmax(-1)
+    report = {"questions": n // args.choices, "reference": "sdpa, float32"}
+    for name, value in got.items():
+        error = (value - ref).abs()
+        report[name] = {"max_abs_err": round(float(error.max()), 4), "mean_abs_err": round(float(error.mean()), 5),
+                        "same_picks_as_fp32": float((value.view(-1, args.choices).argmax(-1) == picks).float().mean())}
+    return report
 
 
 if __name__ == "__main__":

@@ -1,35 +1,36 @@
-"""The compiled tier built in the background: no generate() call waits for the compiler.
+"""The compiled tier prepared in the background: no generate() call waits for a cold compiler.
 
 :mod:`hf_cascade.tiers` starts a model's calls on tiers that need no compilation. After such a call (greedy or
-sampling on CUDA, default options) :func:`build_in_background` starts one thread per model that runs a *build
-call*: the same rows again through ``hf_cascade.generate`` with ``cascade_options={"compile": "now"}`` (same
-options, same batch bucket and buffer capacity, so the same graphs), greedy, stopped after :data:`BUILD_STEPS`
-decode steps, its output dropped. It compiles the decoder layers for the prefill and the decode step, builds the
-Triton kernels and records the compiled step, while the calling thread goes on serving calls on the tier it has.
-When the build call ends, :func:`hf_cascade.tiers.record_call` marks the compiled tier ready and the next call
-runs it.
+sampling on CUDA, default options) :func:`build_in_background` starts one thread per model that runs the *build
+call* (the same rows again through ``hf_cascade.generate`` with ``cascade_options={"compile": "now"}``, same
+options, batch bucket and buffer capacity, so the same graphs; greedy; stopped after :data:`BUILD_STEPS` decode
+steps) in a **child process**, on a copy of the model's config cut to :data:`PREWARM_LAYERS` decoder layers of
+random weights, at low CPU priority. The layers compile to one graph for all layers, so the cut model makes the
+same graphs and Triton kernels: the child fills the Triton and Inductor caches on disk. The thread only waits for it
+(the GIL is free meanwhile), and the calls meanwhile build nothing themselves (they would build what the child is
+building).
 
-What the build shares with the serving thread, and how it stays out of its way:
+Once the child is done the caches are warm, and compiling the layers in this process costs what loading them
+does (H100, Llama-3-8B shape: a first compiled call of 2.1 s against 0.66 s later, where a cold one took 20 s):
+:mod:`hf_cascade.tiers` then expects :data:`~hf_cascade.tiers.WARM_COMPILE_COST_S` and its ski rental moves a call
+up once the regret reached it, usually the first call after the child (the calls during the child's 30-40 s have
+piled up regret). That one call compiles in the foreground.
 
-* the model: the compiled layer calls are installed per thread
-  (:class:`~hf_cascade.decode.compiled_layers._ThreadCompiledCall`), so other threads run the model's own layers;
-* the GPU: the build runs on its own CUDA stream; it starts only where free device memory is at least
-  :data:`MIN_FREE_FRACTION` of the GPU and :data:`CACHE_MULTIPLE` times the call's KV (it allocates about what the
-  call did); an error (out of memory included) ends the build, a warning says why, and the calls stay on the
-  tiers they have;
-* the interpreter: building Triton kernels holds the GIL for up to a second per kernel (its compiler runs in C++
-  without releasing it), so a serving thread beside it waits: measured (H100, Llama-3-8B shape, empty caches) a
-  1.0 s call took 7.5 s once and 2-4 s several times during a 29 s build. So where no earlier process compiled
-  with these caches (no record says so), the build first runs the same call in a **child process** on a copy of
-  the model's config cut to :data:`PREWARM_LAYERS` decoder layers of random weights (the layers compile to one
-  graph for all layers, so the cut model makes the same graphs and kernels), at low CPU priority: it fills the
-  Triton and Inductor caches on disk; the thread's own build then loads from them and traces in Python, which
-  yields the GIL every few milliseconds;
-* the process's end: the thread is a daemon; an interpreter that exits while it builds does not wait for it
-  (measured: exit code 0, 1.6 s).
+Why not in a thread of this process (``MODE = "child+thread"``, the policy before; ``"thread"`` without the child;
+kept for the benchmarks): tracing and loading the compiled layers is Python that hands the GIL back and forth with
+the serving thread thousands of times per call; measured (same model, warm caches), the thread's build took 7-9.5 s
+instead of 2 s alone, and the call beside it 6.2 s instead of 1.0 s. In the foreground the same work costs one
+call ~1.5 s once. With empty caches and no child, Triton's compiler holds the GIL for up to a second per kernel (a
+1.0 s call took 7.5 s).
+
+What the child shares with the serving process: the GPU (it starts only where free device memory is at least
+:data:`MIN_FREE_FRACTION` of the GPU and :data:`CACHE_MULTIPLE` times the call's KV); the caches on disk. A child
+that fails is reported in :func:`hf_cascade.tiers.tier_report` and by a warning; the ski rental then decides with
+the cold costs. The thread is a daemon; an interpreter that exits while the child runs does not wait for it.
 
 Where this does not start: ``compile="now"`` / ``"never"``, beam search, CPU, a user's own cache, a call without
-decode steps, or :data:`ENABLED` set False (the benchmarks compare the policies).
+decode steps, caches a record says are warm (nothing to fill: the ski rental decides with the recorded cost), or
+:data:`ENABLED` set False (the benchmarks compare the policies).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ from hf_cascade.transformers_compat import CACHE_KWARG
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["BUILD_STEPS", "ENABLED", "build_in_background", "wait_for_all_builds", "wait_for_build"]
+__all__ = ["BUILD_STEPS", "ENABLED", "MODE", "build_in_background", "wait_for_all_builds", "wait_for_build"]
 
 ENABLED = True
 # Decode steps of the build call: the first new key runs once (compiling the layers), the next step records the
@@ -55,7 +56,10 @@ ENABLED = True
 BUILD_STEPS = 4
 MIN_FREE_FRACTION = 0.15
 CACHE_MULTIPLE = 3
-PREWARM = True  # the child process that fills the compile caches first (see the module docstring)
+# "child": the child process fills the compile caches, the calls move up by the ski rental (the default);
+# "child+thread": then the thread compiles in this process too; "thread": the thread alone (module docstring).
+MODE = "child"
+MODES = ("child", "child+thread", "thread")
 PREWARM_LAYERS = 2
 PREWARM_TIMEOUT_S = 900
 _THREAD_NAME = "hf_cascade-compiled-tier"
@@ -84,7 +88,11 @@ def build_in_background(model, input_ids: torch.Tensor, generation_config, model
     with state.lock:
         if state.ready["compiled"] or state.building is not None or state.build_error is not None:
             return False
-        caches_warm = bool(recorded_compile_costs(model, state))
+        if MODE not in MODES:
+            raise ValueError(f"`hf_cascade.tier_build.MODE` must be one of {list(MODES)}; got {MODE!r}.")
+        caches_warm = bool(recorded_compile_costs(model, state)) or state.caches_filled
+        if caches_warm and MODE == "child":
+            return False  # nothing to fill: the ski rental moves up with the recorded cost
         device = input_ids.device
         free, total = torch.cuda.mem_get_info(device)
         free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
@@ -101,7 +109,7 @@ def build_in_background(model, input_ids: torch.Tensor, generation_config, model
         inputs_ready = torch.cuda.Event()
         inputs_ready.record(torch.cuda.current_stream(device))
         thread = threading.Thread(target=_build, args=(model, state, ids, config, kwargs, options, inputs_ready,
-                                                       PREWARM and not caches_warm),
+                                                       MODE != "thread" and not caches_warm),
                                   name=_THREAD_NAME, daemon=True)
         state.building = thread
         state.build_started = time.perf_counter()
@@ -110,7 +118,8 @@ def build_in_background(model, input_ids: torch.Tensor, generation_config, model
 
 
 def wait_for_build(model, timeout: float | None = None) -> bool:
-    """Wait until ``model``'s background build (if one runs) ends; True when the compiled tier is ready."""
+    """Wait until ``model``'s background build (if one runs) ends; True when it ended without error (the compile
+    caches are filled, or with ``MODE`` ``"child+thread"`` / ``"thread"`` the compiled tier is ready)."""
     from hf_cascade.tiers import building_state
 
     state = building_state(model)
@@ -119,7 +128,8 @@ def wait_for_build(model, timeout: float | None = None) -> bool:
     if thread is not None:
         thread.join(timeout)
     with state.lock:
-        return state.ready["compiled"]
+        return state.building is None and state.build_error is None and (
+            state.ready["compiled"] or state.caches_filled)
 
 
 def _build_call(model, input_ids, generation_config, model_kwargs, options) -> None:
@@ -153,25 +163,35 @@ def wait_for_all_builds(timeout: float | None = None) -> None:
 def _build(model, state, input_ids, generation_config, model_kwargs, options, inputs_ready, prewarm: bool) -> None:
     from hf_cascade.tiers import IN_BUILD
 
-    IN_BUILD.active = True
     error = prewarmed = None
+    filled = False
     try:
-        stream = torch.cuda.Stream(device=input_ids.device)
-        stream.wait_event(inputs_ready)
+        stream = torch.cuda.Stream(device=input_ids.device) if input_ids.is_cuda else None
+        if inputs_ready is not None:
+            stream.wait_event(inputs_ready)
         if prewarm:
             prewarmed = _prewarm_in_child(model, input_ids, generation_config, model_kwargs, options, stream)
-        with torch.cuda.stream(stream):
-            _build_call(model, input_ids, generation_config, model_kwargs, options)
-        stream.synchronize()
+            filled = prewarmed["returncode"] == 0
+            if not filled and MODE == "child":
+                error = f"the child process that fills the compile caches failed: {prewarmed['error']}"
+        if MODE != "child":
+            IN_BUILD.active = True
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                _build_call(model, input_ids, generation_config, model_kwargs, options)
+            if stream is not None:
+                stream.synchronize()
     except Exception as err:  # noqa: BLE001 (a compiler error or out of memory: the calls keep the tiers they have)
         error = f"{type(err).__name__}: {str(err)[:300]}"
-        logger.warning(f"hf_cascade: building the compiled tier in the background failed ({error}); generate() "
-                       "calls stay on the tiers that need no compilation.")
     finally:
+        IN_BUILD.active = False
+        if error is not None:
+            logger.warning(f"hf_cascade: preparing the compiled tier in the background failed ({error}); the calls "
+                           "move up only when the time they lost would have paid for compiling.")
         with state.lock:
             state.building = None
             state.build_error = error
             state.build_prewarm = prewarmed
+            state.caches_filled = state.caches_filled or filled
             state.build_s = round(time.perf_counter() - state.build_started, 3)
 
 
@@ -211,25 +231,38 @@ def _prewarm_in_child(model, input_ids, generation_config, model_kwargs, options
         except Exception as err:  # noqa: BLE001 (something in the call cannot be pickled: no child)
             return {"seconds": 0.0, "returncode": None, "error": f"{type(err).__name__}: {str(err)[:200]}"}
         try:
-            done = subprocess.run([sys.executable, "-m", "hf_cascade.tier_build", path], capture_output=True,
-                                  text=True, timeout=PREWARM_TIMEOUT_S, preexec_fn=_lower_priority)
+            done = subprocess.run([sys.executable, "-m", "hf_cascade.tier_build", path, str(os.getpid())],
+                                  capture_output=True, text=True, timeout=PREWARM_TIMEOUT_S)
             code, tail = done.returncode, done.stderr[-400:] if done.returncode else None
         except (OSError, subprocess.TimeoutExpired) as err:
             code, tail = None, f"{type(err).__name__}: {str(err)[:200]}"
     return {"seconds": round(time.perf_counter() - started, 3), "returncode": code, "error": tail}
 
 
-def _lower_priority() -> None:
+def _leave_with_parent(parent_pid: int) -> None:
+    """In the child: low CPU priority, and end when the process that started it ends (Linux: the kernel sends
+    SIGTERM; a parent already gone ends it now), so an interpreter that exits mid-build leaves no child behind."""
     import os
+    import signal
 
     try:
         os.nice(10)
     except OSError:
         pass
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if parent_pid and os.getppid() != parent_pid:
+        raise SystemExit(0)
 
 
-def _child_main(path: str) -> int:
+def _child_main(path: str, parent_pid: int = 0) -> int:
     """The child process of :func:`_prewarm_in_child`: build the cut model and run the build call once."""
+    _leave_with_parent(parent_pid)
     spec = torch.load(path, weights_only=False)
     torch.manual_seed(0)
     device = torch.device(spec["device"])
@@ -245,4 +278,4 @@ def _child_main(path: str) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(_child_main(sys.argv[1]))
+    raise SystemExit(_child_main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 0))

@@ -28,10 +28,11 @@ an earlier process measured when it moved up. Pointing the compile caches at a n
 ``TORCHINDUCTOR_CACHE_DIR``) starts from no record. ``python -m hf_cascade warmup --model PATH`` compiles every
 tier ahead (for images and CI) and writes the records.
 
-**In the background**, after the first call that could use the compiled tier: :mod:`hf_cascade.tier_build` builds it
-on a thread from that call's rows while the calls go on below it (they build nothing themselves meanwhile), and the
-first call after the build ends runs it. The ski rental above decides only where no background build ran (it did
-not fit in memory, or failed).
+**In the background**, after the first call that could use the compiled tier where no record says the compile
+caches are warm: :mod:`hf_cascade.tier_build` runs that call's rows in a child process on the model cut to two
+layers, which fills the caches while the calls go on below (they build nothing themselves meanwhile). Its
+compiled tier then costs what loading from warm caches does (:data:`WARM_COMPILE_COST_S`), and the ski rental
+moves up, usually on the first call after the child.
 
 ``compile="now"`` runs the compiled tier from the first call (the old default: the first call compiles);
 ``compile="never"`` never compiles the layers (Triton kernels when ready, by the same rule).
@@ -73,6 +74,10 @@ DEFAULT_COST_S = {"triton": 8.0, "compiled": 20.0}
 # of another shape can still need a few new specialisations (~1 s each): measured 2.6 s for a first call of ragged
 # chat rows after a warm-up of plain batches (benchmarks/results/first_call.jsonl), against 0.75 s built-in.
 RECORDED_TRITON_COST_S = 1.0
+# The compiled tier where the caches are warm but no record of this model says what loading from them costs (a
+# background child filled them: hf_cascade.tier_build): H100, Llama-3-8B shape, the first compiled call of a process
+# with warm caches took 2.1 s (1.9 s of it compiling) against 0.66 s later (benchmarks/results/first_call.jsonl).
+WARM_COMPILE_COST_S = 2.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +111,7 @@ class _ModelTiers:
         self.build_started: float | None = None
         self.build_s: float | None = None
         self.build_prewarm: dict | None = None  # the child process that filled the compile caches first
+        self.caches_filled = False  # a child filled the compile caches for this model's calls (tier_build)
 
 
 def _state(model) -> _ModelTiers:
@@ -135,13 +141,15 @@ def choose_tier(model, compile: str = "auto") -> Tier:
         # too), the calls do not build anything themselves: they would wait for what the build is making.
         building = state.building is not None and compile == "auto"
         record = _load_record(model, state)
-        triton_cost = RECORDED_TRITON_COST_S if record.get("triton_built") else DEFAULT_COST_S["triton"]
+        warm = record.get("triton_built") or state.caches_filled
+        triton_cost = RECORDED_TRITON_COST_S if warm else DEFAULT_COST_S["triton"]
         triton = state.ready["triton"] or (state.regret["triton"] >= triton_cost and not building)
         if not triton:
             return _TIERS["builtin"]
         if compile == "never":
             return _TIERS["triton"]
-        compiled = state.ready["compiled"] or (state.regret["compiled"] >= _compiled_cost(record) and not building)
+        compiled = state.ready["compiled"] or (
+            state.regret["compiled"] >= _compiled_cost(record, state.caches_filled) and not building)
         return _TIERS["compiled" if compiled else "triton"]
 
 
@@ -186,13 +194,15 @@ def note_compile_cost(model, seconds: float) -> None:
 
 def tier_report(model) -> dict:
     """``{"calls": [(tier, seconds), ...], "ready": {...}, "regret_s": {...}, "record": path, "background_build":
-    {"running", "seconds", "error"}}`` for ``model`` in this process (benchmarks print it)."""
+    {"running", "seconds", "error", "prewarm", "caches_filled"}}`` for ``model`` in this process (benchmarks print
+    it)."""
     state = _state(model)
     with state.lock:
         return {"calls": list(state.calls), "ready": dict(state.ready),
                 "regret_s": {k: round(v, 3) for k, v in state.regret.items()}, "record": state.record_path,
                 "background_build": {"running": state.building is not None, "seconds": state.build_s,
-                                     "error": state.build_error, "prewarm": state.build_prewarm}}
+                                     "error": state.build_error, "prewarm": state.build_prewarm,
+                                     "caches_filled": state.caches_filled}}
 
 
 def recorded_compile_costs(model, state: _ModelTiers) -> list:
@@ -201,11 +211,14 @@ def recorded_compile_costs(model, state: _ModelTiers) -> list:
     return _load_record(model, state).get("compiled_call_s") or []
 
 
-def _compiled_cost(record: dict) -> float:
+def _compiled_cost(record: dict, caches_filled: bool = False) -> float:
     """Expected seconds to compile the layers: the least an earlier process's first compiled call took (it
-    includes the call's own work, so it overstates), else :data:`DEFAULT_COST_S`."""
+    includes the call's own work, so it overstates), else :data:`WARM_COMPILE_COST_S` where a child filled the
+    caches, else :data:`DEFAULT_COST_S`."""
     costs = record.get("compiled_call_s")
-    return min(costs) if costs else DEFAULT_COST_S["compiled"]
+    if costs:
+        return min(costs)
+    return WARM_COMPILE_COST_S if caches_filled else DEFAULT_COST_S["compiled"]
 
 
 # ---------------------------------------------------------------------------------------------- records on disk

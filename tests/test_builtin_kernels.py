@@ -188,7 +188,7 @@ def test_calls_build_nothing_while_the_background_build_runs(records, tiny_llama
     assert tiers.choose_tier(model).name == "compiled"
     assert tiers.tier_report(model)["calls"] == [("background compiled", 9.0)]
     assert tiers.tier_report(model)["background_build"] == {"running": False, "seconds": None, "error": None,
-                                                             "prewarm": None}
+                                                             "prewarm": None, "caches_filled": False}
 
 
 def test_tier_choices_and_records_off(records, tiny_llama_pair, monkeypatch):
@@ -246,6 +246,81 @@ def test_warmup_command_runs_on_cpu(capsys):
     assert "2 rows x 20 shared tokens, 3 new" in out and "3 rows" in out and "warmup: done" in out
     with pytest.raises(SystemExit, match="no CUDA GPU"):
         main(["warmup", "--model", "tiny", "--device", "cuda"] if not torch.cuda.is_available() else ["--bad"])
+
+
+@pytest.mark.parametrize("child_returncode", [0, 1])
+def test_background_child_fills_the_caches_then_the_ski_rental_moves_up(records, tiny_llama_pair, monkeypatch,
+                                                                         child_returncode):
+    """The default MODE ("child"): the background thread only runs the child process; once it has filled the
+    caches, the compiled tier's expected cost is WARM_COMPILE_COST_S (not the cold default), so the ski rental moves
+    the next call up once the regret reaches it (the call compiles in the foreground, from warm caches); a child
+    that fails is an error in the report, a warning, and the cold cost; nothing is compiled in this process by the
+    thread either way."""
+    import threading
+
+    from hf_cascade import tier_build, tiers
+
+    model = tiny_llama_pair[0]
+    _fresh_process(model)
+    assert tier_build.MODE == "child"
+    ran = []
+    monkeypatch.setattr(tier_build, "_prewarm_in_child", lambda *a: {"seconds": 1.0, "returncode": child_returncode,
+                                                                      "error": None if child_returncode == 0 else "boom"})
+    monkeypatch.setattr(tier_build, "_build_call", lambda *a: ran.append(a))
+    state = tiers._state(model)
+    state.building, state.build_started = threading.current_thread(), 0.0
+    state.regret["triton"] = state.regret["compiled"] = tiers.WARM_COMPILE_COST_S + 0.1
+    assert tiers.choose_tier(model).name == "builtin"  # the child runs: no call builds anything
+    tier_build._build(model, state, torch.zeros(2, 3, dtype=torch.long), None, {}, {}, None, True)
+    assert ran == []
+    report = tiers.tier_report(model)["background_build"]
+    assert report["running"] is False and report["caches_filled"] is (child_returncode == 0)
+    if child_returncode == 0:
+        assert report["error"] is None
+        assert tiers.choose_tier(model).name == "compiled"
+        state.regret["compiled"] = tiers.WARM_COMPILE_COST_S - 0.1
+        assert tiers.choose_tier(model).name == "triton"  # the Triton kernels are in the caches too
+    else:
+        assert "child process" in report["error"] and "boom" in report["error"]
+        assert tiers.choose_tier(model).name == "builtin"  # the cold costs: 8 s for Triton
+
+
+def test_background_child_ends_with_the_process_that_started_it(tmp_path):
+    """A process that exits while its background child fills the caches leaves no child behind (the child asks
+    the kernel for SIGTERM when its parent ends: tier_build._leave_with_parent)."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("PR_SET_PDEATHSIG is Linux's")
+    pid_file = tmp_path / "child.pid"
+    parent = f"""
+import os, subprocess, sys, threading, time
+def run():
+    subprocess.run([sys.executable, "-c", "import os, sys, time; from hf_cascade.tier_build import _leave_with_parent; "
+                    "_leave_with_parent(int(sys.argv[1])); open(sys.argv[2], 'w').write(str(os.getpid())); "
+                    "time.sleep(120)", str(os.getpid()), {str(pid_file)!r}])
+threading.Thread(target=run, daemon=True).start()
+deadline = time.time() + 120
+while not os.path.exists({str(pid_file)!r}) and time.time() < deadline:
+    time.sleep(0.1)
+time.sleep(0.5)
+"""
+    done = subprocess.run([sys.executable, "-c", parent], timeout=200)
+    assert done.returncode == 0
+    child = int(pid_file.read_text())
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    else:
+        os.kill(child, 9)
+        raise AssertionError("the child outlived the process that started it")
 
 
 def test_background_build_child_process_runs_the_call_on_a_cut_model(tiny_llama_pair):

@@ -95,6 +95,9 @@ def main():
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--output", default=None)
+    parser.add_argument("--cold", action="store_true",
+                        help="the process's first calls instead: call 1 and 2 of the full kind, no warm-up first "
+                             "(the default options: the built-in tier)")
     args = parser.parse_args()
 
     model = build_model(args.layers)
@@ -106,7 +109,7 @@ def main():
     wrap(generation, "sample")
     wrap(decoding, "_first_forward")
     wrap(decoding, "greedy_tokens", limit=2)
-    wrap(captured_step.CapturedDecodeStep, "__call__", "decode_step", limit=2)
+    wrap(captured_step.CapturedDecodeStep, "__call__", "decode_step", limit=5 if args.cold else 2)
     custom = wrap(generation, "generate", "hf_cascade.generate")
     for name in ("_prefill", "prepare_inputs_for_generation", "_update_model_kwargs_for_generation"):
         wrap(model, name, limit=2)
@@ -116,6 +119,23 @@ def main():
                               custom_generate=custom)
 
     writer = ResultWriter("probe_call_timeline.jsonl", args.output)
+    if args.cold:
+        from hf_cascade import tier_build
+
+        tier_build.ENABLED = False  # the calls alone, no child process beside calls 2 and 3
+        for index in (1, 2, 3):
+            TL.begin()
+            call(args.new_tokens)
+            run = TL.end()
+            record = {"bench": "probe_call_timeline", "kind": f"cold_call_{index}", "layers": args.layers,
+                      "batch": args.batch, "prefix": args.prefix, "suffix": args.suffix,
+                      "new_tokens": args.new_tokens, **run}
+            writer.write(record)
+            print(f"== call {index} of the process: wall {run['wall_ms']:.1f} ms")
+            for m in run["marks"]:
+                print(f"   {m['mark']:<48} host {m['host_ms']:8.2f}  gpu {m['gpu_ms']:8.2f}  "
+                      f"behind {m['gpu_behind_ms']:7.2f}")
+        return
     for kind, new_tokens in (("one_token", 1), ("full", args.new_tokens)):
         for _ in range(2):  # compile / record / warm
             call(new_tokens)
