@@ -98,6 +98,7 @@ def main():
     parser.add_argument("--cold", action="store_true",
                         help="the process's first calls instead: call 1 and 2 of the full kind, no warm-up first "
                              "(the default options: the built-in tier)")
+    parser.add_argument("--profile-first", action="store_true", help="with --cold: call 1 under cProfile too")
     args = parser.parse_args()
 
     model = build_model(args.layers)
@@ -123,10 +124,26 @@ def main():
         from hf_cascade import tier_build
 
         tier_build.ENABLED = False  # the calls alone, no child process beside calls 2 and 3
+        import cProfile
+        import io
+        import pstats
+
         for index in (1, 2, 3):
+            profiler = cProfile.Profile() if args.profile_first and index == 1 else None
             TL.begin()
+            if profiler is not None:
+                profiler.enable()
             call(args.new_tokens)
+            if profiler is not None:
+                profiler.disable()
             run = TL.end()
+            if profiler is not None:  # Python's view of the first call: which calls (and imports) took the time
+                for order in ("tottime", "cumulative"):
+                    out = io.StringIO()
+                    pstats.Stats(profiler, stream=out).sort_stats(order).print_stats(35)
+                    run[f"top_{order}"] = [line.strip()[:240] for line in out.getvalue().splitlines()
+                                           if line.strip()[:1].isdigit()]
+                    print(f"-- first call, top {order}:\n   " + "\n   ".join(run[f"top_{order}"]))
             record = {"bench": "probe_call_timeline", "kind": f"cold_call_{index}", "layers": args.layers,
                       "batch": args.batch, "prefix": args.prefix, "suffix": args.suffix,
                       "new_tokens": args.new_tokens, **run}
