@@ -185,7 +185,8 @@ def plain_attention(
     """Standard attention over ``key``/``value`` as given: sdpa, or an exact path (hf_cascade's suffix kernel) for
     soft-capping (Gemma 2) and attention sinks (GPT-OSS's ``s_aux``, ``sinks`` ``[Hq]``: one logit per head in the
     softmax denominator whose value is zero, merged into the state's LSE). ``backend``: as
-    :func:`~hf_cascade.ops.suffix_attention.suffix_attention`'s (``"torch"`` builds no Triton kernel).
+    :func:`~hf_cascade.ops.suffix_attention.suffix_attention`'s (``"torch"`` builds no Triton kernel, and sdpa
+    does not pick cuDNN's attention, whose first call sets up for a second).
 
     Args:
         attention_mask: None (causal, bottom-right) or 4-D ``[batch, 1, q_len, kv_len]`` (bool, or additive).
@@ -193,6 +194,17 @@ def plain_attention(
         ``[batch, q_len, num_heads, head_dim]``.
     """
     if softcap is None and sinks is None:
+        if backend == "torch" and query.is_cuda and not torch.compiler.is_compiling():
+            # The built-in tier (a process's first calls): never cuDNN's attention, whose first call in a process
+            # sets up for 1.2 s (H100, torch 2.11: FlashAttention-2's first call 6-12 ms, 0.3 against 0.6 ms warm
+            # for a 4,096-token prefill; benchmarks/results/probe_first_sdpa.jsonl).
+            from torch.nn.attention import SDPBackend, sdpa_kernel
+
+            with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+                out, _ = sdpa_attention_forward(
+                    module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+                )
+            return out
         out, _ = sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
