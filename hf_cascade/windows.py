@@ -26,8 +26,6 @@ from torch import Tensor
 from hf_cascade.ops._backend import host_to_device, resolve_backend
 from hf_cascade.ops.bounded import BOUNDED_PATHS, bounded_cascade_attention, count_path, lower_positions  # noqa: F401
 from hf_cascade.ops.cascade_attention import cascade_attention
-from hf_cascade.ops.suffix_attention import _validate as _validate_suffix
-from hf_cascade.ops.suffix_attention import check_key_length, launch_suffix
 from hf_cascade.suffix_layers import memoized
 
 
@@ -155,26 +153,18 @@ def bounded_attend(
         bounds = bound_columns(shifts, query.shape[2], written, len(prefix_keys), window=window, chunk=chunk)
     key_lower, suffix_lower = bounds
     if resolve_backend(backend, query.device, "cascade_attention") == "triton":
-        if plan is not None:
-            out, lse = cascade_attention(query, key, value, plan.prefixes(prefix_keys, prefix_values), scale=scale,
-                                         mask=mask, causal=True, softcap=softcap, backend="triton",
-                                         key_length=key_length, key_lower=key_lower, suffix_lower=suffix_lower)
-        else:  # nothing shared (a segment's own prefill): the suffix kernel alone takes the bound
-            mask = _validate_suffix(query, key, value, scale, mask, softcap, None, None)
-            check_key_length(key_length, key, "bounded_attend")
-            out, lse = launch_suffix(query, key, value, scale=scale, mask=mask, causal=True, softcap=softcap,
-                                     states=None, key_length=key_length, lower=suffix_lower)
-        return out.transpose(1, 2).contiguous(), lse
-    node_starts = [p.node_starts_dev for p in plan.levels] if plan is not None else []
-    row_node = list(plan.row_node) if plan is not None else []
-    out, lse = bounded_cascade_attention(
-        query, key, value, prefix_keys, prefix_values, node_starts, row_node, key_lower,
-        suffix_lower, scale=scale, mask=mask, causal=True, softcap=softcap,
-        key_length=key_length,
-    )
+        # (nothing shared, a segment's own prefill: the suffix kernel alone takes the bound)
+        prefixes = plan.prefixes(prefix_keys, prefix_values) if plan is not None else []
+        out, lse = cascade_attention(query, key, value, prefixes, scale=scale, mask=mask, causal=True, softcap=softcap,
+                                     backend="triton", key_length=key_length, key_lower=key_lower,
+                                     suffix_lower=suffix_lower)
+    else:  # the layout's device tensors (no host data: a compiled step's)
+        node_starts = [p.node_starts_dev for p in plan.levels] if plan is not None else []
+        row_node = list(plan.row_node) if plan is not None else []
+        out, lse = bounded_cascade_attention(
+            query, key, value, prefix_keys, prefix_values, node_starts, row_node, key_lower, suffix_lower,
+            scale=scale, mask=mask, causal=True, softcap=softcap, key_length=key_length)
     return out.to(query.dtype).transpose(1, 2).contiguous(), lse
-
-
 
 
 def cache_bounded_attend(cache, layer_idx: int, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, *,
