@@ -178,18 +178,12 @@ def cache_bounded_attend(cache, layer_idx: int, query: Tensor, key: Tensor, valu
     cache's :class:`~hf_cascade.ops.cascade_wrapper.CascadeWrapper` (``op_inputs``, planned at the prefill, as the
     unbounded layers' op), the bounds computed on the device from the written length (once per step for all layers
     of one window); the PyTorch path where that op cannot run (the built-in tier, a step of several queries)."""
-    from hf_cascade.ops.cascade_wrapper import step_inputs
-
     wrapper = cache._wrapper
     builtin = cache.builtin_kernels and not torch.compiler.is_compiling()
     plan = cache._plan_for(query.shape[0], query.device) if not torch.compiler.is_compiling() else wrapper.layout
     slots = wrapper.prefix_slots
-    if not static and not builtin and slots is not None and wrapper.op_inputs is None:
-        # Plan the decode step (one query position) now, outside the compiled step's CUDA graphs (as the wrapper's
-        # run does for the unbounded layers; whichever layer comes first plans it).
-        tensors = step_inputs(plan, query[:, :, -1:], key, [slot[layer_idx] for slot in slots.keys],
-                              buffers=cache._step_buffers)
-        wrapper.op_inputs = [t for level in tensors for t in level]
+    if not static and not builtin:
+        wrapper.plan_step(layer_idx, query, key)
     if cache._shifts is None:
         last = (key.shape[2] if key_length is None else key_length.reshape(())) - 1
         shifts = row_shifts(cache.levels, cache.row_nodes, cache.suffix_start, query.shape[0], query.device,

@@ -15,7 +15,6 @@ from .prefix_attention import _check_plan
 from .prefix_attention import _validate as _validate_prefix
 from .reference import cascade_attention_ref
 from .suffix_attention import _validate as _validate_suffix
-from .suffix_attention import check_key_length
 
 __all__ = ["cascade_attention"]
 
@@ -42,7 +41,9 @@ def cascade_attention(
     Same result as ``shared_prefix_attention`` per level, ``merge_attention_states`` across levels
     and ``suffix_attention(..., prefix_out=, prefix_lse=)``, but on Triton one launch per prefix
     level plus one suffix launch: the levels write their KV-split states (fp32) to one buffer and
-    the suffix kernel combines them in its prologue (no separate combine or merge kernels).
+    the suffix kernel combines them in its prologue (no separate combine or merge kernels); on the
+    PyTorch path one softmax over every level and the suffix
+    (:func:`~hf_cascade.ops.reference.cascade_attention_ref`).
 
     Args:
         query: [B, Hq, Lq, D] float32/float16/bfloat16 (any strides).
@@ -70,7 +71,7 @@ def cascade_attention(
         ...                            scale=q.shape[-1] ** -0.5)
     """
     mask = _validate_suffix(query, key, value, scale, mask, softcap, None, None)
-    check_key_length(key_length, key, _OP)
+    _check_key_length(key_length, key)
     for k_pre, v_pre, plan in prefixes:
         _validate_prefix(query, k_pre, v_pre, scale, softcap)
         if k_pre.shape[0] != key.shape[1]:
@@ -113,3 +114,18 @@ def _check_bounds(key_lower, suffix_lower, query: Tensor, prefixes) -> None:
                 f"{_OP}: `{name}` must be int64 [B, Lq] = [{B}, {Lq}] on {query.device} (the first visible key "
                 f"column of each query); got {bound.dtype} {tuple(bound.shape)} on {bound.device}."
             )
+
+
+def _check_key_length(key_length: Tensor | None, key: Tensor) -> None:
+    """``key_length`` must be None or an integer tensor of one element on ``key``'s device (a count of written
+    suffix keys, read by the kernels on the device)."""
+    if key_length is None:
+        return
+    if (not isinstance(key_length, Tensor) or key_length.numel() != 1 or key_length.dtype.is_floating_point
+            or key_length.dtype == torch.bool or key_length.device != key.device):
+        shape = tuple(key_length.shape) if isinstance(key_length, Tensor) else type(key_length).__name__
+        raise ValueError(
+            f"{_OP}: `key_length` must be an integer tensor of one element on the keys' device ({key.device}), the "
+            f"number of suffix keys written; got {shape}"
+            f"{f' {key_length.dtype} on {key_length.device}' if isinstance(key_length, Tensor) else ''}."
+        )

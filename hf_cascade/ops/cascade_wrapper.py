@@ -138,11 +138,8 @@ class CascadeWrapper:
             ``(out [B, Lq, Hq, Dv] contiguous in query.dtype, lse [B, Hq, Lq] fp32)``.
         """
         builtin = self.builtin and not torch.compiler.is_compiling()
-        if not (static or builtin) and self.prefix_slots is not None and self.op_inputs is None:
-            # The decode step's index tensors (one query position), planned now, outside its CUDA graphs.
-            tensors = step_inputs(self.layout, query[:, :, -1:], key, [slot[layer] for slot in self.prefix_slots.keys],
-                                  buffers=self.buffers)
-            self.op_inputs = [t for level in tensors for t in level]
+        if not (static or builtin):
+            self.plan_step(layer, query, key)
         if static and self.prefix_slots is not None and not builtin:
             # The padded levels: the graph reads no level count (a tree of 1 to 4 levels is the same graph).
             return torch.ops.hf_cascade.cascade_attention(query, key, value, self.prefix_slots.keys,
@@ -154,6 +151,16 @@ class CascadeWrapper:
                                          softcap=softcap, key_length=key_length)
             return out.transpose(1, 2).contiguous(), lse
         return builtin_cascade_attention(query, key, value, prefixes, scale=scale, mask=mask, softcap=softcap)
+
+
+    def plan_step(self, layer: int, query: Tensor, key: Tensor) -> None:
+        """Plan the decode step's index tensors (:attr:`op_inputs`, one query position) now, eagerly, outside its
+        CUDA graphs, where the prefix slots are set and they are not planned yet (the first eager layer of a layout
+        plans them, bounded or not)."""
+        if self.prefix_slots is not None and self.op_inputs is None:
+            tensors = step_inputs(self.layout, query[:, :, -1:], key, [slot[layer] for slot in self.prefix_slots.keys],
+                                  buffers=self.buffers)
+            self.op_inputs = [t for level in tensors for t in level]
 
 
 def step_inputs(plan: CascadePlan, query: Tensor, key: Tensor, prefix_keys: Sequence[Tensor],

@@ -65,21 +65,6 @@ def suffix_attention(
                          softcap=softcap, prefix_out=prefix_out, prefix_lse=prefix_lse)
 
 
-def check_key_length(key_length: Tensor | None, key: Tensor, op: str) -> None:
-    """``key_length`` must be None or an integer tensor of one element on ``key``'s device (a count of written
-    suffix keys, read by the kernels on the device)."""
-    if key_length is None:
-        return
-    if (not isinstance(key_length, Tensor) or key_length.numel() != 1 or key_length.dtype.is_floating_point
-            or key_length.dtype == torch.bool or key_length.device != key.device):
-        shape = tuple(key_length.shape) if isinstance(key_length, Tensor) else type(key_length).__name__
-        raise ValueError(
-            f"{op}: `key_length` must be an integer tensor of one element on the keys' device ({key.device}), the "
-            f"number of suffix keys written; got {shape}"
-            f"{f' {key_length.dtype} on {key_length.device}' if isinstance(key_length, Tensor) else ''}."
-        )
-
-
 def _validate(query, key, value, scale, mask, softcap, prefix_out, prefix_lse) -> Tensor | None:
     """Check shapes, dtypes and devices; return the mask as bool [B or 1, Lq, S] (or None)."""
     if query.dim() != 4:
