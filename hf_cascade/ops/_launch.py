@@ -21,8 +21,6 @@ __all__ = ["cascade_triton", "launch_cascade", "launch_combine", "launch_configs
            "partial_strides", "prefix_triton", "suffix_triton"]
 
 _MIN_KEYS_PER_SPLIT = 128  # below this a KV split costs more (partials + combine) than it saves
-
-
 _FUSE_MIN_ROWS = 64  # prefix query rows per KV head and node (rows x G x Lq) below which fusing never paid
 _FUSE_SUFFIX_RATIO = 0.75  # fuse when the suffix's HBM time >= this x the prefix pass's estimated time
 _HBM_BYTES_PER_S = 2.9e12  # H100 device-to-device copy (read + write), measured

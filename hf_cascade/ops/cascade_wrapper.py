@@ -152,7 +152,6 @@ class CascadeWrapper:
             return out.transpose(1, 2).contiguous(), lse
         return builtin_cascade_attention(query, key, value, prefixes, scale=scale, mask=mask, softcap=softcap)
 
-
     def plan_step(self, layer: int, query: Tensor, key: Tensor) -> None:
         """Plan the decode step's index tensors (:attr:`op_inputs`, one query position) now, eagerly, outside its
         CUDA graphs, where the prefix slots are set and they are not planned yet (the first eager layer of a layout
