@@ -144,7 +144,7 @@ def bench_point(writer, copy_gbs, heads, b, p, s, repeat):
     ref = reference(q, *sets[0])
     err = ((out[: ref.shape[0]].float() - ref).norm() / ref.norm()).item()
     bf16_err = ((ref.to(DTYPE).float() - ref).norm() / ref.norm()).item()
-    from hf_cascade.ops.cascade_attention import _fuse_suffix
+    from hf_cascade.ops._launch import _fuse_suffix
 
     form = "fused" if _fuse_suffix(q, sets[0][2], [(sets[0][0], sets[0][1], plan)]) else "two-pass"
     record = dict(bench="decode_step", op="cascade_attention", form=form, launches=2, heads=heads, batch=b, prefix=p,
@@ -221,8 +221,8 @@ SUFFIX_CFGS = [(64, 4, 3), (64, 4, 2), (128, 4, 2), (128, 4, 3), (32, 4, 4), (64
 
 def tune(args):
     """Time the prefix kernel (partials out) and the suffix kernel (8 prefix states in) per config and split."""
-    from hf_cascade.ops.prefix_attention import _prefix_launch_config, launch_prefix, partial_strides
-    from hf_cascade.ops.suffix_attention import launch_suffix
+    from hf_cascade.ops._launch import launch_prefix, partial_strides, prefix_launch_config
+    from hf_cascade.ops._launch import launch_suffix
 
     writer = ResultWriter("kernels_tune.jsonl", args.output)
     copy_gbs = copy_bandwidth_gbs()
@@ -238,7 +238,7 @@ def tune(args):
         q = rnd(b, hq, 1, D, gen=gen)
         kvs = [(rnd(hkv, p, D, gen=gen), rnd(hkv, p, D, gen=gen)) for _ in range(n)]
         plan = plan_shared_prefix(torch.zeros(b, dtype=torch.int64), torch.tensor([0, p]), device=q.device)
-        heur = _prefix_launch_config(q, kvs[0][0], plan, None, None, None)
+        heur = prefix_launch_config(q, kvs[0][0], plan, None, None, None)
         bm_auto = min(128, max(16, 1 << (b * g - 1).bit_length()))
         results = []
         for bm in sorted({bm_auto, min(bm_auto, 64)}):
@@ -320,7 +320,7 @@ def compare_cascade(args, writer, copy_gbs):
     import functools
     import time
 
-    from hf_cascade.ops.cascade_attention import _cascade_triton
+    from hf_cascade.ops._launch import cascade_triton
 
     lines = []
     heads = "32/8"
@@ -336,7 +336,7 @@ def compare_cascade(args, writer, copy_gbs):
         ref = reference(q, *sets[0])
         res = {}
         for fused in (True, False):
-            fn = functools.partial(_cascade_triton, scale=D**-0.5, mask=None, causal=False, softcap=None,
+            fn = functools.partial(cascade_triton, scale=D**-0.5, mask=None, causal=False, softcap=None,
                                    fuse_suffix=fused)
             calls = [lambda st=st, fn=fn: fn(q, st[2], st[3], [(st[0], st[1], plan)]) for st in sets]
             out = calls[0]()[0]
@@ -375,7 +375,7 @@ DECODE_VARIANTS = [  # (fused, BLOCK_M, BLOCK_N, num_warps, num_stages, splits);
 def tune_decode(args, writer, copy_gbs):
     """cascade_attention's launch choices at decode shapes (one query per row, a suffix mask tensor as in the
     compiled decode step): the heuristic's choice against variants of tile sizes, stages and KV splits."""
-    from hf_cascade.ops.cascade_attention import launch_cascade, launch_configs
+    from hf_cascade.ops._launch import launch_cascade, launch_configs
 
     lines = []
     hq, hkv = 32, 8

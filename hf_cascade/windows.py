@@ -26,8 +26,6 @@ from torch import Tensor
 from hf_cascade.ops._backend import host_to_device, resolve_backend
 from hf_cascade.ops.bounded import BOUNDED_PATHS, bounded_cascade_attention, count_path, lower_positions  # noqa: F401
 from hf_cascade.ops.cascade_attention import cascade_attention
-from hf_cascade.ops.suffix_attention import _validate as _validate_suffix
-from hf_cascade.ops.suffix_attention import check_key_length, launch_suffix
 from hf_cascade.suffix_layers import memoized
 
 
@@ -155,26 +153,18 @@ def bounded_attend(
         bounds = bound_columns(shifts, query.shape[2], written, len(prefix_keys), window=window, chunk=chunk)
     key_lower, suffix_lower = bounds
     if resolve_backend(backend, query.device, "cascade_attention") == "triton":
-        if plan is not None:
-            out, lse = cascade_attention(query, key, value, plan.prefixes(prefix_keys, prefix_values), scale=scale,
-                                         mask=mask, causal=True, softcap=softcap, backend="triton",
-                                         key_length=key_length, key_lower=key_lower, suffix_lower=suffix_lower)
-        else:  # nothing shared (a segment's own prefill): the suffix kernel alone takes the bound
-            mask = _validate_suffix(query, key, value, scale, mask, softcap, None, None)
-            check_key_length(key_length, key, "bounded_attend")
-            out, lse = launch_suffix(query, key, value, scale=scale, mask=mask, causal=True, softcap=softcap,
-                                     states=None, key_length=key_length, lower=suffix_lower)
-        return out.transpose(1, 2).contiguous(), lse
-    node_starts = [p.node_starts_dev for p in plan.levels] if plan is not None else []
-    row_node = list(plan.row_node) if plan is not None else []
-    out, lse = bounded_cascade_attention(
-        query, key, value, prefix_keys, prefix_values, node_starts, row_node, key_lower,
-        suffix_lower, scale=scale, mask=mask, causal=True, softcap=softcap,
-        key_length=key_length,
-    )
+        # (nothing shared, a segment's own prefill: the suffix kernel alone takes the bound)
+        prefixes = plan.prefixes(prefix_keys, prefix_values) if plan is not None else []
+        out, lse = cascade_attention(query, key, value, prefixes, scale=scale, mask=mask, causal=True, softcap=softcap,
+                                     backend="triton", key_length=key_length, key_lower=key_lower,
+                                     suffix_lower=suffix_lower)
+    else:  # the layout's device tensors (no host data: a compiled step's)
+        node_starts = [p.node_starts_dev for p in plan.levels] if plan is not None else []
+        row_node = list(plan.row_node) if plan is not None else []
+        out, lse = bounded_cascade_attention(
+            query, key, value, prefix_keys, prefix_values, node_starts, row_node, key_lower, suffix_lower,
+            scale=scale, mask=mask, causal=True, softcap=softcap, key_length=key_length)
     return out.to(query.dtype).transpose(1, 2).contiguous(), lse
-
-
 
 
 def cache_bounded_attend(cache, layer_idx: int, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, *,
@@ -188,18 +178,12 @@ def cache_bounded_attend(cache, layer_idx: int, query: Tensor, key: Tensor, valu
     cache's :class:`~hf_cascade.ops.cascade_wrapper.CascadeWrapper` (``op_inputs``, planned at the prefill, as the
     unbounded layers' op), the bounds computed on the device from the written length (once per step for all layers
     of one window); the PyTorch path where that op cannot run (the built-in tier, a step of several queries)."""
-    from hf_cascade.ops.cascade_wrapper import step_inputs
-
     wrapper = cache._wrapper
     builtin = cache.builtin_kernels and not torch.compiler.is_compiling()
     plan = cache._plan_for(query.shape[0], query.device) if not torch.compiler.is_compiling() else wrapper.layout
     slots = wrapper.prefix_slots
-    if not static and not builtin and slots is not None and wrapper.op_inputs is None:
-        # Plan the decode step (one query position) now, outside the compiled step's CUDA graphs (as the wrapper's
-        # run does for the unbounded layers; whichever layer comes first plans it).
-        tensors = step_inputs(plan, query[:, :, -1:], key, [slot[layer_idx] for slot in slots.keys],
-                              buffers=cache._step_buffers)
-        wrapper.op_inputs = [t for level in tensors for t in level]
+    if not static and not builtin:
+        wrapper.plan_step(layer_idx, query, key)
     if cache._shifts is None:
         last = (key.shape[2] if key_length is None else key_length.reshape(())) - 1
         shifts = row_shifts(cache.levels, cache.row_nodes, cache.suffix_start, query.shape[0], query.device,

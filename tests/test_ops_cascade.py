@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hf_cascade.ops import cascade_attention, plan_shared_prefix
-from hf_cascade.ops.cascade_attention import _cascade_triton, launch_cascade, launch_configs
+from hf_cascade.ops._launch import cascade_triton, launch_cascade, launch_configs
 
 from _ops_common import CUDA, DEVICE, needs_triton, BACKENDS, NEG_INF
 
@@ -84,7 +84,7 @@ def test_cascade_two_levels_matches_float64(backend, dtype, lq, masked):
         mask = visible.to(DEVICE)
     prefixes = [(k, v, plan_shared_prefix(rows, starts, device=DEVICE)) for k, v, rows, starts in levels]
     if backend == "two-pass":
-        out, lse = _cascade_triton(q, ks, vs, prefixes, scale=0.125, mask=mask, causal=True, softcap=None,
+        out, lse = cascade_triton(q, ks, vs, prefixes, scale=0.125, mask=mask, causal=True, softcap=None,
                                    fuse_suffix=False)
     else:
         out, lse = cascade_attention(q, ks, vs, prefixes, scale=0.125, mask=mask, causal=True, backend=backend)
@@ -212,7 +212,7 @@ def test_key_length_hides_unwritten_keys(backend, lq, masked):
     length = torch.tensor(written, device=DEVICE)
     prefixes = [(k, v, plan_shared_prefix(rows, starts, device=DEVICE)) for k, v, rows, starts in levels]
     if backend == "two-pass":
-        out, lse = _cascade_triton(q, ks, vs, prefixes, scale=0.125, mask=mask, causal=True, softcap=None,
+        out, lse = cascade_triton(q, ks, vs, prefixes, scale=0.125, mask=mask, causal=True, softcap=None,
                                    fuse_suffix=False, key_length=length)
     else:
         out, lse = cascade_attention(q, ks, vs, prefixes, scale=0.125, mask=mask, causal=True, backend=backend,
@@ -251,7 +251,7 @@ def test_planned_op_any_layout_same_shapes(backend, pad):
     shapes, so two layouts with equal shapes (what a CUDA-graph replay sees) are both exact. Odd shapes: GQA 6/2,
     d=24, a node with no rows, rows with no node at a level, an empty node. ``pad``: empty levels in front, as a
     compiled step of a shallower tree takes them (their keys hold garbage that no row may read)."""
-    from hf_cascade.ops.cascade_wrapper import _planned_attention, step_inputs
+    from hf_cascade.ops.cascade_wrapper import planned_attention, step_inputs
     from hf_cascade.ops.plan import plan_cascade
 
     torch.manual_seed(0)
@@ -273,7 +273,7 @@ def test_planned_op_any_layout_same_shapes(backend, pad):
         keys, values = garbage + [k for k, *_ in levels], garbage + [v for _, v, *_ in levels]
         tensors = [t for level in step_inputs(plan, q, ks, keys) for t in level]
         assert len(tensors) == 6 * (pad + len(levels))
-        out, lse = _planned_attention(q, ks, vs, keys, values, tensors, mask, D ** -0.5, None, backend=backend)
+        out, lse = planned_attention(q, ks, vs, keys, values, tensors, mask, D ** -0.5, None, backend=backend)
         exp_out, exp_lse = cascade_f64(q, ks, vs, levels, D ** -0.5, mask.expand(B, 1, S))
         torch.testing.assert_close(out.transpose(1, 2).double().cpu(), exp_out, atol=2e-5, rtol=2e-5)
         fin = torch.isfinite(exp_lse)
@@ -284,7 +284,7 @@ def test_planned_op_any_layout_same_shapes(backend, pad):
 def test_planned_op_key_length(backend):
     """The compiled / recorded step's op with ``key_length`` (fixed buffers written up to it): exact against the
     written keys only; on Triton the unwritten columns (NaN here) are not read."""
-    from hf_cascade.ops.cascade_wrapper import _planned_attention, step_inputs
+    from hf_cascade.ops.cascade_wrapper import planned_attention, step_inputs
     from hf_cascade.ops.plan import plan_cascade
 
     torch.manual_seed(4)
@@ -300,8 +300,8 @@ def test_planned_op_key_length(backend):
     mask[1, :, :2] = False
     keys, values = [k for k, *_ in levels], [v for _, v, *_ in levels]
     tensors = [t for level in step_inputs(plan, q, ks, keys) for t in level]
-    out, lse = _planned_attention(q, ks, vs, keys, values, tensors, mask, D ** -0.5, None,
-                                  backend=backend, key_length=torch.tensor(written, device=DEVICE))
+    out, lse = planned_attention(q, ks, vs, keys, values, tensors, mask, D ** -0.5, None,
+                                 backend=backend, key_length=torch.tensor(written, device=DEVICE))
     exp_out, exp_lse = cascade_f64(q, ks[:, :, :written], vs[:, :, :written], levels, D ** -0.5,
                                    mask[:, :, :written].expand(B, 1, written))
     torch.testing.assert_close(out.transpose(1, 2).double().cpu(), exp_out, atol=2e-5, rtol=2e-5)

@@ -1,7 +1,8 @@
-"""cascade_attention's PyTorch path (ops/_cascade_torch.py: every level and the suffix in one softmax) on layouts
-that take each of its ways to read a level: one matmul against all keys ("dense"), each row's node keys gathered
-("gather"), node by node ("nodes"), and a level no row reads ("empty"); against float64 attention per row, and
-against the composition of the public ops (per level, merge, suffix) where a soft cap is applied."""
+"""cascade_attention's PyTorch path (``ops/reference.py``'s ``cascade_attention_ref``: every level and the suffix in
+one softmax) on layouts that take each of its ways to read a level: one matmul against all keys ("dense"), each
+row's node keys gathered ("gather"), node by node ("nodes"), and a level no row reads ("empty"); against float64
+attention per row, and against the composition of the public ops (per level, merge, suffix) where a soft cap is
+applied."""
 
 import pytest
 import torch

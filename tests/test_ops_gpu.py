@@ -21,8 +21,8 @@ from hf_cascade.ops import (
     suffix_attention_ref,
     triton_available,
 )
-from hf_cascade.ops.cascade_attention import _cascade_triton, launch_configs
-from hf_cascade.ops.prefix_attention import _prefix_triton
+from hf_cascade.ops._launch import cascade_triton, launch_configs
+from hf_cascade.ops._launch import prefix_triton
 
 pytestmark = [
     pytest.mark.gpu,
@@ -85,7 +85,7 @@ def test_gpu_prefix_splits_agree(num_splits, dtype):
     rows = torch.zeros(B, dtype=torch.int64, device="cuda")
     starts = torch.tensor([0, 4096])
     plan = plan_shared_prefix(rows, starts)
-    out, lse = _prefix_triton(q, k, v, plan, scale=d ** -0.5, softcap=None, num_splits=num_splits)
+    out, lse = prefix_triton(q, k, v, plan, scale=d ** -0.5, softcap=None, num_splits=num_splits)
     ref_out, ref_lse = shared_prefix_attention_ref(q, k, v, rows, starts, scale=d ** -0.5)
     assert_within_rounding(out, ref_out, dtype)
     assert_lse_close(lse, ref_lse, atol=1e-3)
@@ -176,7 +176,7 @@ def test_gpu_cascade_random_levels(seed, dtype, fused):
         k, v = rnd(hkv, int(starts[-1]), d), rnd(hkv, int(starts[-1]), d)
         prefixes.append((k, v, plan_shared_prefix(row_node, starts, device="cuda"), row_node, starts))
     scale = d ** -0.5
-    out, lse = _cascade_triton(q, ks, vs, [p[:3] for p in prefixes], scale=scale, mask=None, causal=True,
+    out, lse = cascade_triton(q, ks, vs, [p[:3] for p in prefixes], scale=scale, mask=None, causal=True,
                                softcap=None, fuse_suffix=fused)
     ref_out = ref_lse = None
     for k, v, _, row_node, starts in prefixes:

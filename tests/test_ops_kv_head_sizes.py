@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from hf_cascade.ops import cascade_attention, plan_shared_prefix, shared_prefix_attention, suffix_attention
-from hf_cascade.ops.cascade_attention import _cascade_triton
-from hf_cascade.ops.prefix_attention import _prefix_triton
+from hf_cascade.ops._launch import cascade_triton
+from hf_cascade.ops._launch import prefix_triton
 
 from _ops_common import BACKENDS, DEVICE, NEG_INF, needs_triton
 
@@ -69,7 +69,7 @@ def test_cascade_with_different_kv_head_sizes(backend, dims, lq):
     prefixes = [(k, v, plan_shared_prefix(rows, starts, device=DEVICE)) for k, v, rows, starts in levels]
     mask = visible.to(DEVICE)
     if backend == "two-pass":
-        out, lse = _cascade_triton(q, ks, vs, prefixes, scale=0.15, mask=mask, causal=True, softcap=None,
+        out, lse = cascade_triton(q, ks, vs, prefixes, scale=0.15, mask=mask, causal=True, softcap=None,
                                    fuse_suffix=False)
     else:
         out, lse = cascade_attention(q, ks, vs, prefixes, scale=0.15, mask=mask, backend=backend)
@@ -100,7 +100,7 @@ def test_prefix_pass_mla_sizes_with_kv_splits(num_splits):
     k, v, rows, starts = _level(1, 192, 128, (70, 41), (1, 0, 1))
     q = torch.randn(3, 2, 2, 192, device=DEVICE)
     plan = plan_shared_prefix(rows, starts, device=DEVICE)
-    out, lse = _prefix_triton(q, k, v, plan, scale=192 ** -0.5, softcap=None, num_splits=num_splits)
+    out, lse = prefix_triton(q, k, v, plan, scale=192 ** -0.5, softcap=None, num_splits=num_splits)
     empty = torch.zeros(3, 1, 0, 192)
     _check(out, lse, *_f64(q, empty, torch.zeros(3, 1, 0, 128), [(k, v, rows, starts)], 192 ** -0.5,
                            torch.zeros(3, 2, 0, dtype=torch.bool)))

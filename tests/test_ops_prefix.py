@@ -14,7 +14,7 @@ from hf_cascade.ops import (
     shared_prefix_attention,
     shared_prefix_attention_ref,
 )
-from hf_cascade.ops.prefix_attention import _prefix_triton
+from hf_cascade.ops._launch import prefix_triton
 
 from _ops_common import CUDA, DEVICE, needs_triton, BACKENDS, NEG_INF
 
@@ -119,7 +119,7 @@ def test_prefix_kv_splits(num_splits):
     """Every split count gives the same answer (9 splits leave empty splits on short nodes)."""
     q, k, v, rows, starts = make_inputs(6, 2, 2, 64, torch.float32, lens=(1, 17, 300), row_node=(2, 1, 0, 2))
     plan = plan_shared_prefix(rows, starts)
-    out, lse = _prefix_triton(q, k, v, plan, scale=0.125, softcap=None, num_splits=num_splits,
+    out, lse = prefix_triton(q, k, v, plan, scale=0.125, softcap=None, num_splits=num_splits,
                               block_m=16, block_n=16)
     check(out, lse, q, k, v, rows, starts, 0.125)
 

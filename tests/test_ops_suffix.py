@@ -12,7 +12,7 @@ from hf_cascade.ops import (
     suffix_attention,
     suffix_attention_ref,
 )
-from hf_cascade.ops.suffix_attention import _suffix_triton
+from hf_cascade.ops._launch import suffix_triton
 
 from _ops_common import CUDA, DEVICE, needs_triton, BACKENDS, NEG_INF
 
@@ -177,7 +177,7 @@ def test_suffix_tile_sizes(block_m, block_n):
     q, k, v = make_qkv(2, 6, 2, 17, 40, 64, torch.float32)
     mask = left_padded_mask(17, 40, pads=(2, 9))
     for kwargs in ({"mask": None, "causal": True}, {"mask": mask, "causal": True}):
-        out, lse = _suffix_triton(q, k, v, scale=0.125, softcap=None, prefix_out=None, prefix_lse=None,
+        out, lse = suffix_triton(q, k, v, scale=0.125, softcap=None, prefix_out=None, prefix_lse=None,
                                   block_m=block_m, block_n=block_n, **kwargs)
         vis = kwargs["mask"] if kwargs["mask"] is not None else causal_bottom_right(2, 17, 40)
         check(out, lse, q, *suffix_f64(q, k, v, 0.125, vis))

@@ -207,7 +207,8 @@ def test_real_model_multiple_choice(smollm2):
 def test_many_node_prefix_level_gathered_equals_reference(softcap):
     """The torch path runs a level of many short nodes as one gather (hf_cascade.score's question nodes): the same
     result as the per-node reference, rows without a node and an empty node included."""
-    from hf_cascade.ops.prefix_attention import _GATHER_MIN_NODES, plan_shared_prefix, shared_prefix_attention
+    from hf_cascade.ops.plan import _GATHER_MIN_NODES, plan_shared_prefix
+    from hf_cascade.ops.prefix_attention import shared_prefix_attention
     from hf_cascade.ops.reference import shared_prefix_attention_ref
 
     g = torch.Generator().manual_seed(0)

@@ -341,7 +341,7 @@ def test_triton_bounds_match_the_torch_bounds(form, dims):
     """The Triton kernels with per-query lower bounds (random ones: below, inside and past every node) in the fused
     launch, the two-pass form (suffix kernel merging the prefix states) and with several KV splits per level."""
     from hf_cascade.ops import cascade_attention, plan_shared_prefix
-    from hf_cascade.ops.cascade_attention import _cascade_triton, launch_cascade, launch_configs
+    from hf_cascade.ops._launch import cascade_triton, launch_cascade, launch_configs
 
     torch.manual_seed(5)
     D, Dv = dims
@@ -362,7 +362,7 @@ def test_triton_bounds_match_the_torch_bounds(form, dims):
         got = cascade_attention(q, k, v, prefixes, scale=0.2, mask=mask, backend="triton", key_lower=key_lower,
                                 suffix_lower=suffix_lower)
     elif form == "two-pass":
-        got = _cascade_triton(q, k, v, prefixes, scale=0.2, mask=mask, causal=True, softcap=None, fuse_suffix=False,
+        got = cascade_triton(q, k, v, prefixes, scale=0.2, mask=mask, causal=True, softcap=None, fuse_suffix=False,
                               key_lower=key_lower, suffix_lower=suffix_lower)
     else:
         fuse, configs = launch_configs(q, k, prefixes, fuse_suffix=True)

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 import hf_cascade
-import hf_cascade.ops.bounded as bounded
+import hf_cascade.ops.cascade_wrapper as cascade_wrapper
 import hf_cascade.windows as windows
 from hf_cascade.model_zoo import available_families
-from hf_cascade.ops.bounded import BOUNDED_PATHS, bounded_cascade_attention, bounded_planned_attention
-from hf_cascade.ops.cascade_wrapper import step_inputs
+from hf_cascade.ops.bounded import BOUNDED_PATHS, bounded_cascade_attention
+from hf_cascade.ops.cascade_wrapper import planned_attention, step_inputs
 from hf_cascade.ops.plan import plan_cascade
 
 from _ops_common import needs_triton
@@ -28,7 +28,7 @@ GEN = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
 def _force_triton(monkeypatch):
     """The Triton kernels (interpreter) wherever a bounded layer picks its backend, as on CUDA."""
     monkeypatch.setattr(windows, "resolve_backend", lambda *args: "triton")
-    monkeypatch.setattr(bounded, "resolve_backend", lambda *args: "triton")
+    monkeypatch.setattr(cascade_wrapper, "resolve_backend", lambda *args: "triton")
 
 
 @pytest.mark.parametrize("body", ["torch", pytest.param("triton", marks=needs_triton)])
@@ -179,7 +179,7 @@ def _op_case(seed, B=5, Hkv=2, G=2, D=16, Dv=16, S=12, window=9, lq=1, pad_level
 def test_bounded_op_matches_the_reference(body, window, dims, monkeypatch):
     """The op's body on padded slots (index tensors only) against the reference on the plan's layout."""
     if body == "triton":
-        monkeypatch.setattr(bounded, "resolve_backend", lambda *args: "triton")
+        monkeypatch.setattr(cascade_wrapper, "resolve_backend", lambda *args: "triton")
     D, Dv = dims
     q, k, v, pre_k, pre_v, plan, slots_k, slots_v, op_inputs, written, key_lower, suffix_lower = _op_case(
         1, D=D, Dv=Dv, window=window)
@@ -197,16 +197,16 @@ def test_bounded_op_matches_the_reference(body, window, dims, monkeypatch):
     # Every layer's slots stacked, this layer's read inside the op (as the compiled step passes them).
     stacked_k = [torch.stack([torch.zeros_like(s), s]) for s in slots_k]
     stacked_v = [torch.stack([torch.zeros_like(s), s]) for s in slots_v]
-    again, _ = bounded_planned_attention(q, k, v, stacked_k, stacked_v, op_inputs, mask, 0.3, None, 1, written,
-                                         key_lower, suffix_lower)
+    again, _ = planned_attention(q, k, v, stacked_k, stacked_v, op_inputs, mask, 0.3, None, 1, written,
+                                 key_lower, suffix_lower)
     torch.testing.assert_close(again, got, atol=0, rtol=0)
 
 
 def test_bounded_op_refuses_bounds_of_another_layout():
     q, k, v, _, _, _, slots_k, slots_v, op_inputs, written, key_lower, suffix_lower = _op_case(2)
-    with pytest.raises(ValueError, match="3 level bounds for 4 slots"):
-        bounded_planned_attention(q, k, v, slots_k, slots_v, op_inputs, None, 0.3, None, None, written,
-                                  key_lower + key_lower[:1], suffix_lower)
+    with pytest.raises(ValueError, match="3 level bounds for 4 levels"):
+        planned_attention(q, k, v, slots_k, slots_v, op_inputs, None, 0.3, None, None, written,
+                          key_lower + key_lower[:1], suffix_lower)
 
 
 @needs_triton
@@ -215,7 +215,7 @@ def test_prefix_kernel_bounded_and_free_blocks(splits, block_n):
     """Bounds close together (sliding windows: a tile's rows a few positions apart) over a long node: the prefix
     kernel runs masked blocks up to the tile's largest bound, unmasked ones after it and a masked last block."""
     from hf_cascade.ops import cascade_attention, plan_shared_prefix
-    from hf_cascade.ops.cascade_attention import launch_cascade, launch_configs
+    from hf_cascade.ops._launch import launch_cascade, launch_configs
 
     torch.manual_seed(7)
     B, Hkv, G, S, Lq, D, T = 4, 2, 2, 5, 2, 16, 150

@@ -28,9 +28,9 @@ from bench_kernels import D, copies_for, graph_time, rnd  # noqa: E402
 from common import ResultWriter  # noqa: E402
 
 from hf_cascade.ops import plan_shared_prefix  # noqa: E402
-from hf_cascade.ops.cascade_attention import _launch_fused, launch_cascade, launch_configs  # noqa: E402
-from hf_cascade.ops.prefix_attention import _num_splits_for, launch_combine, launch_prefix, partial_strides  # noqa: E402
-from hf_cascade.ops.suffix_attention import launch_suffix  # noqa: E402
+from hf_cascade.ops._launch import _launch_fused, launch_cascade, launch_configs  # noqa: E402
+from hf_cascade.ops._launch import _num_splits_for, launch_combine, launch_prefix, partial_strides  # noqa: E402
+from hf_cascade.ops._launch import launch_suffix  # noqa: E402
 
 
 def main(argv=None):

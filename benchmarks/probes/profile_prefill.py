@@ -236,9 +236,9 @@ def ab_schedule_copy(call, rounds: int = 4) -> dict:
     """Warm calls alternating between the default (a prefix plan's schedule copied to the GPU as queued work) and the
     behaviour before 7a1428c (a pageable copy, which waits until the work queued on the stream is done: reproduced
     by a stream synchronisation after the schedule is built). Every generate() call plans its batch anew."""
-    import hf_cascade.ops.prefix_attention as prefix_attention
+    import hf_cascade.ops.plan as plan_module
 
-    queued = prefix_attention._build_schedule
+    queued = plan_module._build_schedule
 
     def waiting(*args, **kwargs):
         schedule = queued(*args, **kwargs)
@@ -248,7 +248,7 @@ def ab_schedule_copy(call, rounds: int = 4) -> dict:
     times = {"queued_s": [], "waiting_s": []}
     for _ in range(rounds):
         for name, build in (("waiting_s", waiting), ("queued_s", queued)):
-            with _replaced(prefix_attention, "_build_schedule", build):
+            with _replaced(plan_module, "_build_schedule", build):
                 times[name].append(round(wall_time(call)[0], 4))
     return times
 

@@ -13,8 +13,8 @@ from .cascade_attention import cascade_attention
 from .cascade_wrapper import CascadeWrapper
 from .kv_write import write_suffix_kv
 from .merge import merge_attention_states
-from .plan import CascadePlan, plan_cascade
-from .prefix_attention import PrefixPlan, plan_shared_prefix, shared_prefix_attention
+from .plan import CascadePlan, PrefixPlan, plan_cascade, plan_shared_prefix
+from .prefix_attention import shared_prefix_attention
 from .reference import (
     merge_attention_states_ref,
     shared_prefix_attention_ref,

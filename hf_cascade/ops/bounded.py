@@ -12,10 +12,11 @@ columns. A node wholly below every bound contributes nothing (its state is empty
 value: the state ``(out 0, lse s_h)``. Merged into ``(out, lse)``: ``out * sigmoid(lse - s_h)``, ``logaddexp(lse,
 s_h)`` — no kernel change.
 
-:func:`bounded_cascade_attention` is plain PyTorch in fp32 (traceable by ``torch.compile``; no host
-synchronisation): the reference, and the path of CPUs and of the built-in tier. The Triton kernels take the same
-bounds (``cascade_attention(..., key_lower=, suffix_lower=)``); inside compiled or recorded decode steps they run
-through the custom op ``torch.ops.hf_cascade.bounded_cascade_attention`` (:func:`bounded_planned_attention`), which
+:func:`bounded_cascade_attention` is the PyTorch reference (:func:`~hf_cascade.ops.reference.cascade_attention_ref`)
+on the layout's device index tensors, in fp32 (traceable by ``torch.compile``; no host synchronisation): the path of
+CPUs and of the built-in tier. The Triton kernels take the same bounds (``cascade_attention(..., key_lower=,
+suffix_lower=)``); inside compiled or recorded decode steps they run through the custom op
+``torch.ops.hf_cascade.bounded_cascade_attention`` (:func:`~hf_cascade.ops.cascade_wrapper.planned_attention`), which
 reads the layout from a :class:`~hf_cascade.ops.plan.CascadePlan`'s index tensors and the bounds as device tensors,
 so one recorded graph serves every step (the bounds move with the written suffix length, on the device). LSE is the
 natural log, fp32.
@@ -29,11 +30,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ._backend import resolve_backend
-from .reference import _scores, _softmax_attend, merge_attention_states_ref, suffix_visibility
+from .reference import cascade_attention_ref
 
-__all__ = ["BOUNDED_PATHS", "bounded_cascade_attention", "bounded_planned_attention", "lower_positions",
-           "merge_sink"]
+__all__ = ["BOUNDED_PATHS", "bounded_cascade_attention", "count_path", "lower_positions", "merge_sink"]
 
 _OP = "bounded_cascade_attention"
 
@@ -116,37 +115,9 @@ def bounded_cascade_attention(
         ``(out [B, Hq, Lq, Dv] fp32, lse [B, Hq, Lq] fp32)``; lse -inf (out 0) where a query sees no key.
     """
     _validate(query, key, value, prefix_keys, prefix_values, node_starts, row_node, key_lower, suffix_lower)
-    B, Hq, Lq, D = query.shape
-    Hkv, S, Dv = key.shape[1], key.shape[2], value.shape[-1]
-    G = Hq // Hkv
-    q = query.float().reshape(B, Hkv, G * Lq, D)
-    state = None
-    for k_pre, v_pre, starts, nodes, lower in zip(prefix_keys, prefix_values, node_starts, row_node, key_lower):
-        T = k_pre.shape[1]
-        has_node = nodes >= 0
-        node = nodes.clamp(min=0)
-        start = torch.where(has_node, starts[node], 0)
-        end = torch.where(has_node, starts[(node + 1).clamp(max=starts.numel() - 1)], 0)
-        columns = torch.arange(T, device=query.device)
-        keep = (columns >= start[:, None]) & (columns < end[:, None])  # [B, T]
-        keep = keep[:, None, :] & (columns >= lower[:, :, None])  # [B, Lq, T]
-        s = _scores(q, k_pre.float()[None], scale, softcap).view(B, Hkv, G, Lq, T)
-        s = s.masked_fill(~keep[:, None, None], float("-inf"))
-        o, lse = _softmax_attend(s.view(B, Hkv, G * Lq, T), v_pre.float()[None])
-        o, lse = o.reshape(B, Hq, Lq, Dv), lse.reshape(B, Hq, Lq)
-        state = (o, lse) if state is None else merge_attention_states_ref(*state, o, lse)
-    columns = torch.arange(S, device=query.device)
-    visible = columns >= suffix_lower[:, :, None]  # [B, Lq, S]
-    base = suffix_visibility(B, Lq, S, mask, causal, query.device)
-    if base is not None:
-        visible = visible & base
-    if key_length is not None:
-        visible = visible & (columns < key_length.reshape(()))
-    s = _scores(q, key.float(), scale, softcap).view(B, Hkv, G, Lq, S)
-    s = s.masked_fill(~visible[:, None, None], float("-inf"))
-    o, lse = _softmax_attend(s.view(B, Hkv, G * Lq, S), value.float())
-    o, lse = o.reshape(B, Hq, Lq, Dv), lse.reshape(B, Hq, Lq)
-    return (o, lse) if state is None else merge_attention_states_ref(*state, o, lse)
+    levels = [(k, v, (starts, nodes)) for k, v, starts, nodes in zip(prefix_keys, prefix_values, node_starts, row_node)]
+    return cascade_attention_ref(query, key, value, levels, scale=scale, mask=mask, causal=causal, softcap=softcap,
+                                 key_length=key_length, key_lower=key_lower, suffix_lower=suffix_lower)
 
 
 def _validate(query, key, value, prefix_keys, prefix_values, node_starts, row_node, key_lower, suffix_lower):
@@ -182,8 +153,6 @@ def _validate(query, key, value, prefix_keys, prefix_values, node_starts, row_no
             )
 
 
-_TENSORS_PER_LEVEL = 6  # as ops/plan.py's CascadePlan.op_inputs lays them out
-
 # Which path bounded layers took, counted where Python runs (an eager forward; a recorded step's eager run and its
 # recording; the custom op's body whenever it runs, a compiled step's included; not a CUDA graph's replay, nor code
 # that torch.compile traced). Keys: "eager:triton" / "eager:torch" (eager forwards), "step:torch" (a compiled or
@@ -196,95 +165,3 @@ def count_path(key: str) -> None:
     """Count one bounded layer's path in :data:`BOUNDED_PATHS` (nothing while torch.compile traces)."""
     if not torch.compiler.is_compiling():
         BOUNDED_PATHS[key] += 1
-
-
-def bounded_planned_attention(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    prefix_keys: Sequence[Tensor],
-    prefix_values: Sequence[Tensor],
-    plan: Sequence[Tensor],
-    mask: Tensor | None,
-    scale: float,
-    softcap: float | None,
-    layer: int | None,
-    key_length: Tensor | None,
-    key_lower: Sequence[Tensor],
-    suffix_lower: Tensor,
-) -> tuple[Tensor, Tensor]:
-    """The body of ``torch.ops.hf_cascade.bounded_cascade_attention``: cascade attention with per-query lower bounds,
-    its layout read from a plan's index tensors only (no host data: a CUDA graph or a compiled step replays it for
-    any layout of the same sizes).
-
-    Args:
-        query: ``[B, Hq, Lq, D]``; key, value: the suffix KV ``[B, Hkv, S, D / Dv]`` (fixed buffers).
-        prefix_keys, prefix_values: per level slot ``[Hkv, T, D]``, or (``layer`` given) every layer's
-            ``[layers, Hkv, T, D]`` of which layer ``layer``'s are read; padding slots (no node) first.
-        plan: :meth:`~hf_cascade.ops.plan.CascadePlan.op_inputs` of this step's shapes (6 tensors per slot).
-        mask: bool ``[B or 1, Lq, S]`` over the suffix, or None (causal); key_length: int64 device scalar, the
-            written suffix columns (or None: all S).
-        key_lower: int64 ``[B, Lq]`` per *real* level (the last ``len(key_lower)`` slots); suffix_lower: ``[B, Lq]``.
-    Returns:
-        ``(out [B, Lq, Hq, Dv] contiguous in query.dtype, lse [B, Hq, Lq] fp32)``.
-
-    The Triton kernels on CUDA (launch choices from shapes alone, as the unbounded op's); the fp32 PyTorch path
-    (:func:`bounded_cascade_attention`) elsewhere.
-    """
-    if layer is not None:
-        prefix_keys = [k[layer] for k in prefix_keys]
-        prefix_values = [v[layer] for v in prefix_values]
-    levels = [list(plan[i : i + _TENSORS_PER_LEVEL]) for i in range(0, len(plan), _TENSORS_PER_LEVEL)]
-    if len(levels) != len(prefix_keys) or len(prefix_values) != len(prefix_keys):
-        raise ValueError(
-            f"{_OP}: {len(prefix_keys)} prefix key slots, {len(prefix_values)} value slots and plan tensors of "
-            f"{len(levels)} slots ({len(plan)} tensors, {_TENSORS_PER_LEVEL} per slot); pass one of each per slot."
-        )
-    pad = len(levels) - len(key_lower)
-    # A slot of no node (node_starts [N + 2] with N = 0) pads a shallower tree: nothing to read (a shape, so a graph
-    # recorded for this layout's shapes holds no launch for it). Real levels are the last len(key_lower) slots.
-    kept = [i for i, t in enumerate(levels) if t[2].shape[0] > 2]
-    if kept != list(range(pad, len(levels))):
-        raise ValueError(f"{_OP}: {len(key_lower)} level bounds for {len(levels)} slots, {len(kept)} with nodes.")
-    lowers = [key_lower[i - pad] for i in kept]
-    keys, values, levels = [prefix_keys[i] for i in kept], [prefix_values[i] for i in kept], [levels[i] for i in kept]
-    if not levels or resolve_backend("auto", query.device, _OP) == "torch":
-        count_path("step:op/torch")
-        out, lse = bounded_cascade_attention(
-            query, key, value, keys, values, [t[2] for t in levels], [t[5] for t in levels], lowers, suffix_lower,
-            scale=scale, mask=mask, causal=True, softcap=softcap, key_length=key_length)
-        return out.to(query.dtype).transpose(1, 2).contiguous(), lse
-    from .cascade_attention import launch_cascade, launch_configs
-    from .prefix_attention import _Schedule
-
-    count_path("step:op/triton")
-
-    schedules = [_Schedule(rows=t[0], row_start=t[1], node_starts=t[2], tile_node=t[3], tile_m0=t[4],
-                           num_tiles=t[3].numel()) for t in levels]
-    fuse, configs = launch_configs(query, key, list(zip(keys, [None] * len(levels), schedules)), shape_only=True)
-    out, lse = launch_cascade(query, key, value, list(zip(keys, values)), configs, fuse, scale=scale, mask=mask,
-                              causal=True, softcap=softcap, key_length=key_length, key_lower=lowers,
-                              suffix_lower=suffix_lower)
-    return out.transpose(1, 2).contiguous(), lse.contiguous()
-
-
-@torch.library.custom_op(
-    "hf_cascade::bounded_cascade_attention",
-    mutates_args=(),
-    schema=(
-        "(Tensor query, Tensor key, Tensor value, Tensor[] prefix_keys, Tensor[] prefix_values, Tensor[] plan, "
-        "Tensor? mask, float scale, float? softcap, int? layer, Tensor? key_length, Tensor[] key_lower, "
-        "Tensor suffix_lower) -> (Tensor, Tensor)"
-    ),
-)
-def _bounded_cascade_attention_op(query, key, value, prefix_keys, prefix_values, plan, mask, scale, softcap, layer,
-                                  key_length, key_lower, suffix_lower):
-    return bounded_planned_attention(query, key, value, prefix_keys, prefix_values, plan, mask, scale, softcap, layer,
-                                     key_length, key_lower, suffix_lower)
-
-
-@_bounded_cascade_attention_op.register_fake
-def _(query, key, value, prefix_keys, prefix_values, plan, mask, scale, softcap, layer, key_length, key_lower,
-      suffix_lower):
-    B, Hq, Lq, _ = query.shape
-    return query.new_empty((B, Lq, Hq, value.shape[-1])), query.new_empty((B, Hq, Lq), dtype=torch.float32)

@@ -50,7 +50,7 @@ def builtin_cascade_attention(
         query: ``[B, Hq, Lq, D]`` float32/float16/bfloat16.
         key, value: the rows' suffix KV ``[B, Hkv, S, D]`` / ``[B, Hkv, S, Dv]`` (S may be 0).
         prefixes: per level ``(prefix_key [Hkv, T, D], prefix_value [Hkv, T, Dv], PrefixPlan)``
-            (:func:`~hf_cascade.ops.prefix_attention.plan_shared_prefix`: its host ``node_starts``, ``row_node``
+            (:func:`~hf_cascade.ops.plan.plan_shared_prefix`: its host ``node_starts``, ``row_node``
             and ``rows_by_node`` are read).
         scale: softmax scale. softcap: Gemma-2 soft-capping of the scores, or None.
         mask: bool ``[B or 1, Lq, S]`` (True = visible) over the suffix keys, or None: causal, aligned

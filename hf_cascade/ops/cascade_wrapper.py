@@ -22,15 +22,15 @@ import torch
 from torch import Tensor
 
 from ._backend import resolve_backend
-from ._cascade_torch import dense_part, heads_major, joint_softmax, suffix_part
+from ._launch import launch_cascade, launch_configs
+from .bounded import count_path
 from .builtin_cascade import builtin_cascade_attention
-from .cascade_attention import cascade_attention, launch_cascade, launch_configs
-from .plan import CascadePlan, plan_cascade
-from .prefix_attention import _Schedule, plan_shared_prefix
-from .suffix_attention import mask_with_key_length
+from .cascade_attention import cascade_attention
+from .plan import CascadePlan, _Schedule, plan_cascade, plan_shared_prefix
+from .reference import cascade_attention_ref
 
 __all__ = ["COMPILED_LEVELS", "CascadeWrapper", "LevelKV", "LevelTensors", "PrefixSlots", "padded_level_count",
-           "step_inputs"]
+           "planned_attention", "step_inputs"]
 
 # A compiled step takes at least this many prefix levels: a tree with fewer is padded with empty levels in front
 # (no node, so the op launches nothing for them), so trees of 1 to 4 levels share one graph. Deeper trees compile
@@ -138,11 +138,8 @@ class CascadeWrapper:
             ``(out [B, Lq, Hq, Dv] contiguous in query.dtype, lse [B, Hq, Lq] fp32)``.
         """
         builtin = self.builtin and not torch.compiler.is_compiling()
-        if not (static or builtin) and self.prefix_slots is not None and self.op_inputs is None:
-            # The decode step's index tensors (one query position), planned now, outside its CUDA graphs.
-            tensors = step_inputs(self.layout, query[:, :, -1:], key, [slot[layer] for slot in self.prefix_slots.keys],
-                                  buffers=self.buffers)
-            self.op_inputs = [t for level in tensors for t in level]
+        if not (static or builtin):
+            self.plan_step(layer, query, key)
         if static and self.prefix_slots is not None and not builtin:
             # The padded levels: the graph reads no level count (a tree of 1 to 4 levels is the same graph).
             return torch.ops.hf_cascade.cascade_attention(query, key, value, self.prefix_slots.keys,
@@ -154,6 +151,15 @@ class CascadeWrapper:
                                          softcap=softcap, key_length=key_length)
             return out.transpose(1, 2).contiguous(), lse
         return builtin_cascade_attention(query, key, value, prefixes, scale=scale, mask=mask, softcap=softcap)
+
+    def plan_step(self, layer: int, query: Tensor, key: Tensor) -> None:
+        """Plan the decode step's index tensors (:attr:`op_inputs`, one query position) now, eagerly, outside its
+        CUDA graphs, where the prefix slots are set and they are not planned yet (the first eager layer of a layout
+        plans them, bounded or not)."""
+        if self.prefix_slots is not None and self.op_inputs is None:
+            tensors = step_inputs(self.layout, query[:, :, -1:], key, [slot[layer] for slot in self.prefix_slots.keys],
+                                  buffers=self.buffers)
+            self.op_inputs = [t for level in tensors for t in level]
 
 
 def step_inputs(plan: CascadePlan, query: Tensor, key: Tensor, prefix_keys: Sequence[Tensor],
@@ -195,50 +201,63 @@ def step_inputs(plan: CascadePlan, query: Tensor, key: Tensor, prefix_keys: Sequ
     return tensors
 
 
-def _planned_attention(query, key, value, prefix_keys, prefix_values, plan_tensors, mask, scale, softcap,
-                       backend: str = "auto", key_length=None):
-    """The op's body: launch choices from shapes only, the layout from ``plan_tensors`` (flat, a
-    :class:`LevelTensors` per level)."""
+def planned_attention(query, key, value, prefix_keys, prefix_values, plan_tensors, mask, scale, softcap, layer=None,
+                      key_length=None, key_lower=None, suffix_lower=None, backend: str = "auto"):
+    """The body of both custom ops (``hf_cascade::cascade_attention``, and with per-query lower bounds
+    ``hf_cascade::bounded_cascade_attention``): launch choices from shapes only, the layout from ``plan_tensors``
+    (flat, a :class:`LevelTensors` per level: no host data, so a CUDA graph or a compiled step replays it for any
+    layout of the same sizes); the fp32 PyTorch reference where Triton does not run, or no level has keys.
+
+    Args:
+        query: ``[B, Hq, Lq, D]``; key, value: the suffix KV ``[B, Hkv, S, D / Dv]`` (fixed buffers).
+        prefix_keys, prefix_values: per level ``[Hkv, T, D]``, or (``layer`` given) every layer's ``[layers, Hkv, T,
+            D]`` of which layer ``layer``'s are read (a compiled step then traces no per-layer views of them); padding
+            levels (no node) first.
+        mask: bool ``[B or 1, Lq, S]`` over the suffix, or None (causal); key_length: int64 device scalar, the
+            written suffix columns (or None: all S), as in ``cascade_attention``.
+        key_lower: None, or int64 ``[B, Lq]`` per *real* level (the last ``len(key_lower)`` levels); suffix_lower:
+            ``[B, Lq]`` with it (see :mod:`~hf_cascade.ops.bounded`).
+    Returns:
+        ``(out [B, Lq, Hq, Dv] contiguous in query.dtype, lse [B, Hq, Lq] fp32)``.
+    """
+    if layer is not None:
+        prefix_keys = [k[layer] for k in prefix_keys]
+        prefix_values = [v[layer] for v in prefix_values]
     levels = LevelTensors.unflatten(plan_tensors)
+    if len(levels) != len(prefix_keys) or len(prefix_values) != len(prefix_keys):
+        raise ValueError(
+            f"cascade_attention: {len(prefix_keys)} prefix key levels, {len(prefix_values)} value levels and plan "
+            f"tensors of {len(levels)} levels ({len(plan_tensors)} tensors, {len(LevelTensors._fields)} a level)."
+        )
     # A level of no node (node_starts [N + 2] with N = 0: the padding of a shallower tree) has no keys for any
     # row: nothing to launch. A shape, so a CUDA graph recorded for this layout's shapes holds no launch for it.
     kept = [i for i, level in enumerate(levels) if level.node_starts.shape[0] > 2]
-    if len(kept) < len(levels):
-        levels = [levels[i] for i in kept]
-        prefix_keys, prefix_values = [prefix_keys[i] for i in kept], [prefix_values[i] for i in kept]
-    if resolve_backend(backend, query.device, "cascade_attention") == "torch" or not levels:
-        mask = mask_with_key_length(mask, key_length, query.shape[2], key.shape[2], True, key.device)
-        out, lse = _planned_torch(query, key, value, prefix_keys, prefix_values, levels, mask, scale, softcap)
+    if key_lower is not None:  # the real levels are the last len(key_lower)
+        pad = len(levels) - len(key_lower)
+        if kept != list(range(pad, len(levels))):
+            raise ValueError(f"bounded_cascade_attention: {len(key_lower)} level bounds for {len(levels)} levels, "
+                             f"{len(kept)} with nodes.")
+        key_lower = [key_lower[i - pad] for i in kept]
+    levels = [levels[i] for i in kept]
+    prefix_keys, prefix_values = [prefix_keys[i] for i in kept], [prefix_values[i] for i in kept]
+    torch_path = not levels or resolve_backend(backend, query.device, "cascade_attention") == "torch"
+    if key_lower is not None:
+        count_path("step:op/torch" if torch_path else "step:op/triton")
+    if torch_path:
+        out, lse = cascade_attention_ref(
+            query, key, value, [(k, v, (level.node_starts, level.row_node))
+                                for k, v, level in zip(prefix_keys, prefix_values, levels)],
+            scale=scale, mask=mask, causal=True, softcap=softcap, key_length=key_length, key_lower=key_lower,
+            suffix_lower=suffix_lower)
+        out = out.to(query.dtype)
     else:
         schedules = [level.schedule() for level in levels]
         fuse, configs = launch_configs(query, key, list(zip(prefix_keys, [None] * len(levels), schedules)),
                                        shape_only=True)
         out, lse = launch_cascade(query, key, value, list(zip(prefix_keys, prefix_values)), configs, fuse,
-                                  scale=scale, mask=mask, causal=True, softcap=softcap, key_length=key_length)
+                                  scale=scale, mask=mask, causal=True, softcap=softcap, key_length=key_length,
+                                  key_lower=key_lower, suffix_lower=suffix_lower)
     return out.transpose(1, 2).contiguous(), lse.contiguous()
-
-
-def _planned_torch(query, key, value, prefix_keys, prefix_values, levels: Sequence[LevelTensors], mask, scale,
-                   softcap):
-    """fp32 from the index tensors alone (no host sync): every row's queries against all keys of each level (the
-    other nodes' columns masked) and its suffix, in one softmax (``ops/_cascade_torch.py``)."""
-    B, Hq, Lq, D = query.shape
-    Hkv = key.shape[1]
-    q = query.float().reshape(B * Hkv, Hq // Hkv * Lq, D)
-    q_heads = heads_major(q, B, Hkv) if levels else None
-    parts = []
-    for k_pre, v_pre, level in zip(prefix_keys, prefix_values, levels):
-        node_starts, row_node = level.node_starts, level.row_node
-        T = k_pre.shape[1]
-        has_node = row_node >= 0
-        node = row_node.clamp(min=0)
-        start = torch.where(has_node, node_starts[node], 0)
-        end = torch.where(has_node, node_starts[node + 1], 0)
-        columns = torch.arange(T, device=query.device)
-        hide = (columns[None, :] < start[:, None]) | (columns[None, :] >= end[:, None])  # [B, T]
-        parts.append(dense_part(q_heads, k_pre, v_pre, hide.view(1, B, 1, T), scale, softcap))
-    suffix_part(parts, q, query, key, value, mask, True, scale, softcap)
-    return joint_softmax(parts, query, Hkv, value.shape[-1])
 
 
 @torch.library.custom_op(
@@ -251,19 +270,38 @@ def _planned_torch(query, key, value, prefix_keys, prefix_values, levels: Sequen
 )
 def _cascade_attention_op(query, key, value, prefix_keys, prefix_values, plan, mask, scale, softcap, layer=None,
                           key_length=None):
-    """``layer``: None when ``prefix_keys``/``prefix_values`` are one layer's ``[Hkv, T, D]`` per level; else they
-    are every layer's ``[layers, Hkv, T, D]`` per level and this layer's are read from them here (a compiled step
-    then traces no per-layer views of them). ``key_length``: the written suffix keys (see ``cascade_attention``)."""
-    if layer is not None:
-        prefix_keys = [k[layer] for k in prefix_keys]
-        prefix_values = [v[layer] for v in prefix_values]
-    return _planned_attention(query, key, value, prefix_keys, prefix_values, plan, mask, scale, softcap,
-                              key_length=key_length)
+    """:func:`planned_attention` (``layer``, ``key_length``: as there)."""
+    return planned_attention(query, key, value, prefix_keys, prefix_values, plan, mask, scale, softcap, layer,
+                             key_length)
 
 
 @_cascade_attention_op.register_fake
 def _(query, key, value, prefix_keys, prefix_values, plan, mask, scale, softcap, layer=None, key_length=None):
+    return _fake_outputs(query, value)
+
+
+@torch.library.custom_op(
+    "hf_cascade::bounded_cascade_attention",
+    mutates_args=(),
+    schema=(
+        "(Tensor query, Tensor key, Tensor value, Tensor[] prefix_keys, Tensor[] prefix_values, Tensor[] plan, "
+        "Tensor? mask, float scale, float? softcap, int? layer, Tensor? key_length, Tensor[] key_lower, "
+        "Tensor suffix_lower) -> (Tensor, Tensor)"
+    ),
+)
+def _bounded_cascade_attention_op(query, key, value, prefix_keys, prefix_values, plan, mask, scale, softcap, layer,
+                                  key_length, key_lower, suffix_lower):
+    """:func:`planned_attention` with each query's first visible column per level and over the suffix."""
+    return planned_attention(query, key, value, prefix_keys, prefix_values, plan, mask, scale, softcap, layer,
+                             key_length, key_lower, suffix_lower)
+
+
+@_bounded_cascade_attention_op.register_fake
+def _(query, key, value, prefix_keys, prefix_values, plan, mask, scale, softcap, layer, key_length, key_lower,
+      suffix_lower):
+    return _fake_outputs(query, value)
+
+
+def _fake_outputs(query, value):
     B, Hq, Lq, _ = query.shape
-    out = query.new_empty((B, Lq, Hq, value.shape[-1]))
-    lse = query.new_empty((B, Hq, Lq), dtype=torch.float32)
-    return out, lse
+    return query.new_empty((B, Lq, Hq, value.shape[-1])), query.new_empty((B, Hq, Lq), dtype=torch.float32)
