@@ -1,0 +1,100 @@
+"""Probe: what a fresh process pays for its first compiled generate() call when the compile caches are warm.
+
+A first child fills fresh Triton / Inductor cache folders (one ``compile="now"`` call of the shared workload: 32 rows
+x 4,096 shared tokens, Llama-3-8B shape); a second child, with the same folders, times its first ``compile="now"``
+call under cProfile: the call's seconds, torch.compile's phases (``common.compile_seconds``), the modules imported
+during the call, and the functions with the most cumulative time.
+
+    python benchmarks/probes/probe_warm_compile.py --layers 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import os
+import pstats
+import subprocess
+import sys
+import tempfile
+import time
+
+import preamble  # noqa: F401  (the repository root and benchmarks/ on sys.path)
+
+
+def _child(args) -> dict:
+    import torch
+
+    from bench_generate import build_model, make_batch
+    from common import compile_seconds, wall_time
+
+    import hf_cascade
+
+    model = build_model(args.layers)
+    ids, mask = make_batch(32, 4096, 64, model.config.vocab_size)
+
+    def call():
+        return model.generate(ids, attention_mask=mask, max_new_tokens=64, min_new_tokens=64, do_sample=False,
+                              pad_token_id=0, custom_generate=hf_cascade.generate,
+                              cascade_options={"compile": "now"})
+
+    record = {"role": args.child}
+    if args.child == "fill":
+        record["seconds"] = round(wall_time(call)[0], 3)
+        return record
+    t = time.perf_counter()
+    import torch._dynamo.utils  # noqa: F401  (compile_seconds reads it: its import timed apart, part of the cost)
+
+    record["dynamo_import_s"] = round(time.perf_counter() - t, 3)
+    modules = len(sys.modules)
+    before = compile_seconds()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    seconds, _ = wall_time(call)
+    profiler.disable()
+    after = compile_seconds()
+    record.update(seconds=round(seconds, 3), second_call_s=round(wall_time(call)[0], 3),
+                  modules_imported=len(sys.modules) - modules,
+                  compile_phases={k: round(after[k] - before[k], 3) for k in after})
+    for order in ("cumulative", "tottime"):
+        out = io.StringIO()
+        pstats.Stats(profiler, stream=out).sort_stats(order).print_stats(45)
+        record[f"top_{order}"] = [line.strip()[:200] for line in out.getvalue().splitlines()
+                                  if line.strip()[:1].isdigit()]
+    torch.cuda.synchronize()
+    return record
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--output", default=None)
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(_child(args)), flush=True)
+        return
+    from common import ResultWriter
+
+    root = tempfile.mkdtemp(prefix="hf_cascade_warm_compile_")
+    env = {**os.environ, "TRITON_CACHE_DIR": os.path.join(root, "triton"),
+           "TORCHINDUCTOR_CACHE_DIR": os.path.join(root, "inductor"), "HF_CASCADE_RECORDS": "off"}
+    writer = ResultWriter("probe_warm_compile.jsonl", args.output)
+    for role in ("fill", "measure"):
+        t = time.perf_counter()
+        done = subprocess.run([sys.executable, __file__, "--child", role, "--layers", str(args.layers)], env=env,
+                              capture_output=True, text=True)
+        lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
+        record = {"bench": "probe_warm_compile", "layers": args.layers, "child_wall_s": round(time.perf_counter() - t, 2),
+                  **(json.loads(lines[-1][7:]) if lines else {"role": role, "error": done.stderr[-1500:]})}
+        writer.write(record)
+        print(json.dumps({k: v for k, v in record.items() if not k.startswith("top_")}))
+        for order in ("cumulative", "tottime"):
+            for line in record.get(f"top_{order}", []):
+                print("  ", order[:3], line)
+
+
+if __name__ == "__main__":
+    main()
