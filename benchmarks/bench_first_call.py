@@ -21,12 +21,13 @@ Workloads:
 Peers: ``sdpa`` (generate() as it is), ``sdpa_static`` (transformers' static cache, which generate() compiles),
 ``hf_prefix_reuse`` (transformers' prefix-reuse recipe: the shared prefix prefilled once into a DynamicCache, copied
 to every row; only where the rows share leading columns), ``cascade`` (``custom_generate=hf_cascade.generate``,
-default options: the tiers, the compile caches filled by a background child process), ``cascade_no_background`` (the same with
+default options: the tiers, the compiled tier built in the background), ``cascade_no_background`` (the same with
 the background build off: the ski rental alone), ``cascade_compiled_now`` (the compiled tier from the first call:
 ``cascade_options={"compile": "now"}``, the old default), and ``cascade_exit_during_build`` (one default call, then
 the process exits while the background build runs: its exit code and how long the exit took), and
-the earlier policies of ``hf_cascade.tier_build``: ``cascade_thread_finish`` (``MODE="child+thread"``: after the
-child, a thread compiles in this process) and ``cascade_no_prewarm`` (``MODE="thread"``: the thread alone).
+other policies of ``hf_cascade.tier_build``: ``cascade_foreground_finish`` (``MODE="child"``: the child fills the
+caches, then the ski rental compiles in the foreground) and ``cascade_no_prewarm`` (``MODE="thread"``: the thread
+alone).
 Records ``first_call`` (one per child) in ``benchmarks/results/first_call.jsonl``.
 """
 
@@ -47,7 +48,7 @@ import traceback  # noqa: E402
 
 PEER_OPTIONS = {"sdpa": None, "sdpa_static": None, "hf_prefix_reuse": None, "cascade": {},
                 "cascade_no_background": {}, "cascade_compiled_now": {"compile": "now"},
-                "cascade_exit_during_build": {}, "cascade_no_prewarm": {}, "cascade_thread_finish": {}}
+                "cascade_exit_during_build": {}, "cascade_no_prewarm": {}, "cascade_foreground_finish": {}}
 WORKLOADS = ("shared32", "chat48", "stream")
 ODD_BATCHES = (7, 13, 20, 48)
 
@@ -81,10 +82,10 @@ def _child(args) -> dict:
         from hf_cascade import tier_build
 
         tier_build.ENABLED = False
-    if peer in ("cascade_no_prewarm", "cascade_thread_finish"):  # the earlier policies of the background build
+    if peer in ("cascade_no_prewarm", "cascade_foreground_finish"):  # other policies of the background build
         from hf_cascade import tier_build
 
-        tier_build.MODE = "thread" if peer == "cascade_no_prewarm" else "child+thread"
+        tier_build.MODE = "thread" if peer == "cascade_no_prewarm" else "child"
 
     def generate(ids, mask, new_tokens, **extra):
         return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
@@ -289,7 +290,7 @@ def main(argv=None):
                        "--state", state, "--calls", str(args.calls), "--sdpa-calls", str(args.sdpa_calls),
                        "--cascade-seconds", str(args.cascade_seconds)] + (["--sample-stalls"] if args.sample_stalls else [])
                 fill = None
-                if state == "warm" and peer in ("cascade", "cascade_no_background", "cascade_thread_finish"):  # warm = after `hf_cascade warmup` filled the caches
+                if state == "warm" and peer in ("cascade", "cascade_no_background", "cascade_foreground_finish"):  # warm = after `hf_cascade warmup` filled the caches
                     done = subprocess.run([*cmd, "--fill"], env=_cache_env(folder), capture_output=True, text=True)
                     lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
                     fill = json.loads(lines[-1][len("RESULT "):]) if lines else f"error: {done.stderr[-800:]}"

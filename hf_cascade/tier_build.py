@@ -10,27 +10,30 @@ same graphs and Triton kernels: the child fills the Triton and Inductor caches o
 (the GIL is free meanwhile), and the calls meanwhile build nothing themselves (they would build what the child is
 building).
 
-Once the child is done the caches are warm, and compiling the layers in this process costs what loading them
-does (H100, Llama-3-8B shape: a first compiled call of 2.1 s against 0.66 s later, where a cold one took 20 s):
-:mod:`hf_cascade.tiers` then expects :data:`~hf_cascade.tiers.WARM_COMPILE_COST_S` and its ski rental moves a call
-up once the regret reached it, usually the first call after the child (the calls during the child's 30-40 s have
-piled up regret). That one call compiles in the foreground.
+Then (``MODE = "child+thread"``, the default) the thread runs the build call in this process too: it traces the
+layers and loads what the child compiled, on its own CUDA stream, with the compiled layer calls installed for its
+own thread only (:class:`~hf_cascade.decode.compiled_layers._ThreadCompiledCall`), and the first call after it ends
+runs the compiled tier. That part is Python holding the GIL: a fresh process's first compiled call on warm caches
+takes ~10 s on the device machine (H100, Llama-3-8B shape: imports of the compile stack ~5 s, 2 of them compiling
+sources where no bytecode cache was written; dynamo's tracing 3.6 s; ``results/probe_warm_compile.jsonl``), and the
+serving call beside it is held up about that long once (7-9 s, ``results/first_call.jsonl``).
 
-Why not in a thread of this process (``MODE = "child+thread"``, the policy before; ``"thread"`` without the child;
-kept for the benchmarks): tracing and loading the compiled layers is Python that hands the GIL back and forth with
-the serving thread thousands of times per call; measured (same model, warm caches), the thread's build took 7-9.5 s
-instead of 2 s alone, and the call beside it 6.2 s instead of 1.0 s. In the foreground the same work costs one
-call ~1.5 s once. With empty caches and no child, Triton's compiler holds the GIL for up to a second per kernel (a
-1.0 s call took 7.5 s).
+Measured against the alternatives (same H100, one run; 75 s of the same 32-row call): ``MODE = "child"`` (the
+thread only fills the caches; the ski rental then compiles in the foreground, expecting
+:data:`~hf_cascade.tiers.WARM_COMPILE_COST_S`) stalls one call as long (7-9 s) and reaches the compiled tier later
+(call 52 against 41 on empty caches, call 17 against 3 on warm ones): the thread overlaps part of the work with the
+serving calls' GPU time. ``"thread"`` (no child): Triton's compiler holds the GIL for up to a second per kernel, a
+1.0 s call took 7.5 s once and 2-4 s several times.
 
-What the child shares with the serving process: the GPU (it starts only where free device memory is at least
-:data:`MIN_FREE_FRACTION` of the GPU and :data:`CACHE_MULTIPLE` times the call's KV); the caches on disk. A child
-that fails is reported in :func:`hf_cascade.tiers.tier_report` and by a warning; the ski rental then decides with
-the cold costs. The thread is a daemon; an interpreter that exits while the child runs does not wait for it.
+What the build shares with the serving process: the GPU (it starts only where free device memory is at least
+:data:`MIN_FREE_FRACTION` of the GPU and :data:`CACHE_MULTIPLE` times the call's KV); the caches on disk. Where a
+record says the caches are warm, no child runs (``"child"``: nothing runs; the ski rental decides with the recorded
+cost). A child that fails is reported in :func:`hf_cascade.tiers.tier_report` (the thread then compiles cold;
+``"child"``: an error and a warning, and the ski rental decides with the cold costs). The thread is a daemon; an
+interpreter that exits while it builds does not wait for it, and the child ends with it (:func:`_leave_with_parent`).
 
 Where this does not start: ``compile="now"`` / ``"never"``, beam search, CPU, a user's own cache, a call without
-decode steps, caches a record says are warm (nothing to fill: the ski rental decides with the recorded cost), or
-:data:`ENABLED` set False (the benchmarks compare the policies).
+decode steps, or :data:`ENABLED` set False (the benchmarks compare the policies).
 """
 
 from __future__ import annotations
@@ -56,9 +59,9 @@ ENABLED = True
 BUILD_STEPS = 4
 MIN_FREE_FRACTION = 0.15
 CACHE_MULTIPLE = 3
-# "child": the child process fills the compile caches, the calls move up by the ski rental (the default);
-# "child+thread": then the thread compiles in this process too; "thread": the thread alone (module docstring).
-MODE = "child"
+# "child+thread" (the default): the child process fills the compile caches, then the thread compiles in this process;
+# "child": the child only, the calls move up by the ski rental; "thread": the thread alone (module docstring).
+MODE = "child+thread"
 MODES = ("child", "child+thread", "thread")
 PREWARM_LAYERS = 2
 PREWARM_TIMEOUT_S = 900
