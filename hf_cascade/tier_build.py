@@ -10,13 +10,17 @@ same graphs and Triton kernels: the child fills the Triton and Inductor caches o
 (the GIL is free meanwhile), and the calls meanwhile build nothing themselves (they would build what the child is
 building).
 
-Then (``MODE = "child+thread"``, the default) the thread runs the build call in this process too: it traces the
-layers and loads what the child compiled, on its own CUDA stream, with the compiled layer calls installed for its
-own thread only (:class:`~hf_cascade.decode.compiled_layers._ThreadCompiledCall`), and the first call after it ends
-runs the compiled tier. That part is Python holding the GIL: a fresh process's first compiled call on warm caches
-takes ~10 s on the device machine (H100, Llama-3-8B shape: imports of the compile stack ~5 s, 2 of them compiling
-sources where no bytecode cache was written; dynamo's tracing 3.6 s; ``results/probe_warm_compile.jsonl``), and the
-serving call beside it is held up about that long once (7-9 s, ``results/first_call.jsonl``).
+Then (``MODE = "child+thread"``, the default), once the calls' regret (:mod:`hf_cascade.tiers`: what the compiled
+tier would have saved them) reaches what compiling from warm caches costs this process, the next call starts the
+thread again to run the build call *in this process*: it traces the layers and loads what the child compiled, on
+its own CUDA stream, with the compiled layer calls installed for its own thread only
+(:class:`~hf_cascade.decode.compiled_layers._ThreadCompiledCall`), and the first call after it runs the compiled
+tier. That part is Python holding the GIL: a fresh process's first compiled call on warm caches takes ~10 s on the
+device machine (H100, Llama-3-8B shape: imports of the compile stack ~5 s, 2 of them compiling sources where no
+bytecode cache was written; dynamo's tracing 3.6 s; ``results/probe_warm_compile.jsonl``), and the serving call
+beside it is held up about that long once (7-9 s, ``results/first_call.jsonl``). Waiting for the regret keeps that
+stall off short jobs: a stream of 12 batches on warm caches took 24.9 s with the thread started at once, against
+16.9 s without a build. Where the caches start warm (a record says so), no child runs and only the wait applies.
 
 Measured against the alternatives (same H100, one run; 75 s of the same 32-row call): ``MODE = "child"`` (the
 thread only fills the caches; the ski rental then compiles in the foreground, expecting
@@ -83,7 +87,7 @@ def build_in_background(model, input_ids: torch.Tensor, generation_config, model
     Returns:
         Whether a build started (False: one is running or done or failed for this model, or it would not fit).
     """
-    from hf_cascade.tiers import building_state, recorded_compile_costs
+    from hf_cascade.tiers import building_state
 
     if not ENABLED or input_ids.device.type != "cuda":
         return False
@@ -91,16 +95,17 @@ def build_in_background(model, input_ids: torch.Tensor, generation_config, model
     with state.lock:
         if state.ready["compiled"] or state.building is not None or state.build_error is not None:
             return False
-        if MODE not in MODES:
-            raise ValueError(f"`hf_cascade.tier_build.MODE` must be one of {list(MODES)}; got {MODE!r}.")
-        caches_warm = bool(recorded_compile_costs(model, state)) or state.caches_filled
-        if caches_warm and MODE == "child":
-            return False  # nothing to fill: the ski rental moves up with the recorded cost
+        step = _next_build_step(model, state)
+        if step is None:
+            return False
+        prewarm, compile_here = step
         device = input_ids.device
         free, total = torch.cuda.mem_get_info(device)
         free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         if free < max(MIN_FREE_FRACTION * total, CACHE_MULTIPLE * cache_nbytes):
+            state.thread_builds = False  # no room beside the calls: the ski rental compiles in the foreground
             return False
+        state.thread_builds = MODE != "child"
         config = copy.deepcopy(generation_config)
         for name, value in (("do_sample", False), ("num_beams", 1), ("return_dict_in_generate", False),
                             ("output_scores", False), ("output_logits", False)):
@@ -112,12 +117,32 @@ def build_in_background(model, input_ids: torch.Tensor, generation_config, model
         inputs_ready = torch.cuda.Event()
         inputs_ready.record(torch.cuda.current_stream(device))
         thread = threading.Thread(target=_build, args=(model, state, ids, config, kwargs, options, inputs_ready,
-                                                       MODE != "thread" and not caches_warm),
+                                                       prewarm, compile_here),
                                   name=_THREAD_NAME, daemon=True)
         state.building = thread
         state.build_started = time.perf_counter()
     thread.start()
     return True
+
+
+def _next_build_step(model, state) -> tuple[bool, bool] | None:
+    """What the thread would do now (``(prewarm, compile_here)``: run the child; compile in this process), or None
+    (nothing now). Sets ``state.thread_builds`` when a later call will start the thread. Call with ``state.lock``
+    held."""
+    from hf_cascade.tiers import caches_warm, expected_compile_cost
+
+    if MODE not in MODES:
+        raise ValueError(f"`hf_cascade.tier_build.MODE` must be one of {list(MODES)}; got {MODE!r}.")
+    if MODE == "thread":
+        return False, True
+    if not caches_warm(model, state):
+        return True, False  # the child fills the caches; this process compiles nothing yet
+    if MODE == "child":
+        return None  # the caches are warm: the ski rental moves the calls up (the foreground compiles)
+    if state.regret["compiled"] < expected_compile_cost(model, state):
+        state.thread_builds = True  # a later call starts the thread, once the regret pays for compiling
+        return None
+    return False, True
 
 
 def wait_for_build(model, timeout: float | None = None) -> bool:
@@ -163,7 +188,10 @@ def wait_for_all_builds(timeout: float | None = None) -> None:
             thread.join(None if deadline is None else max(0.0, deadline - time.perf_counter()))
 
 
-def _build(model, state, input_ids, generation_config, model_kwargs, options, inputs_ready, prewarm: bool) -> None:
+def _build(model, state, input_ids, generation_config, model_kwargs, options, inputs_ready, prewarm: bool,
+           compile_here: bool) -> None:
+    """The background thread: the child process that fills the compile caches (``prewarm``), or the build call in
+    this process (``compile_here``)."""
     from hf_cascade.tiers import IN_BUILD
 
     error = prewarmed = None
@@ -175,9 +203,9 @@ def _build(model, state, input_ids, generation_config, model_kwargs, options, in
         if prewarm:
             prewarmed = _prewarm_in_child(model, input_ids, generation_config, model_kwargs, options, stream)
             filled = prewarmed["returncode"] == 0
-            if not filled and MODE == "child":
+            if not filled:
                 error = f"the child process that fills the compile caches failed: {prewarmed['error']}"
-        if MODE != "child":
+        if compile_here:
             IN_BUILD.active = True
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 _build_call(model, input_ids, generation_config, model_kwargs, options)
@@ -193,8 +221,10 @@ def _build(model, state, input_ids, generation_config, model_kwargs, options, in
         with state.lock:
             state.building = None
             state.build_error = error
-            state.build_prewarm = prewarmed
+            state.build_prewarm = prewarmed if prewarm else state.build_prewarm
             state.caches_filled = state.caches_filled or filled
+            if error is not None:
+                state.thread_builds = False  # the ski rental decides in the foreground
             state.build_s = round(time.perf_counter() - state.build_started, 3)
 
 

@@ -12,7 +12,7 @@ Three tiers, each faster once ready and each costing more to get ready:
 ``compiled``
     The decoder layers compiled by ``torch.compile`` for the decode step and the prefill
     (:mod:`hf_cascade.decode.compiled_layers`): the model's small kernels fused, ~20% off a decode step (Llama-3-8B shape,
-    H100), after 10-25 s of compilation with empty caches, 1.5-7 s with warm ones.
+    H100), after 10-25 s of compilation with empty caches, 7-10 s in a new process with warm ones.
 
 The policy (``cascade_options={"compile": "auto"}``, the default) is ski rental: a call runs the best tier that is
 ready; each call run below a tier adds what that tier would have saved (a fixed fraction of the call's seconds,
@@ -28,11 +28,12 @@ an earlier process measured when it moved up. Pointing the compile caches at a n
 ``TORCHINDUCTOR_CACHE_DIR``) starts from no record. ``python -m hf_cascade warmup --model PATH`` compiles every
 tier ahead (for images and CI) and writes the records.
 
-**In the background**, after the first call that could use the compiled tier where no record says the compile
-caches are warm: :mod:`hf_cascade.tier_build` runs that call's rows in a child process on the model cut to two
-layers, which fills the caches while the calls go on below (they build nothing themselves meanwhile). Its
-compiled tier then costs what loading from warm caches does (:data:`WARM_COMPILE_COST_S`), and the ski rental
-moves up, usually on the first call after the child.
+**In the background** (:mod:`hf_cascade.tier_build`): after the first call that could use the compiled tier, where
+the compile caches are cold, a child process runs that call's rows on the model cut to two layers and fills them
+while the calls go on below (they build nothing themselves meanwhile); then, once the regret reaches what compiling
+from warm caches costs (:data:`WARM_COMPILE_COST_S`, or what a process recorded), a thread of this process
+compiles the layers beside the calls, and the call after it runs the compiled tier. The calls never compile the
+layers themselves then; the ski rental above alone decides where no background build runs.
 
 ``compile="now"`` runs the compiled tier from the first call (the old default: the first call compiles);
 ``compile="never"`` never compiles the layers (Triton kernels when ready, by the same rule).
@@ -51,7 +52,7 @@ import torch
 
 from hf_cascade.decode.step_buffers import model_state
 
-__all__ = ["COMPILE_CHOICES", "SAVED_FRACTION", "Tier", "choose_tier", "note_compile_cost", "record_call", "tier_report"]
+__all__ = ["COMPILE_CHOICES", "SAVED_FRACTION", "Tier", "choose_tier", "note_caches_warm", "record_call", "tier_report"]
 
 COMPILE_CHOICES = ("auto", "now", "never")
 
@@ -74,10 +75,11 @@ DEFAULT_COST_S = {"triton": 8.0, "compiled": 20.0}
 # of another shape can still need a few new specialisations (~1 s each): measured 2.6 s for a first call of ragged
 # chat rows after a warm-up of plain batches (benchmarks/results/first_call.jsonl), against 0.75 s built-in.
 RECORDED_TRITON_COST_S = 1.0
-# The compiled tier where the caches are warm but no record of this model says what loading from them costs (a
-# background child filled them: hf_cascade.tier_build): H100, Llama-3-8B shape, the first compiled call of a process
-# with warm caches took 2.1 s (1.9 s of it compiling) against 0.66 s later (benchmarks/results/first_call.jsonl).
-WARM_COMPILE_COST_S = 2.5
+# The compiled tier where the caches are warm but no process recorded what its first compiled call cost (a background
+# child or `warmup` filled them): H100, Llama-3-8B shape, a fresh process's first compiled call on warm caches took
+# 10.0 s against 0.64 s after (imports of the compile stack ~5 s, dynamo's tracing 3.6 s:
+# benchmarks/results/probe_warm_compile.jsonl), and the call it stalled 7.1-8.9 s (first_call.jsonl).
+WARM_COMPILE_COST_S = 8.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +114,9 @@ class _ModelTiers:
         self.build_s: float | None = None
         self.build_prewarm: dict | None = None  # the child process that filled the compile caches first
         self.caches_filled = False  # a child filled the compile caches for this model's calls (tier_build)
+        # a thread of this process compiles the layers once the regret pays for it (tier_build): the calls then
+        # never compile them in the foreground
+        self.thread_builds = False
 
 
 def _state(model) -> _ModelTiers:
@@ -141,7 +146,7 @@ def choose_tier(model, compile: str = "auto") -> Tier:
         # too), the calls do not build anything themselves: they would wait for what the build is making.
         building = state.building is not None and compile == "auto"
         record = _load_record(model, state)
-        warm = record.get("triton_built") or state.caches_filled
+        warm = record.get("triton_built") or record.get("caches_warm") or state.caches_filled
         triton_cost = RECORDED_TRITON_COST_S if warm else DEFAULT_COST_S["triton"]
         triton = state.ready["triton"] or (state.regret["triton"] >= triton_cost and not building)
         if not triton:
@@ -149,7 +154,8 @@ def choose_tier(model, compile: str = "auto") -> Tier:
         if compile == "never":
             return _TIERS["triton"]
         compiled = state.ready["compiled"] or (
-            state.regret["compiled"] >= _compiled_cost(record, state.caches_filled) and not building)
+            state.regret["compiled"] >= _compiled_cost(record, state.caches_filled) and not building
+            and not state.thread_builds)
         return _TIERS["compiled" if compiled else "triton"]
 
 
@@ -182,13 +188,13 @@ def record_call(model, tier: Tier, seconds: float) -> None:
             _write_record(state)
 
 
-def note_compile_cost(model, seconds: float) -> None:
-    """Record ``seconds`` as what getting the compiled tier ready costs a new process (``warmup`` measures it with
-    the caches it filled)."""
+def note_caches_warm(model) -> None:
+    """Record that the compile caches hold ``model``'s graphs and kernels (``warmup`` filled them): a later process
+    expects :data:`WARM_COMPILE_COST_S` for its first compiled call until one records what it took."""
     state = _state(model)
     with state.lock:
         record = _load_record(model, state)
-        record["compiled_call_s"] = [*record.get("compiled_call_s", []), round(seconds, 3)][-4:]
+        record["caches_warm"] = True
         _write_record(state)
 
 
@@ -205,20 +211,27 @@ def tier_report(model) -> dict:
                                      "caches_filled": state.caches_filled}}
 
 
-def recorded_compile_costs(model, state: _ModelTiers) -> list:
-    """What earlier processes recorded compiling ``model``'s layers cost with these compile caches (empty: no process
-    did, the caches hold none of its graphs). Call with ``state.lock`` held."""
-    return _load_record(model, state).get("compiled_call_s") or []
+def caches_warm(model, state: _ModelTiers) -> bool:
+    """Whether the compile caches hold ``model``'s graphs and kernels: an earlier process compiled them (a record
+    says so) or a child of this one filled them. Call with ``state.lock`` held."""
+    record = _load_record(model, state)
+    return bool(record.get("compiled_call_s") or record.get("caches_warm") or state.caches_filled)
+
+
+def expected_compile_cost(model, state: _ModelTiers) -> float:
+    """Seconds the compiled tier is expected to cost this process (see :func:`_compiled_cost`). Call with
+    ``state.lock`` held."""
+    return _compiled_cost(_load_record(model, state), state.caches_filled)
 
 
 def _compiled_cost(record: dict, caches_filled: bool = False) -> float:
     """Expected seconds to compile the layers: the least an earlier process's first compiled call took (it
-    includes the call's own work, so it overstates), else :data:`WARM_COMPILE_COST_S` where a child filled the
-    caches, else :data:`DEFAULT_COST_S`."""
+    includes the call's own work, so it overstates), else :data:`WARM_COMPILE_COST_S` where the caches are warm (a
+    child filled them, or ``warmup``), else :data:`DEFAULT_COST_S`."""
     costs = record.get("compiled_call_s")
     if costs:
         return min(costs)
-    return WARM_COMPILE_COST_S if caches_filled else DEFAULT_COST_S["compiled"]
+    return WARM_COMPILE_COST_S if caches_filled or record.get("caches_warm") else DEFAULT_COST_S["compiled"]
 
 
 # ---------------------------------------------------------------------------------------------- records on disk

@@ -269,9 +269,9 @@ def test_background_child_fills_the_caches_then_the_ski_rental_moves_up(records,
     monkeypatch.setattr(tier_build, "_build_call", lambda *a: ran.append(a))
     state = tiers._state(model)
     state.building, state.build_started = threading.current_thread(), 0.0
-    state.regret["triton"] = state.regret["compiled"] = tiers.WARM_COMPILE_COST_S + 0.1
+    state.regret["triton"], state.regret["compiled"] = 2.6, tiers.WARM_COMPILE_COST_S + 0.1
     assert tiers.choose_tier(model).name == "builtin"  # the child runs: no call builds anything
-    tier_build._build(model, state, torch.zeros(2, 3, dtype=torch.long), None, {}, {}, None, True)
+    tier_build._build(model, state, torch.zeros(2, 3, dtype=torch.long), None, {}, {}, None, True, False)
     assert ran == []
     report = tiers.tier_report(model)["background_build"]
     assert report["running"] is False and report["caches_filled"] is (child_returncode == 0)
@@ -283,6 +283,39 @@ def test_background_child_fills_the_caches_then_the_ski_rental_moves_up(records,
     else:
         assert "child process" in report["error"] and "boom" in report["error"]
         assert tiers.choose_tier(model).name == "builtin"  # the cold costs: 8 s for Triton
+
+
+def test_background_build_steps_wait_for_the_regret_once_the_caches_are_warm(records, tiny_llama_pair, monkeypatch):
+    """The default MODE ("child+thread"): cold caches -> the child first (nothing compiled here); warm caches (filled,
+    or a record) -> the thread compiles in this process only once the regret reaches the warm cost, and until then
+    the calls do not compile in the foreground either (thread_builds); MODE "child" leaves warm caches to the ski
+    rental; MODE "thread" compiles here at once."""
+    from hf_cascade import tier_build, tiers
+
+    model = tiny_llama_pair[0]
+    _fresh_process(model)
+    state = tiers._state(model)
+    assert tier_build.MODE == "child+thread"
+    assert tier_build._next_build_step(model, state) == (True, False)
+    state.caches_filled = True
+    state.regret["triton"] = state.regret["compiled"] = tiers.WARM_COMPILE_COST_S - 0.5
+    assert tier_build._next_build_step(model, state) is None and state.thread_builds
+    state.regret["compiled"] = 1e6
+    assert tiers.choose_tier(model).name == "triton"  # never compiled in the foreground: the thread will
+    assert tier_build._next_build_step(model, state) == (False, True)
+    monkeypatch.setattr(tier_build, "MODE", "child")
+    assert tier_build._next_build_step(model, state) is None
+    monkeypatch.setattr(tier_build, "MODE", "thread")
+    assert tier_build._next_build_step(model, state) == (False, True)
+    monkeypatch.setattr(tier_build, "MODE", "both")
+    with pytest.raises(ValueError, match="MODE"):
+        tier_build._next_build_step(model, state)
+    # a new process after `warmup`: the record says the caches are warm, the warm cost is expected
+    _fresh_process(model)
+    tiers.note_caches_warm(model)
+    _fresh_process(model)
+    state = tiers._state(model)
+    assert tiers.caches_warm(model, state) and tiers.expected_compile_cost(model, state) == tiers.WARM_COMPILE_COST_S
 
 
 def test_background_child_ends_with_the_process_that_started_it(tmp_path):

@@ -438,11 +438,12 @@ def test_gpu_first_calls_compile_nothing_and_move_up_exactly(family, monkeypatch
                                                      ("llama", False, "child")])
 def test_gpu_compiled_tier_built_in_the_background(family, do_sample, mode, monkeypatch):
     """The default policy: after the first call (built-in tier), a child process runs that call's rows on the model
-    cut to two layers, filling the compile caches, then a thread of this process runs them again with the layers
-    compiled (hf_cascade.tier_build); the calls meanwhile stay on the built-in tier with the reference's fp32 tokens
-    (seeded samples too: the build is greedy, it draws no random numbers; the thread's compiled layers are its own),
-    and the calls after the build run the compiled tier, for this layout and another one. MODE "child": no thread
-    compiles; once the caches are filled the calls that move up compile in the foreground from them."""
+    cut to two layers, filling the compile caches; once the regret pays for compiling from them, a call starts a
+    thread of this process that runs the rows again with the layers compiled (hf_cascade.tier_build); the calls
+    meanwhile stay below the compiled tier with the reference's fp32 tokens (seeded samples too: the build is greedy,
+    it draws no random numbers; the thread's compiled layers are its own), and the calls after the build run the
+    compiled tier, for this layout and another one. MODE "child": no thread compiles; once the caches are filled the
+    calls that move up compile in the foreground from them."""
     from hf_cascade import tier_build, tiers
     from hf_cascade.tier_build import wait_for_build
 
@@ -475,9 +476,12 @@ def test_gpu_compiled_tier_built_in_the_background(family, do_sample, mode, monk
     report = tiers.tier_report(cas)
     assert report["background_build"]["caches_filled"] and report["background_build"]["error"] is None, report
     assert report["background_build"]["prewarm"]["returncode"] == 0, report
-    if mode == "child":
-        for name in ("WARM_COMPILE_COST_S", "RECORDED_TRITON_COST_S"):  # tiny calls: any regret pays for warm caches
-            monkeypatch.setattr(tiers, name, 0.0)
+    for name in ("WARM_COMPILE_COST_S", "RECORDED_TRITON_COST_S"):  # tiny calls: any regret pays for warm caches
+        monkeypatch.setattr(tiers, name, 0.0)
+    if mode == "child+thread":  # the next call (not compiled in the foreground) starts the thread's compile
+        report = check(first, "the call that starts the compile in the thread")
+        assert report["calls"][-1][0] != "compiled" and report["background_build"]["running"], report
+        assert wait_for_build(cas, timeout=600), tiers.tier_report(cas)
     for rows, what in ((first, "first layout, compiled"), (second, "second layout, compiled")):
         report = check(rows, what)
         assert report["calls"][-1][0] == "compiled", report
