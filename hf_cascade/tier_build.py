@@ -58,9 +58,9 @@ logger = logging.get_logger(__name__)
 __all__ = ["BUILD_STEPS", "ENABLED", "MODE", "build_in_background", "wait_for_all_builds", "wait_for_build"]
 
 ENABLED = True
-# Decode steps of the build call: the first new key runs once (compiling the layers), the next step records the
-# compiled step, one more replays it.
-BUILD_STEPS = 4
+# Decode steps of the build call: the first compiles the layers for the decode step, the next runs them again (a
+# build records no CUDA graph: hf_cascade.decode.captured_step).
+BUILD_STEPS = 2
 MIN_FREE_FRACTION = 0.15
 CACHE_MULTIPLE = 3
 # "child+thread" (the default): the child process fills the compile caches, then the thread compiles in this process;

@@ -178,9 +178,11 @@ def record_call(model, tier: Tier, seconds: float) -> None:
         if tier.compiled:
             if not state.ready["compiled"]:
                 state.ready["compiled"] = True
-                costs = record.setdefault("compiled_call_s", [])
-                costs.append(round(seconds, 3))
-                del costs[:-4]
+                if record.get("caches_warm") or state.caches_filled:  # what a process pays on warm caches
+                    costs = record.setdefault("compiled_call_s", [])
+                    costs.append(round(seconds, 3))
+                    del costs[:-4]
+                record["caches_warm"] = True  # (a cold compile's seconds would overstate the next process's cost)
                 changed = True
         else:
             state.regret["compiled"] += SAVED_FRACTION["compiled"] * seconds
@@ -215,7 +217,7 @@ def caches_warm(model, state: _ModelTiers) -> bool:
     """Whether the compile caches hold ``model``'s graphs and kernels: an earlier process compiled them (a record
     says so) or a child of this one filled them. Call with ``state.lock`` held."""
     record = _load_record(model, state)
-    return bool(record.get("compiled_call_s") or record.get("caches_warm") or state.caches_filled)
+    return bool(record.get("caches_warm") or record.get("compiled_call_s") or state.caches_filled)
 
 
 def expected_compile_cost(model, state: _ModelTiers) -> float:

@@ -148,19 +148,22 @@ def test_ski_rental_moves_up_when_regret_reaches_cost(records, tiny_llama_pair):
     assert tiers.choose_tier(model).name == "triton"
     tiers.record_call(model, tiers._TIERS["triton"], 40.0)
     assert tiers.choose_tier(model).name == "compiled"
-    tiers.record_call(model, tiers._TIERS["compiled"], 6.5)
+    tiers.record_call(model, tiers._TIERS["compiled"], 26.5)  # compiled cold: not what a later process pays
     assert tiers.choose_tier(model, "never").name == "triton"
-    # a new process: the record says the Triton kernels were built (cheap: after 1 s of regret) and what compiling
-    # cost
+    # a new process: the record says the Triton kernels were built (cheap: after 1 s of regret) and the caches are
+    # warm (the warm cost is expected, not the cold call's 26.5 s)
     _fresh_process(model)
     assert tiers.choose_tier(model).name == "builtin"
     tiers.record_call(model, tiers._TIERS["builtin"], 4.0)  # regret 1.0 s >= the recorded Triton cost
     assert tiers.choose_tier(model).name == "triton"
-    assert tiers._compiled_cost(tiers._state(model).record) == 6.5
-    tiers.record_call(model, tiers._TIERS["triton"], 26.0)  # regret 0.8 (built-in call) + 5.2 = 6.0 < 6.5
+    assert tiers._compiled_cost(tiers._state(model).record) == tiers.WARM_COMPILE_COST_S == 8.0
+    tiers.record_call(model, tiers._TIERS["triton"], 30.0)  # regret 0.8 (built-in call) + 6.0 = 6.8 < 8
     assert tiers.choose_tier(model).name == "triton"
-    tiers.record_call(model, tiers._TIERS["triton"], 3.0)
+    tiers.record_call(model, tiers._TIERS["triton"], 7.0)  # 8.2
     assert tiers.choose_tier(model).name == "compiled"
+    tiers.record_call(model, tiers._TIERS["compiled"], 6.5)  # compiled from warm caches: recorded
+    _fresh_process(model)
+    assert tiers.expected_compile_cost(model, tiers._state(model)) == 6.5
 
 
 def test_calls_build_nothing_while_the_background_build_runs(records, tiny_llama_pair):

@@ -480,14 +480,16 @@ def test_gpu_compiled_tier_built_in_the_background(family, do_sample, mode, monk
         monkeypatch.setattr(tiers, name, 0.0)
     if mode == "child+thread":  # the next call (not compiled in the foreground) starts the thread's compile
         report = check(first, "the call that starts the compile in the thread")
-        assert report["calls"][-1][0] != "compiled" and report["background_build"]["running"], report
+        foreground = [name for name, _ in report["calls"] if not name.startswith("background")]
+        assert foreground[-1] != "compiled", report  # (the thread may be done already: check waits for sdpa too)
+        assert report["background_build"]["running"] or report["ready"]["compiled"], report
         assert wait_for_build(cas, timeout=600), tiers.tier_report(cas)
     for rows, what in ((first, "first layout, compiled"), (second, "second layout, compiled")):
         report = check(rows, what)
         assert report["calls"][-1][0] == "compiled", report
     names = [name for name, _ in report["calls"]]
     assert names.count("background compiled") == (mode == "child+thread"), names
-    assert set(names[1:-2]) <= {"builtin", "background compiled"}, names
+    assert set(names[1:-2]) <= {"builtin", "triton", "background compiled"}, names
 
 
 def test_gpu_builtin_kernels_bf16_close_to_sdpa():
