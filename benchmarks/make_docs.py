@@ -151,10 +151,46 @@ def generated() -> str:
         parts += ["", f"### {label}", "", history_table(gen, bench, workload, batch)]
     parts += ["", "## One decode step of attention (`benchmarks/results/kernels.jsonl`)", "",
               kernels_table(load("kernels.jsonl"))]
+    scoring = scoring_table(load("scoring_gpu.jsonl"))
+    if scoring:
+        parts += ["", "## Shared-prefix scoring on a GPU (`benchmarks/results/scoring_gpu.jsonl`)", "", scoring]
     windows = windows_table(load("windows.jsonl"))
     if windows:
         parts += ["", "## Sliding windows: a Gemma-3-shaped model (`benchmarks/results/windows.jsonl`)", "", windows]
     return "\n".join(parts)
+
+
+def scoring_table(records: list[dict]) -> str:
+    """``hf_cascade.score`` against batched sdpa forwards (bench_scoring_gpu.py), the GPU runs of the full model;
+    the latest run's bf16 agreement against float32."""
+    rows = [r for r in records if r.get("bench") == "scoring_gpu" and not r.get("tiny") and r.get("device") == "cuda"]
+    if not rows:
+        return ""
+    lines = ["| run | model | questions x choices | `hf_cascade.score` s | batched sdpa s | speedup | peak GiB (score / "
+             "sdpa) | same picks |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| `{r['git_sha'][:7]}`, {r['gpu']} | Llama-3-8B shape, {r['layers']} layers, bf16, random | "
+                     f"{r['questions']} x {r['choices']} (block {r['block']}, question {r['question']}, choice "
+                     f"{r['choice_tokens']}) | {r['hf_cascade_s']:.2f} | {r['sdpa_batched_s']:.1f} | "
+                     f"{r['speedup']:.1f}x | {r['hf_cascade_peak_gib']:.1f} / {r['sdpa_batched_peak_gib']:.1f} | "
+                     f"{r['same_picks']:.1%} |")
+    agreement = next((r for r in reversed(rows) if r.get("bf16_agreement")), None)
+    if agreement:
+        a = agreement["bf16_agreement"]
+        lines += ["", f"bf16 against the same pairs scored in float32 (sdpa; the first {a['questions']} questions, "
+                  f"`{agreement['git_sha'][:7]}`): the bar is no further from it than eager attention is.", "",
+                  "| peer (bf16) | max abs error (nats) | mean abs error | picks as float32's |", "|---|---|---|---|"]
+        for peer in ("sdpa", "eager", "hf_cascade"):
+            e = a[peer]
+            lines.append(f"| {peer} | {e['max_abs_err']:.3f} | {e['mean_abs_err']:.3f} | "
+                         f"{e['same_picks_as_fp32']:.1%} |")
+    sweep = next((r for r in reversed(rows) if r.get("min_shared_sweep")), None)
+    if sweep:
+        lines += ["", f"`min_shared_tokens` (which segments become shared levels), `{sweep['git_sha'][:7]}`: default "
+                  f"(4) {sweep['hf_cascade_s']:.2f} s, " + ", ".join(
+                      f"{k}: {v['seconds']:.2f} s ({v['forwards']} forwards, {v['tokens_run']:,} tokens)"
+                      for k, v in sweep["min_shared_sweep"].items()) + "."]
+    return "\n".join(lines)
 
 
 def windows_table(records: list[dict]) -> str:
