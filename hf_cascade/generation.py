@@ -250,8 +250,8 @@ def generate(
         if not tier.compiled and compile_choice == "auto" and compiles and method_name == "_sample":
             from hf_cascade.tier_build import build_in_background
 
-            build_in_background(model, handed_in[0], generation_config, handed_in[1], cascade_options, buckets,
-                                cache.nbytes)
+            build_in_background(generate, model, handed_in[0], generation_config, handed_in[1], cascade_options,
+                                buckets, cache.nbytes)
     return out if real_rows is None else _first_rows(out, real_rows, input_ids.shape[0])
 
 

@@ -4,7 +4,7 @@
 sampling on CUDA, default options) :func:`build_in_background` starts one thread per model that runs the *build
 call* (the same rows again through ``hf_cascade.generate`` with ``cascade_options={"compile": "now"}``, same
 options, batch bucket and buffer capacity, so the same graphs; greedy; stopped after :data:`BUILD_STEPS` decode
-steps) in a **child process**, on a copy of the model's config cut to :data:`PREWARM_LAYERS` decoder layers of
+steps) in a **child process** (:mod:`hf_cascade.tier_build_child`), on a copy of the model's config cut to :data:`PREWARM_LAYERS` decoder layers of
 random weights, at low CPU priority. The layers compile to one graph for all layers, so the cut model makes the
 same graphs and Triton kernels: the child fills the Triton and Inductor caches on disk. The thread only waits for it
 (the GIL is free meanwhile), and the calls meanwhile build nothing themselves (they would build what the child is
@@ -72,11 +72,12 @@ PREWARM_TIMEOUT_S = 900
 _THREAD_NAME = "hf_cascade-compiled-tier"
 
 
-def build_in_background(model, input_ids: torch.Tensor, generation_config, model_kwargs: dict,
+def build_in_background(run, model, input_ids: torch.Tensor, generation_config, model_kwargs: dict,
                         cascade_options: dict | None, batch_buckets: bool, cache_nbytes: int) -> bool:
     """Start building ``model``'s compiled tier on a background thread, from the rows of the call that just ran.
 
     Args:
+        run: ``hf_cascade.generate`` (the build call runs it; passed in, as this module is imported by it).
         model: the model of the call (on CUDA).
         input_ids: ``[B, L]`` int64, the rows as generate() handed them to ``hf_cascade.generate``.
         generation_config: the call's generation config (copied; the build is greedy).
@@ -116,7 +117,7 @@ def build_in_background(model, input_ids: torch.Tensor, generation_config, model
         ids = input_ids.clone()
         inputs_ready = torch.cuda.Event()
         inputs_ready.record(torch.cuda.current_stream(device))
-        thread = threading.Thread(target=_build, args=(model, state, ids, config, kwargs, options, inputs_ready,
+        thread = threading.Thread(target=_build, args=(run, model, state, ids, config, kwargs, options, inputs_ready,
                                                        prewarm, compile_here),
                                   name=_THREAD_NAME, daemon=True)
         state.building = thread
@@ -160,12 +161,10 @@ def wait_for_build(model, timeout: float | None = None) -> bool:
             state.ready["compiled"] or state.caches_filled)
 
 
-def _build_call(model, input_ids, generation_config, model_kwargs, options) -> None:
+def _build_call(run, model, input_ids, generation_config, model_kwargs, options) -> None:
     """The build call: ``hf_cascade.generate`` of the rows, greedy, stopped after :data:`BUILD_STEPS` steps."""
     from transformers.generation.logits_process import LogitsProcessorList
     from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList
-
-    from hf_cascade.generation import generate
 
     stop_at = input_ids.shape[1] + BUILD_STEPS
 
@@ -175,8 +174,8 @@ def _build_call(model, input_ids, generation_config, model_kwargs, options) -> N
 
     stopping = StoppingCriteriaList([MaxLengthCriteria(generation_config.max_length), _StopAfterBuildSteps()])
     with torch.no_grad():
-        generate(model, input_ids, LogitsProcessorList(), stopping, generation_config, cascade_options=options,
-                 **model_kwargs)
+        run(model, input_ids, LogitsProcessorList(), stopping, generation_config, cascade_options=options,
+            **model_kwargs)
 
 
 def wait_for_all_builds(timeout: float | None = None) -> None:
@@ -188,7 +187,7 @@ def wait_for_all_builds(timeout: float | None = None) -> None:
             thread.join(None if deadline is None else max(0.0, deadline - time.perf_counter()))
 
 
-def _build(model, state, input_ids, generation_config, model_kwargs, options, inputs_ready, prewarm: bool,
+def _build(run, model, state, input_ids, generation_config, model_kwargs, options, inputs_ready, prewarm: bool,
            compile_here: bool) -> None:
     """The background thread: the child process that fills the compile caches (``prewarm``), or the build call in
     this process (``compile_here``)."""
@@ -208,7 +207,7 @@ def _build(model, state, input_ids, generation_config, model_kwargs, options, in
         if compile_here:
             IN_BUILD.active = True
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                _build_call(model, input_ids, generation_config, model_kwargs, options)
+                _build_call(run, model, input_ids, generation_config, model_kwargs, options)
             if stream is not None:
                 stream.synchronize()
     except Exception as err:  # noqa: BLE001 (a compiler error or out of memory: the calls keep the tiers they have)
@@ -264,7 +263,7 @@ def _prewarm_in_child(model, input_ids, generation_config, model_kwargs, options
         except Exception as err:  # noqa: BLE001 (something in the call cannot be pickled: no child)
             return {"seconds": 0.0, "returncode": None, "error": f"{type(err).__name__}: {str(err)[:200]}"}
         try:
-            done = subprocess.run([sys.executable, "-m", "hf_cascade.tier_build", path, str(os.getpid())],
+            done = subprocess.run([sys.executable, "-m", "hf_cascade.tier_build_child", path, str(os.getpid())],
                                   capture_output=True, text=True, timeout=PREWARM_TIMEOUT_S)
             code, tail = done.returncode, done.stderr[-400:] if done.returncode else None
         except (OSError, subprocess.TimeoutExpired) as err:
@@ -291,24 +290,3 @@ def _leave_with_parent(parent_pid: int) -> None:
             pass
     if parent_pid and os.getppid() != parent_pid:
         raise SystemExit(0)
-
-
-def _child_main(path: str, parent_pid: int = 0) -> int:
-    """The child process of :func:`_prewarm_in_child`: build the cut model and run the build call once."""
-    _leave_with_parent(parent_pid)
-    spec = torch.load(path, weights_only=False)
-    torch.manual_seed(0)
-    device = torch.device(spec["device"])
-    with torch.device(device):
-        model = spec["model_class"]._from_config(spec["config"], dtype=spec["dtype"])
-    model.eval()
-    model.set_attn_implementation("cascade")
-    kwargs = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in spec["model_kwargs"].items()}
-    _build_call(model, spec["input_ids"].to(device), spec["generation_config"], kwargs, spec["options"])
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(_child_main(sys.argv[1], int(sys.argv[2]) if len(sys.argv) > 2 else 0))

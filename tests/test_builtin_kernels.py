@@ -274,7 +274,7 @@ def test_background_child_fills_the_caches_then_the_ski_rental_moves_up(records,
     state.building, state.build_started = threading.current_thread(), 0.0
     state.regret["triton"], state.regret["compiled"] = 2.6, tiers.WARM_COMPILE_COST_S + 0.1
     assert tiers.choose_tier(model).name == "builtin"  # the child runs: no call builds anything
-    tier_build._build(model, state, torch.zeros(2, 3, dtype=torch.long), None, {}, {}, None, True, False)
+    tier_build._build(None, model, state, torch.zeros(2, 3, dtype=torch.long), None, {}, {}, None, True, False)
     assert ran == []
     report = tiers.tier_report(model)["background_build"]
     assert report["running"] is False and report["caches_filled"] is (child_returncode == 0)
