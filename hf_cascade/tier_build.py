@@ -32,8 +32,8 @@ serving calls' GPU time. ``"thread"`` (no child): Triton's compiler holds the GI
 What the build shares with the serving process: the GPU (it starts only where free device memory is at least
 :data:`MIN_FREE_FRACTION` of the GPU and :data:`CACHE_MULTIPLE` times the call's KV); the caches on disk. Where a
 record says the caches are warm, no child runs (``"child"``: nothing runs; the ski rental decides with the recorded
-cost). A child that fails is reported in :func:`hf_cascade.tiers.tier_report` (the thread then compiles cold;
-``"child"``: an error and a warning, and the ski rental decides with the cold costs). The thread is a daemon; an
+cost). A child that fails is an error in :func:`hf_cascade.tiers.tier_report` and a warning; the calls then move up
+by the ski rental alone, with the cold costs. The thread is a daemon; an
 interpreter that exits while it builds does not wait for it, and the child ends with it (:func:`_leave_with_parent`).
 
 Where this does not start: ``compile="now"`` / ``"never"``, beam search, CPU, a user's own cache, a call without
