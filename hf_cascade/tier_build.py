@@ -10,9 +10,10 @@ same graphs and Triton kernels: the child fills the Triton and Inductor caches o
 (the GIL is free meanwhile), and the calls meanwhile build nothing themselves (they would build what the child is
 building).
 
-Then (``MODE = "child+thread"``, the default), once the calls' regret (:mod:`hf_cascade.tiers`: what the compiled
-tier would have saved them) reaches what compiling from warm caches costs this process, the next call starts the
-thread again to run the build call *in this process*: it traces the layers and loads what the child compiled, on
+Then (``MODE = "child+thread"``, the default, where the installed torch lets a thread compile beside other threads:
+:func:`threads_may_compile`; else as ``"child"``), once the calls' regret (:mod:`hf_cascade.tiers`: what the
+compiled tier would have saved them) reaches what compiling from warm caches costs this process, the next call
+starts the thread again to run the build call *in this process*: it traces the layers and loads what the child compiled, on
 its own CUDA stream, with the compiled layer calls installed for its own thread only
 (:class:`~hf_cascade.decode.compiled_layers._ThreadCompiledCall`), and the first call after it runs the compiled
 tier. That part is Python holding the GIL: a fresh process's first compiled call on warm caches takes ~10 s on the
@@ -55,7 +56,8 @@ from hf_cascade.transformers_compat import CACHE_KWARG
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["BUILD_STEPS", "ENABLED", "MODE", "build_in_background", "wait_for_all_builds", "wait_for_build"]
+__all__ = ["BUILD_STEPS", "ENABLED", "MODE", "build_in_background", "threads_may_compile", "wait_for_all_builds",
+           "wait_for_build"]
 
 ENABLED = True
 # Decode steps of the build call: the first compiles the layers for the decode step, the next runs them again (a
@@ -106,7 +108,7 @@ def build_in_background(run, model, input_ids: torch.Tensor, generation_config, 
         if free < max(MIN_FREE_FRACTION * total, CACHE_MULTIPLE * cache_nbytes):
             state.thread_builds = False  # no room beside the calls: the ski rental compiles in the foreground
             return False
-        state.thread_builds = MODE != "child"
+        state.thread_builds = MODE != "child" and threads_may_compile()
         config = copy.deepcopy(generation_config)
         for name, value in (("do_sample", False), ("num_beams", 1), ("return_dict_in_generate", False),
                             ("output_scores", False), ("output_logits", False)):
@@ -126,6 +128,15 @@ def build_in_background(run, model, input_ids: torch.Tensor, generation_config, 
     return True
 
 
+def threads_may_compile() -> bool:
+    """Whether a thread may compile beside calls on another thread. Not where torch holds one process-wide flag for
+    a whole compile session (``torch.compiler.is_compiling()`` True in every thread; torch 2.13 has it, as
+    ``torch.compiler._compile_session_context``): the calls beside it would take the code paths meant for traced
+    code (hf_cascade's static-step masks, the Triton op instead of the built-in kernels; transformers' own checks).
+    There the background build only fills the caches (``MODE`` ``"child"``)."""
+    return not hasattr(torch.compiler, "_compile_session_context")
+
+
 def _next_build_step(model, state) -> tuple[bool, bool] | None:
     """What the thread would do now (``(prewarm, compile_here)``: run the child; compile in this process), or None
     (nothing now). Sets ``state.thread_builds`` when a later call will start the thread. Call with ``state.lock``
@@ -134,11 +145,12 @@ def _next_build_step(model, state) -> tuple[bool, bool] | None:
 
     if MODE not in MODES:
         raise ValueError(f"`hf_cascade.tier_build.MODE` must be one of {list(MODES)}; got {MODE!r}.")
-    if MODE == "thread":
+    mode = MODE if threads_may_compile() else "child"
+    if mode == "thread":
         return False, True
     if not caches_warm(model, state):
         return True, False  # the child fills the caches; this process compiles nothing yet
-    if MODE == "child":
+    if mode == "child":
         return None  # the caches are warm: the ski rental moves the calls up (the foreground compiles)
     if state.regret["compiled"] < expected_compile_cost(model, state):
         state.thread_builds = True  # a later call starts the thread, once the regret pays for compiling

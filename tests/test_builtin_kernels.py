@@ -292,13 +292,15 @@ def test_background_build_steps_wait_for_the_regret_once_the_caches_are_warm(rec
     """The default MODE ("child+thread"): cold caches -> the child first (nothing compiled here); warm caches (filled,
     or a record) -> the thread compiles in this process only once the regret reaches the warm cost, and until then
     the calls do not compile in the foreground either (thread_builds); MODE "child" leaves warm caches to the ski
-    rental; MODE "thread" compiles here at once."""
+    rental; MODE "thread" compiles here at once; where torch's compile flag is process-wide, no mode compiles in a
+    thread."""
     from hf_cascade import tier_build, tiers
 
     model = tiny_llama_pair[0]
     _fresh_process(model)
     state = tiers._state(model)
     assert tier_build.MODE == "child+thread"
+    monkeypatch.setattr(tier_build, "threads_may_compile", lambda: True)  # as on torch 2.11
     assert tier_build._next_build_step(model, state) == (True, False)
     state.caches_filled = True
     state.regret["triton"] = state.regret["compiled"] = tiers.WARM_COMPILE_COST_S - 0.5
@@ -310,6 +312,11 @@ def test_background_build_steps_wait_for_the_regret_once_the_caches_are_warm(rec
     assert tier_build._next_build_step(model, state) is None
     monkeypatch.setattr(tier_build, "MODE", "thread")
     assert tier_build._next_build_step(model, state) == (False, True)
+    # a torch whose compile flag is process-wide (torch.compiler.is_compiling() True in every thread): as "child"
+    monkeypatch.setattr(tier_build, "threads_may_compile", lambda: False)
+    for mode in ("thread", "child+thread"):
+        monkeypatch.setattr(tier_build, "MODE", mode)
+        assert tier_build._next_build_step(model, state) is None
     monkeypatch.setattr(tier_build, "MODE", "both")
     with pytest.raises(ValueError, match="MODE"):
         tier_build._next_build_step(model, state)
