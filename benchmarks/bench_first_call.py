@@ -240,12 +240,6 @@ def _chat_batch(model):
     return ids.cuda(), mask.cuda(), 16
 
 
-def _cache_env(folder: str) -> dict:
-    return {**os.environ, "TRITON_CACHE_DIR": os.path.join(folder, "triton"),
-            "TORCHINDUCTOR_CACHE_DIR": os.path.join(folder, "inductor"),
-            "HF_CASCADE_CACHE": os.path.join(folder, "hf_cascade")}
-
-
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=WORKLOADS)
@@ -265,10 +259,13 @@ def main(argv=None):
     parser.add_argument("--fill", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.child:
-        print("RESULT " + json.dumps(_child(args)), flush=True)
+        record = _child(args)  # (it times its own imports first: common, which imports torch, comes after)
+        from common import print_child_result
+
+        print_child_result(record)
         return
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from common import ResultWriter
+    from common import ResultWriter, child_result, fresh_cache_env
 
     writer = ResultWriter("first_call.jsonl", args.output)
     root = tempfile.mkdtemp(prefix="hf_cascade_first_call_")
@@ -291,18 +288,17 @@ def main(argv=None):
                        "--cascade-seconds", str(args.cascade_seconds)] + (["--sample-stalls"] if args.sample_stalls else [])
                 fill = None
                 if state == "warm" and peer in ("cascade", "cascade_no_background", "cascade_foreground_finish"):  # warm = after `hf_cascade warmup` filled the caches
-                    done = subprocess.run([*cmd, "--fill"], env=_cache_env(folder), capture_output=True, text=True)
-                    lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
-                    fill = json.loads(lines[-1][len("RESULT "):]) if lines else f"error: {done.stderr[-800:]}"
+                    done = subprocess.run([*cmd, "--fill"], env=fresh_cache_env(folder), capture_output=True, text=True)
+                    fill = child_result(done.stdout) or f"error: {done.stderr[-800:]}"
                 t = time.perf_counter()
-                proc = subprocess.run(cmd, env=_cache_env(folder), capture_output=True, text=True)
+                proc = subprocess.run(cmd, env=fresh_cache_env(folder), capture_output=True, text=True)
                 wall = time.perf_counter() - t
-                lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
-                if proc.returncode != 0 or not lines:
+                result = child_result(proc.stdout)
+                if proc.returncode != 0 or result is None:
                     record = {"bench": "first_call", "workload": workload, "peer": peer, "cache_state": state,
                               "status": f"error rc={proc.returncode}: {proc.stderr[-1500:]}"}
                 else:
-                    record = {**json.loads(lines[-1][len("RESULT "):]), "status": "ok"}
+                    record = {**result, "status": "ok"}
                 record["child_wall_s"] = round(wall, 2)
                 if peer == "cascade_exit_during_build":
                     record["exit"] = {"returncode": proc.returncode, "stderr_tail": proc.stderr[-600:],

@@ -77,6 +77,27 @@ class ResultWriter:
                 f.write(line + "\n")
 
 
+RESULT_PREFIX = "RESULT "
+
+
+def print_child_result(record: dict) -> None:
+    """A benchmark's child process hands its record to the parent: one ``RESULT {json}`` line on stdout."""
+    print(RESULT_PREFIX + json.dumps(record), flush=True)
+
+
+def child_result(stdout: str) -> dict | None:
+    """The record of :func:`print_child_result` in a child's stdout (its last one), or None."""
+    lines = [line for line in stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    return json.loads(lines[-1][len(RESULT_PREFIX):]) if lines else None
+
+
+def fresh_cache_env(folder: str) -> dict:
+    """The environment with every compile cache (Triton, Inductor, hf_cascade's records) in ``folder``."""
+    return {**os.environ, "TRITON_CACHE_DIR": os.path.join(folder, "triton"),
+            "TORCHINDUCTOR_CACHE_DIR": os.path.join(folder, "inductor"),
+            "HF_CASCADE_CACHE": os.path.join(folder, "hf_cascade")}
+
+
 def add_shared_workload_args(parser, layers: int = 32, batch: int = 32) -> None:
     """The shared workload's size flags (``bench_generate.make_batch``: ``--batch`` rows sharing ``--prefix`` tokens,
     ``--suffix`` own tokens each, a Llama-3-8B-shaped model of ``--layers`` layers)."""

@@ -17,11 +17,13 @@ With no hf_cascade cache in play (a plain ``DynamicCache``, no cache, training),
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import weakref
 from typing import Protocol
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -30,6 +32,8 @@ from transformers.utils import logging
 from hf_cascade.decode.compiled_layers import PREFILL_BATCH_MASKS, layer_step_cache, note_layer_written, outside_layer_graphs
 
 logger = logging.get_logger(__name__)
+# sdpa's backends for the built-in tier: every one but cuDNN's (plain_attention)
+_SDPA_WITHOUT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 ATTENTION_NAME = "cascade"
 
@@ -194,20 +198,14 @@ def plain_attention(
         ``[batch, q_len, num_heads, head_dim]``.
     """
     if softcap is None and sinks is None:
-        if backend == "torch" and query.is_cuda and not torch.compiler.is_compiling():
-            # The built-in tier (a process's first calls): never cuDNN's attention, whose first call in a process
-            # sets up for 1.2 s (H100, torch 2.11: FlashAttention-2's first call 6-12 ms, 0.3 against 0.6 ms warm
-            # for a 4,096-token prefill; benchmarks/results/probe_first_sdpa.jsonl).
-            from torch.nn.attention import SDPBackend, sdpa_kernel
-
-            with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-                out, _ = sdpa_attention_forward(
-                    module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-                )
-            return out
-        out, _ = sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
+        # The built-in tier (a process's first calls): never cuDNN's attention, whose first call in a process sets up
+        # for 1.2 s (H100, torch 2.11: FlashAttention-2's first call 6-12 ms, 0.3 against 0.6 ms warm for a
+        # 4,096-token prefill; benchmarks/results/probe_first_sdpa.jsonl).
+        no_cudnn = backend == "torch" and query.is_cuda and not torch.compiler.is_compiling()
+        with sdpa_kernel(_SDPA_WITHOUT_CUDNN) if no_cudnn else contextlib.nullcontext():
+            out, _ = sdpa_attention_forward(
+                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
+            )
         return out
     from hf_cascade.ops.bounded import merge_sink
     from hf_cascade.ops.suffix_attention import suffix_attention

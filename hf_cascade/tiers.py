@@ -146,7 +146,7 @@ def choose_tier(model, compile: str = "auto") -> Tier:
         # too), the calls do not build anything themselves: they would wait for what the build is making.
         building = state.building is not None and compile == "auto"
         record = _load_record(model, state)
-        warm = record.get("triton_built") or record.get("caches_warm") or state.caches_filled
+        warm = record.get("triton_built") or caches_warm(model, state)
         triton_cost = RECORDED_TRITON_COST_S if warm else DEFAULT_COST_S["triton"]
         triton = state.ready["triton"] or (state.regret["triton"] >= triton_cost and not building)
         if not triton:
@@ -178,7 +178,7 @@ def record_call(model, tier: Tier, seconds: float) -> None:
         if tier.compiled:
             if not state.ready["compiled"]:
                 state.ready["compiled"] = True
-                if record.get("caches_warm") or state.caches_filled:  # what a process pays on warm caches
+                if caches_warm(model, state):  # what a process pays on warm caches
                     costs = record.setdefault("compiled_call_s", [])
                     costs.append(round(seconds, 3))
                     del costs[:-4]

@@ -18,7 +18,7 @@ import time
 
 import preamble  # noqa: F401  (the repository root and benchmarks/ on sys.path)
 
-from common import ResultWriter  # noqa: E402
+from common import ResultWriter, child_result, print_child_result  # noqa: E402
 
 CASES = ("default", "flash", "no_cudnn")
 
@@ -63,15 +63,14 @@ def main():
     parser.add_argument("--child", default=None)
     args = parser.parse_args()
     if args.child:
-        print("RESULT " + json.dumps(_child(args.child, args.length)))
+        print_child_result(_child(args.child, args.length))
         return
     writer = ResultWriter("probe_first_sdpa.jsonl", args.output)
     for case in CASES:
         done = subprocess.run([sys.executable, __file__, "--child", case, "--length", str(args.length)],
                               capture_output=True, text=True)
-        lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
-        record = {"bench": "probe_first_sdpa", **(json.loads(lines[-1][7:]) if lines else
-                                                 {"case": case, "error": done.stderr[-800:]})}
+        record = {"bench": "probe_first_sdpa",
+                  **(child_result(done.stdout) or {"case": case, "error": done.stderr[-800:]})}
         writer.write(record)
         print(json.dumps(record))
 

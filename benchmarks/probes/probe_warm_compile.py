@@ -14,7 +14,6 @@ import argparse
 import cProfile
 import io
 import json
-import os
 import pstats
 import subprocess
 import sys
@@ -22,6 +21,8 @@ import tempfile
 import time
 
 import preamble  # noqa: F401  (the repository root and benchmarks/ on sys.path)
+
+from common import ResultWriter, child_result, fresh_cache_env, print_child_result  # noqa: E402
 
 
 def _child(args) -> dict:
@@ -74,21 +75,16 @@ def main():
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print("RESULT " + json.dumps(_child(args)), flush=True)
+        print_child_result(_child(args))
         return
-    from common import ResultWriter
-
-    root = tempfile.mkdtemp(prefix="hf_cascade_warm_compile_")
-    env = {**os.environ, "TRITON_CACHE_DIR": os.path.join(root, "triton"),
-           "TORCHINDUCTOR_CACHE_DIR": os.path.join(root, "inductor"), "HF_CASCADE_RECORDS": "off"}
+    env = {**fresh_cache_env(tempfile.mkdtemp(prefix="hf_cascade_warm_compile_")), "HF_CASCADE_RECORDS": "off"}
     writer = ResultWriter("probe_warm_compile.jsonl", args.output)
     for role in ("fill", "measure"):
         t = time.perf_counter()
         done = subprocess.run([sys.executable, __file__, "--child", role, "--layers", str(args.layers)], env=env,
                               capture_output=True, text=True)
-        lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
         record = {"bench": "probe_warm_compile", "layers": args.layers, "child_wall_s": round(time.perf_counter() - t, 2),
-                  **(json.loads(lines[-1][7:]) if lines else {"role": role, "error": done.stderr[-1500:]})}
+                  **(child_result(done.stdout) or {"role": role, "error": done.stderr[-1500:]})}
         writer.write(record)
         print(json.dumps({k: v for k, v in record.items() if not k.startswith("top_")}))
         for order in ("cumulative", "tottime"):
