@@ -27,7 +27,12 @@ the background build off: the ski rental alone), ``cascade_compiled_now`` (the c
 the process exits while the background build runs: its exit code and how long the exit took), and
 other policies of ``hf_cascade.tier_build``: ``cascade_foreground_finish`` (``MODE="child"``: the child fills the
 caches, then the ski rental compiles in the foreground) and ``cascade_no_prewarm`` (``MODE="thread"``: the thread
-alone).
+alone), and ``cascade_switch_as_is`` (the default with the GIL switch interval left at Python's 5 ms while the thread
+compiles: ``tier_build.BUILD_SWITCH_INTERVAL_S = None``).
+
+Python bytecode: by default every peer runs with the installed packages' bytecode compiled ahead into a cache
+folder (``--bytecode compiled``), as ``pip install`` leaves a machine; the device machine's image ships none and
+does not write it, which adds seconds of source compilation to every process's imports (``--bytecode as-is``).
 Records ``first_call`` (one per child) in ``benchmarks/results/first_call.jsonl``.
 """
 
@@ -48,7 +53,8 @@ import traceback  # noqa: E402
 
 PEER_OPTIONS = {"sdpa": None, "sdpa_static": None, "hf_prefix_reuse": None, "cascade": {},
                 "cascade_no_background": {}, "cascade_compiled_now": {"compile": "now"},
-                "cascade_exit_during_build": {}, "cascade_no_prewarm": {}, "cascade_foreground_finish": {}}
+                "cascade_exit_during_build": {}, "cascade_no_prewarm": {}, "cascade_foreground_finish": {},
+                "cascade_switch_as_is": {}}
 WORKLOADS = ("shared32", "chat48", "stream")
 ODD_BATCHES = (7, 13, 20, 48)
 
@@ -86,6 +92,10 @@ def _child(args) -> dict:
         from hf_cascade import tier_build
 
         tier_build.MODE = "thread" if peer == "cascade_no_prewarm" else "child"
+    if peer == "cascade_switch_as_is":  # the build leaves Python's GIL switch interval (5 ms) as it is
+        from hf_cascade import tier_build
+
+        tier_build.BUILD_SWITCH_INTERVAL_S = None
 
     def generate(ids, mask, new_tokens, **extra):
         return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
@@ -200,6 +210,22 @@ class _StallSampler:
                 "worst": sorted(self.stalls, key=lambda s: -s["late_s"])[:12]}
 
 
+def _compile_bytecode(prefix: str) -> dict:
+    """Compile the bytecode of the installed packages and of this checkout into ``prefix`` (``PYTHONPYCACHEPREFIX``,
+    which every child then inherits, with bytecode writing on), as `pip install` does at install time. Returns what
+    it did (``{"mode", "seconds", "folders"}``)."""
+    import sysconfig
+    import time as clock
+
+    folders = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
+                      os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})
+    os.environ["PYTHONPYCACHEPREFIX"] = prefix
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    t = clock.perf_counter()
+    subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", *folders], capture_output=True)
+    return {"mode": "compiled", "seconds": round(clock.perf_counter() - t, 1), "folders": folders}
+
+
 def _smollm2_shape_model():
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -252,6 +278,10 @@ def main(argv=None):
                         help="hf_cascade's peers call again until this many seconds of calls (the background build)")
     parser.add_argument("--sample-stalls", action="store_true", help="record where the GIL was held > 100 ms")
     parser.add_argument("--output", default=None)
+    parser.add_argument("--bytecode", choices=["compiled", "as-is"], default="compiled",
+                        help="compiled (default): every peer runs with the Python bytecode of the installed packages "
+                             "compiled ahead into a cache folder, as `pip install` leaves a machine (the device "
+                             "image has none and sets PYTHONDONTWRITEBYTECODE); as-is: the environment as it is")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--workload", help=argparse.SUPPRESS)
     parser.add_argument("--peer", help=argparse.SUPPRESS)
@@ -269,6 +299,7 @@ def main(argv=None):
 
     writer = ResultWriter("first_call.jsonl", args.output)
     root = tempfile.mkdtemp(prefix="hf_cascade_first_call_")
+    bytecode = _compile_bytecode(os.path.join(root, "pycache")) if args.bytecode == "compiled" else {"mode": "as-is"}
     summary = []
     for workload in args.workloads:
         for peer in args.peers:
@@ -287,7 +318,8 @@ def main(argv=None):
                        "--state", state, "--calls", str(args.calls), "--sdpa-calls", str(args.sdpa_calls),
                        "--cascade-seconds", str(args.cascade_seconds)] + (["--sample-stalls"] if args.sample_stalls else [])
                 fill = None
-                if state == "warm" and peer in ("cascade", "cascade_no_background", "cascade_foreground_finish"):  # warm = after `hf_cascade warmup` filled the caches
+                if state == "warm" and peer in ("cascade", "cascade_no_background", "cascade_foreground_finish",
+                                                "cascade_switch_as_is"):  # warm = after `hf_cascade warmup` filled the caches
                     done = subprocess.run([*cmd, "--fill"], env=fresh_cache_env(folder), capture_output=True, text=True)
                     fill = child_result(done.stdout) or f"error: {done.stderr[-800:]}"
                 t = time.perf_counter()
@@ -300,6 +332,7 @@ def main(argv=None):
                 else:
                     record = {**result, "status": "ok"}
                 record["child_wall_s"] = round(wall, 2)
+                record["bytecode"] = bytecode
                 if peer == "cascade_exit_during_build":
                     record["exit"] = {"returncode": proc.returncode, "stderr_tail": proc.stderr[-600:],
                                       "exit_after_result_s": round(wall - record.get("process_s", wall), 2)}

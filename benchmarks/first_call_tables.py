@@ -17,7 +17,8 @@ PEERS = {"sdpa": "sdpa (generate() as it is)", "sdpa_static": "sdpa, static cach
          "cascade_no_prewarm": "hf_cascade, background build without its child process",
          "cascade_no_background": "hf_cascade, tiers without the background build (ski rental)",
          "cascade_compiled_now": "hf_cascade, `compile=\"now\"` (the old default)",
-         "cascade_exit_during_build": "hf_cascade, one call then exit during the build"}
+         "cascade_exit_during_build": "hf_cascade, one call then exit during the build",
+         "cascade_switch_as_is": "hf_cascade, default but the GIL switch interval left at 5 ms during the build"}
 WORKLOADS = {
     "shared32": "32 rows sharing 4,096 tokens + 64 own, 64 new (Llama-3-8B shape, bf16)",
     "chat48": "48 chat rows sharing a 300-token block + 12-30 own, 16 new (SmolLM2-135M shape, fp32)",
@@ -30,8 +31,14 @@ def latest_records(path: Path) -> dict:
     for line in path.read_text().splitlines():
         r = json.loads(line)
         if r.get("bench") == "first_call" and r.get("status") == "ok":
-            latest[(r["workload"], r["peer"], r["cache_state"])] = r
+            latest[(r["workload"], r["peer"], r["cache_state"], _bytecode(r))] = r
     return latest
+
+
+def _bytecode(record: dict) -> str:
+    """"yes" where the run compiled the packages' bytecode ahead (``--bytecode compiled``), else "no" (the device
+    image as it is: every process compiles the sources it imports)."""
+    return "yes" if (record.get("bytecode") or {}).get("mode") == "compiled" else "no"
 
 
 def render(latest: dict) -> str:
@@ -46,34 +53,39 @@ def render(latest: dict) -> str:
              "beside the build cost: with empty caches a child process fills the compile caches first (no stall while "
              "it runs, 37-49 s here), then a thread of the process compiles from them (7-10 s of Python that holds "
              "one call up about as long); `compiled tier from` counts "
-             "the seconds of calls before the first compiled one.", ""]
+             "the seconds of calls before the first compiled one. `bytecode`: yes = the run compiled the installed "
+             "packages' Python bytecode ahead, as `pip install` leaves a machine; no = the device image as it is (no "
+             "bytecode, none written: every process compiles the sources it imports, seconds more per process).", ""]
     for workload, title in WORKLOADS.items():
-        rows = [(peer, state, latest[(workload, peer, state)]) for peer in PEERS for state in ("empty", "warm")
-                if (workload, peer, state) in latest]
+        rows = [(peer, state, bytecode, latest[(workload, peer, state, bytecode)]) for bytecode in ("yes", "no")
+                for peer in PEERS for state in ("empty", "warm") if (workload, peer, state, bytecode) in latest]
         if not rows:
             continue
-        first = rows[0][2]
+        first = rows[0][3]
         lines += [f"## {title}", "", f"{first['gpu']}, torch {first['torch']}, transformers {first['transformers']}, "
                   f"Triton {first['triton']}.", ""]
         if workload == "stream":
-            lines += ["| peer | caches | first batch s | whole stream s | vs sdpa (same caches) | git |", "|---|---|---|---|---|---|"]
-            for peer, state, r in rows:
-                base = latest.get((workload, "sdpa", state))
+            lines += ["| peer | caches | bytecode | first batch s | whole stream s | vs sdpa (same caches) | git |",
+                      "|---|---|---|---|---|---|---|"]
+            for peer, state, bytecode, r in rows:
+                base = latest.get((workload, "sdpa", state, bytecode))
                 ratio = f"{base['total_calls_s'] / r['total_calls_s']:.1f}x" if base and peer != "sdpa" else "-"
-                lines.append(f"| {PEERS[peer]} | {state} | {r['calls_s'][0]:.2f} | {r['total_calls_s']:.1f} | "
+                lines.append(f"| {PEERS[peer]} | {state} | {bytecode} | {r['calls_s'][0]:.2f} | {r['total_calls_s']:.1f} | "
                              f"{ratio} | `{r['git_sha'][:7]}` |")
         else:
-            lines += ["| peer | caches | first call s | second call s | slowest later call s | calls | later calls "
-                      "(median of the last 5) s | compiled tier from | git |", "|---|---|---|---|---|---|---|---|---|"]
-            for peer, state, r in rows:
+            lines += ["| peer | caches | bytecode | first call s | second call s | slowest later call s | calls | "
+                      "later calls (median of the last 5) s | compiled tier from | git |",
+                      "|---|---|---|---|---|---|---|---|---|---|"]
+            for peer, state, bytecode, r in rows:
                 calls = [c for c in r["calls_s"] if isinstance(c, float)]
                 second = f"{calls[1]:.2f}" if len(calls) > 1 else "-"
                 slowest = f"{max(calls[1:]):.2f}" if len(calls) > 1 else "-"
                 tail = calls[1:][-5:] or calls
                 last5 = sorted(tail)[len(tail) // 2]
-                lines.append(f"| {PEERS[peer]} | {state} | {calls[0]:.2f} | {second} | {slowest} | {len(calls)} | "
+                lines.append(f"| {PEERS[peer]} | {state} | {bytecode} | {calls[0]:.2f} | {second} | {slowest} | {len(calls)} | "
                              f"{last5:.2f} | {_compiled_from(r, calls)} | `{r['git_sha'][:7]}` |")
-        notes = [f"- `{r['git_sha'][:7]}`, {PEERS[peer]}, {state}: {r['note']}" for peer, state, r in rows if r.get("note")]
+        notes = [f"- `{r['git_sha'][:7]}`, {PEERS[peer]}, {state}: {r['note']}" for peer, state, _, r in rows
+                 if r.get("note")]
         if notes:
             lines += [""] + notes
         lines.append("")

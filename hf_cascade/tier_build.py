@@ -70,6 +70,10 @@ CACHE_MULTIPLE = 3
 MODE = "child+thread"
 MODES = ("child", "child+thread", "thread")
 PREWARM_LAYERS = 2
+# The GIL switch interval while a thread compiles in this process (Python's default: 5 ms; None leaves it). The
+# serving thread gives the GIL up at every torch op (thousands per call) and, while the build's tracing runs, waits
+# a whole interval for it each time: its call makes almost no progress until the build ends.
+BUILD_SWITCH_INTERVAL_S: float | None = 1e-4
 PREWARM_TIMEOUT_S = 900
 _THREAD_NAME = "hf_cascade-compiled-tier"
 
@@ -218,7 +222,8 @@ def _build(run, model, state, input_ids, generation_config, model_kwargs, option
                 error = f"the child process that fills the compile caches failed: {prewarmed['error']}"
         if compile_here:
             IN_BUILD.active = True
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext(), _gil_switch(
+                    BUILD_SWITCH_INTERVAL_S):
                 _build_call(run, model, input_ids, generation_config, model_kwargs, options)
             if stream is not None:
                 stream.synchronize()
@@ -237,6 +242,35 @@ def _build(run, model, state, input_ids, generation_config, model_kwargs, option
             if error is not None:
                 state.thread_builds = False  # the ski rental decides in the foreground
             state.build_s = round(time.perf_counter() - state.build_started, 3)
+
+
+class _SwitchInterval:
+    """The process's GIL switch interval while any build compiles in it (builds of several models may overlap)."""
+
+    lock = threading.Lock()
+    builds = 0
+    previous: float | None = None
+
+
+@contextlib.contextmanager
+def _gil_switch(interval: float | None):
+    """Set the GIL switch interval to ``interval`` seconds while inside (None: leave it); the first build in sets
+    it, the last one out restores what it was."""
+    if interval is None:
+        yield
+        return
+    with _SwitchInterval.lock:
+        if _SwitchInterval.builds == 0:
+            _SwitchInterval.previous = sys.getswitchinterval()
+            sys.setswitchinterval(interval)
+        _SwitchInterval.builds += 1
+    try:
+        yield
+    finally:
+        with _SwitchInterval.lock:
+            _SwitchInterval.builds -= 1
+            if _SwitchInterval.builds == 0:
+                sys.setswitchinterval(_SwitchInterval.previous)
 
 
 def _prewarm_in_child(model, input_ids, generation_config, model_kwargs, options, stream) -> dict:

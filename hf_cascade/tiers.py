@@ -75,6 +75,9 @@ DEFAULT_COST_S = {"triton": 8.0, "compiled": 20.0}
 # of another shape can still need a few new specialisations (~1 s each): measured 2.6 s for a first call of ragged
 # chat rows after a warm-up of plain batches (benchmarks/results/first_call.jsonl), against 0.75 s built-in.
 RECORDED_TRITON_COST_S = 1.0
+# (A process whose first Triton call loaded built kernels records that call's seconds, and later processes expect
+# that instead: on the device machine it took 3.4-5.1 s, the imports and each kernel's first launch, against
+# 0.2-0.8 s for the call after; results/first_call.jsonl.)
 # The compiled tier where the caches are warm but no process recorded what its first compiled call cost (a background
 # child or `warmup` filled them): H100, Llama-3-8B shape, a fresh process's first compiled call on warm caches took
 # 10.0 s against 0.64 s after (imports of the compile stack ~5 s, dynamo's tracing 3.6 s:
@@ -146,8 +149,7 @@ def choose_tier(model, compile: str = "auto") -> Tier:
         # too), the calls do not build anything themselves: they would wait for what the build is making.
         building = state.building is not None and compile == "auto"
         record = _load_record(model, state)
-        warm = record.get("triton_built") or caches_warm(model, state)
-        triton_cost = RECORDED_TRITON_COST_S if warm else DEFAULT_COST_S["triton"]
+        triton_cost = _triton_cost(record, caches_warm(model, state))
         triton = state.ready["triton"] or (state.regret["triton"] >= triton_cost and not building)
         if not triton:
             return _TIERS["builtin"]
@@ -171,8 +173,12 @@ def record_call(model, tier: Tier, seconds: float) -> None:
         if not tier.builtin_kernels:
             if not state.ready["triton"]:
                 state.ready["triton"] = True
-                if not record.get("triton_built"):
-                    record["triton_built"], changed = True, True
+                if (record.get("triton_built") or caches_warm(model, state)) and not tier.compiled:
+                    # loaded from warm caches: what the next process's first Triton call will cost
+                    costs = record.setdefault("triton_call_s", [])
+                    costs.append(round(seconds, 3))
+                    del costs[:-4]
+                record["triton_built"], changed = True, True
         else:
             state.regret["triton"] += SAVED_FRACTION["triton"] * seconds
         if tier.compiled:
@@ -224,6 +230,16 @@ def expected_compile_cost(model, state: _ModelTiers) -> float:
     """Seconds the compiled tier is expected to cost this process (see :func:`_compiled_cost`). Call with
     ``state.lock`` held."""
     return _compiled_cost(_load_record(model, state), state.caches_filled)
+
+
+def _triton_cost(record: dict, caches_warm: bool) -> float:
+    """Expected seconds to get the Triton tier ready: the least an earlier process's first Triton call took where the
+    kernels were already built (loading them, and the call's own work), else :data:`RECORDED_TRITON_COST_S` where a
+    record says they were built or the caches are warm, else :data:`DEFAULT_COST_S`."""
+    costs = record.get("triton_call_s")
+    if costs:
+        return min(costs)
+    return RECORDED_TRITON_COST_S if record.get("triton_built") or caches_warm else DEFAULT_COST_S["triton"]
 
 
 def _compiled_cost(record: dict, caches_filled: bool = False) -> float:

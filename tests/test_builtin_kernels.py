@@ -162,8 +162,15 @@ def test_ski_rental_moves_up_when_regret_reaches_cost(records, tiny_llama_pair):
     tiers.record_call(model, tiers._TIERS["triton"], 7.0)  # 8.2
     assert tiers.choose_tier(model).name == "compiled"
     tiers.record_call(model, tiers._TIERS["compiled"], 6.5)  # compiled from warm caches: recorded
+    # a third process: what the second paid is expected (its first Triton call loaded built kernels: 30 s)
     _fresh_process(model)
     assert tiers.expected_compile_cost(model, tiers._state(model)) == 6.5
+    assert tiers._triton_cost(tiers._state(model).record, True) == 30.0
+    tiers.record_call(model, tiers._TIERS["builtin"], 4.0)  # regret 1 s: would have moved up before it was recorded
+    assert tiers.choose_tier(model).name == "builtin"
+    tiers.record_call(model, tiers._TIERS["triton"], 2.0)
+    _fresh_process(model)
+    assert tiers._triton_cost(tiers._load_record(model, tiers._state(model)), True) == 2.0  # the least recorded
 
 
 def test_calls_build_nothing_while_the_background_build_runs(records, tiny_llama_pair):
@@ -388,3 +395,25 @@ def test_background_build_child_process_runs_the_call_on_a_cut_model(tiny_llama_
                                            {"cost_model": None, "compile": "now", "batch_buckets": True}, None)
     assert outcome["returncode"] == 0, outcome
     assert model.config.num_hidden_layers == layers
+
+
+def test_build_gil_switch_interval_is_set_while_builds_compile_and_restored():
+    """While a build compiles in this process the GIL switch interval is short (the serving thread gets the GIL
+    back after each torch op without waiting 5 ms); overlapping builds keep it short until the last one ends; None
+    leaves it as it is."""
+    import sys
+
+    from hf_cascade import tier_build
+
+    before = sys.getswitchinterval()
+    with tier_build._gil_switch(1e-4):
+        assert sys.getswitchinterval() == pytest.approx(1e-4)
+        with tier_build._gil_switch(1e-4):
+            assert sys.getswitchinterval() == pytest.approx(1e-4)
+        assert sys.getswitchinterval() == pytest.approx(1e-4)  # the first build still compiles
+    assert sys.getswitchinterval() == before
+    with tier_build._gil_switch(None):
+        assert sys.getswitchinterval() == before
+    with pytest.raises(RuntimeError, match="boom"), tier_build._gil_switch(1e-4):
+        raise RuntimeError("boom")
+    assert sys.getswitchinterval() == before
