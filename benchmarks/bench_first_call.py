@@ -210,22 +210,6 @@ class _StallSampler:
                 "worst": sorted(self.stalls, key=lambda s: -s["late_s"])[:12]}
 
 
-def _compile_bytecode(prefix: str) -> dict:
-    """Compile the bytecode of the installed packages and of this checkout into ``prefix`` (``PYTHONPYCACHEPREFIX``,
-    which every child then inherits, with bytecode writing on), as `pip install` does at install time. Returns what
-    it did (``{"mode", "seconds", "folders"}``)."""
-    import sysconfig
-    import time as clock
-
-    folders = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],
-                      os.path.dirname(os.path.dirname(os.path.abspath(__file__)))})
-    os.environ["PYTHONPYCACHEPREFIX"] = prefix
-    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
-    t = clock.perf_counter()
-    subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", *folders], capture_output=True)
-    return {"mode": "compiled", "seconds": round(clock.perf_counter() - t, 1), "folders": folders}
-
-
 def _smollm2_shape_model():
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -295,11 +279,11 @@ def main(argv=None):
         print_child_result(record)
         return
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from common import ResultWriter, child_result, fresh_cache_env
+    from common import ResultWriter, child_result, compile_bytecode_ahead, fresh_cache_env
 
     writer = ResultWriter("first_call.jsonl", args.output)
     root = tempfile.mkdtemp(prefix="hf_cascade_first_call_")
-    bytecode = _compile_bytecode(os.path.join(root, "pycache")) if args.bytecode == "compiled" else {"mode": "as-is"}
+    bytecode = compile_bytecode_ahead(os.path.join(root, "pycache")) if args.bytecode == "compiled" else {"mode": "as-is"}
     summary = []
     for workload in args.workloads:
         for peer in args.peers:

@@ -1,11 +1,14 @@
-"""Probe: what a fresh process pays for its first compiled generate() call when the compile caches are warm.
+"""Probe: what a fresh process pays for its first compiled (or Triton-tier) generate() call when the caches are warm.
 
 A first child fills fresh Triton / Inductor cache folders (one ``compile="now"`` call of the shared workload: 32 rows
 x 4,096 shared tokens, Llama-3-8B shape); a second child, with the same folders, times its first ``compile="now"``
 call under cProfile: the call's seconds, torch.compile's phases (``common.compile_seconds``), the modules imported
-during the call, and the functions with the most cumulative time.
+during the call, and the functions with the most cumulative time. ``--tier triton``: the same for the Triton tier
+(``compile="never"``, the tier forced ready): the fill child builds the kernels; the measuring child runs one
+built-in call first (the process's own first-use costs), then its first Triton call under cProfile.
+``--bytecode``: the packages' bytecode compiled ahead (``common.compile_bytecode_ahead``), as pip leaves a machine.
 
-    python benchmarks/probes/probe_warm_compile.py --layers 32
+    python benchmarks/probes/probe_warm_compile.py --layers 32 [--tier triton] [--bytecode]
 """
 
 from __future__ import annotations
@@ -22,7 +25,13 @@ import time
 
 import preamble  # noqa: F401  (the repository root and benchmarks/ on sys.path)
 
-from common import ResultWriter, child_result, fresh_cache_env, print_child_result  # noqa: E402
+from common import (  # noqa: E402
+    ResultWriter,
+    child_result,
+    compile_bytecode_ahead,
+    fresh_cache_env,
+    print_child_result,
+)
 
 
 def _child(args) -> dict:
@@ -39,9 +48,15 @@ def _child(args) -> dict:
     def call():
         return model.generate(ids, attention_mask=mask, max_new_tokens=64, min_new_tokens=64, do_sample=False,
                               pad_token_id=0, custom_generate=hf_cascade.generate,
-                              cascade_options={"compile": "now"})
+                              cascade_options={"compile": "now" if args.tier == "compiled" else "never"})
 
-    record = {"role": args.child}
+    record = {"role": args.child, "tier": args.tier}
+    if args.tier == "triton":
+        from hf_cascade.tiers import building_state, tier_report
+
+        if args.child == "measure":
+            record["builtin_call_s"] = round(wall_time(call)[0], 3)
+        building_state(model).ready["triton"] = True  # (the ski rental would wait for its regret)
     if args.child == "fill":
         record["seconds"] = round(wall_time(call)[0], 3)
         return record
@@ -59,6 +74,8 @@ def _child(args) -> dict:
     record.update(seconds=round(seconds, 3), second_call_s=round(wall_time(call)[0], 3),
                   modules_imported=len(sys.modules) - modules,
                   compile_phases={k: round(after[k] - before[k], 3) for k in after})
+    if args.tier == "triton":
+        record["tiers"] = [tier for tier, _ in tier_report(model)["calls"]]
     for order in ("cumulative", "tottime"):
         out = io.StringIO()
         pstats.Stats(profiler, stream=out).sort_stats(order).print_stats(45)
@@ -71,19 +88,25 @@ def _child(args) -> dict:
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--tier", choices=["compiled", "triton"], default="compiled")
+    parser.add_argument("--bytecode", action="store_true")
     parser.add_argument("--output", default=None)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print_child_result(_child(args))
         return
-    env = {**fresh_cache_env(tempfile.mkdtemp(prefix="hf_cascade_warm_compile_")), "HF_CASCADE_RECORDS": "off"}
+    root = tempfile.mkdtemp(prefix="hf_cascade_warm_compile_")
+    bytecode = compile_bytecode_ahead(root + "/pycache") if args.bytecode else {"mode": "as-is"}
+    env = {**fresh_cache_env(root), "HF_CASCADE_RECORDS": "off"}
     writer = ResultWriter("probe_warm_compile.jsonl", args.output)
     for role in ("fill", "measure"):
         t = time.perf_counter()
-        done = subprocess.run([sys.executable, __file__, "--child", role, "--layers", str(args.layers)], env=env,
+        done = subprocess.run([sys.executable, __file__, "--child", role, "--layers", str(args.layers),
+                               "--tier", args.tier], env=env,
                               capture_output=True, text=True)
-        record = {"bench": "probe_warm_compile", "layers": args.layers, "child_wall_s": round(time.perf_counter() - t, 2),
+        record = {"bench": "probe_warm_compile", "layers": args.layers, "bytecode": bytecode,
+                  "child_wall_s": round(time.perf_counter() - t, 2),
                   **(child_result(done.stdout) or {"role": role, "error": done.stderr[-1500:]})}
         writer.write(record)
         print(json.dumps({k: v for k, v in record.items() if not k.startswith("top_")}))
