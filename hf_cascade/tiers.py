@@ -75,9 +75,10 @@ DEFAULT_COST_S = {"triton": 8.0, "compiled": 20.0}
 # of another shape can still need a few new specialisations (~1 s each): measured 2.6 s for a first call of ragged
 # chat rows after a warm-up of plain batches (benchmarks/results/first_call.jsonl), against 0.75 s built-in.
 RECORDED_TRITON_COST_S = 1.0
-# (A process whose first Triton call loaded built kernels records that call's seconds, and later processes expect
-# that instead: on the device machine it took 3.4-5.1 s, the imports and each kernel's first launch, against
-# 0.2-0.8 s for the call after; results/first_call.jsonl.)
+# A process whose first Triton call loaded built kernels records what that call cost beyond the next one, and later
+# processes expect that instead (H100, Llama-3-8B shape: 1.47 s against 0.83 s after, kernels built for the same
+# call: results/probe_warm_compile.jsonl; 3.7-5.1 s where the warm-up had built only the compiled tier's
+# specialisations: first_call.jsonl).
 # The compiled tier where the caches are warm but no process recorded what its first compiled call cost (a background
 # child or `warmup` filled them): H100, Llama-3-8B shape, a fresh process's first compiled call on warm caches took
 # 10.0 s against 0.64 s after (imports of the compile stack ~5 s, dynamo's tracing 3.6 s:
@@ -120,6 +121,7 @@ class _ModelTiers:
         # a thread of this process compiles the layers once the regret pays for it (tier_build): the calls then
         # never compile them in the foreground
         self.thread_builds = False
+        self.triton_first_s: float | None = None  # this process's first Triton call, on built kernels
 
 
 def _state(model) -> _ModelTiers:
@@ -174,11 +176,16 @@ def record_call(model, tier: Tier, seconds: float) -> None:
             if not state.ready["triton"]:
                 state.ready["triton"] = True
                 if (record.get("triton_built") or caches_warm(model, state)) and not tier.compiled:
-                    # loaded from warm caches: what the next process's first Triton call will cost
-                    costs = record.setdefault("triton_call_s", [])
+                    # loaded from warm caches: what the next process's first Triton call will cost (the call's
+                    # seconds now; less the next Triton call's seconds once there is one)
+                    costs = record.setdefault("triton_cost_s", [])
                     costs.append(round(seconds, 3))
                     del costs[:-4]
+                    state.triton_first_s = seconds
                 record["triton_built"], changed = True, True
+            elif state.triton_first_s is not None and not tier.compiled:
+                record["triton_cost_s"][-1] = round(max(state.triton_first_s - seconds, 0.0), 3)
+                state.triton_first_s, changed = None, True
         else:
             state.regret["triton"] += SAVED_FRACTION["triton"] * seconds
         if tier.compiled:
@@ -233,10 +240,10 @@ def expected_compile_cost(model, state: _ModelTiers) -> float:
 
 
 def _triton_cost(record: dict, caches_warm: bool) -> float:
-    """Expected seconds to get the Triton tier ready: the least an earlier process's first Triton call took where the
-    kernels were already built (loading them, and the call's own work), else :data:`RECORDED_TRITON_COST_S` where a
+    """Expected seconds to get the Triton tier ready: the least an earlier process paid for it where the kernels
+    were already built (its first Triton call's seconds less its second's), else :data:`RECORDED_TRITON_COST_S` where a
     record says they were built or the caches are warm, else :data:`DEFAULT_COST_S`."""
-    costs = record.get("triton_call_s")
+    costs = record.get("triton_cost_s")
     if costs:
         return min(costs)
     return RECORDED_TRITON_COST_S if record.get("triton_built") or caches_warm else DEFAULT_COST_S["triton"]

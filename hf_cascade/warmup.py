@@ -1,10 +1,11 @@
 """``python -m hf_cascade warmup --model PATH``: build every kernel and compiled graph a model's generate() calls
 use, ahead of time, so that later processes start fast (for container images, CI caches, a job's first step).
 
-It loads the model with ``attn_implementation="cascade"`` and runs a few generate() calls of shared-prefix batches
-(``--rows`` sizes) with ``cascade_options={"compile": "now"}``: hf_cascade's Triton kernels are built into Triton's
-cache (``TRITON_CACHE_DIR``), the decoder layers are compiled into Inductor's (``TORCHINDUCTOR_CACHE_DIR``), and the
-compile records of :mod:`hf_cascade.tiers` are written. A later process on the same machine type, versions and
+It loads the model with ``attn_implementation="cascade"`` and runs, for each ``--rows`` size, a generate() call of
+a shared-prefix batch on the Triton tier (``compile="never"``) and one on the compiled tier (``compile="now"``):
+hf_cascade's Triton kernels are built into Triton's cache (``TRITON_CACHE_DIR``) for both (the compiled tier's
+graphs launch other specialisations than the eager layers do), the decoder layers are compiled into Inductor's
+(``TORCHINDUCTOR_CACHE_DIR``), and the compile records of :mod:`hf_cascade.tiers` are written. A later process on the same machine type, versions and
 cache folders then runs the Triton kernels from its first call and moves to the compiled layers after fewer calls
 (their cost is recorded). Keep those folders in the image (or restore them in CI) at the same paths.
 """
@@ -31,8 +32,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 def warm_up(model, rows=(1, 8, 32), prompt_tokens: int = 512, new_tokens: int = 16, report=print) -> list[dict]:
     """Run generate() on ``model`` (loaded with ``attn_implementation="cascade"``) for shared-prefix batches of
-    each size in ``rows``, compiled tier from the first call. Returns one ``{"rows", "seconds", "tier"}`` per
-    batch."""
+    each size in ``rows``: one call on the Triton tier, one on the compiled tier. Returns one ``{"rows", "seconds",
+    "tier"}`` per call."""
     import torch
 
     from hf_cascade.ops._backend import prepare_triton
@@ -47,18 +48,32 @@ def warm_up(model, rows=(1, 8, 32), prompt_tokens: int = 512, new_tokens: int = 
     for n in rows:
         ids = torch.cat([shared.expand(n, -1), torch.randint(3, vocab, (n, 8), generator=g)], dim=1)
         ids = ids.to(model.device)
-        seconds = _compiled_call(model, ids, new_tokens)
-        calls = tier_report(model)["calls"]
-        results.append({"rows": n, "seconds": round(seconds, 2), "tier": calls[-1][0] if calls else "none"})
-        report(f"  {n:>4} rows x {prompt_tokens} shared tokens, {new_tokens} new: {seconds:.1f} s "
-               f"({results[-1]['tier']})")
+        for compile in ("never", "now"):
+            if compile == "never":
+                _move_up_to_triton(model)
+            seconds = _call(model, ids, new_tokens, compile)
+            calls = tier_report(model)["calls"]
+            results.append({"rows": n, "seconds": round(seconds, 2), "tier": calls[-1][0] if calls else "none"})
+            report(f"  {n:>4} rows x {prompt_tokens} shared tokens, {new_tokens} new: {seconds:.1f} s "
+                   f"({results[-1]['tier']})")
     if model.device.type == "cuda" and results:
         results.append(_measure_warm_compile(model, ids, new_tokens, report))
     return results
 
 
-def _compiled_call(model, ids, new_tokens: int) -> float:
-    """Seconds of one greedy generate() of ``ids`` on the compiled tier (device work included)."""
+def _move_up_to_triton(model) -> None:
+    """Let the next call of ``model`` take the Triton tier (as if the calls below it had lost what building it
+    costs with empty caches)."""
+    from hf_cascade.tiers import DEFAULT_COST_S, building_state
+
+    state = building_state(model)
+    with state.lock:
+        state.regret["triton"] = max(state.regret["triton"], DEFAULT_COST_S["triton"])
+
+
+def _call(model, ids, new_tokens: int, compile: str = "now") -> float:
+    """Seconds of one greedy generate() of ``ids`` with ``cascade_options={"compile": compile}`` (device work
+    included)."""
     import torch
 
     import hf_cascade
@@ -66,7 +81,7 @@ def _compiled_call(model, ids, new_tokens: int) -> float:
     started = time.perf_counter()
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                    do_sample=False, pad_token_id=0, custom_generate=hf_cascade.generate,
-                   cascade_options={"compile": "now", "cost_model": None})
+                   cascade_options={"compile": compile, "cost_model": None})
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
     return time.perf_counter() - started
@@ -85,11 +100,11 @@ def _measure_warm_compile(model, ids, new_tokens: int, report) -> dict:
     from hf_cascade.decode.step_buffers import _BY_MODEL
     from hf_cascade.tiers import note_caches_warm
 
-    hot = _compiled_call(model, ids, new_tokens)
+    hot = _call(model, ids, new_tokens)
     torch._dynamo.reset()
     for cls in (_LayerCalls, _ModelGraphs):
         _BY_MODEL.get(model, {}).pop(cls, None)
-    again = _compiled_call(model, ids, new_tokens)
+    again = _call(model, ids, new_tokens)
     cost = max(again - hot, 0.0)
     note_caches_warm(model)
     report(f"  compiling again from the warm caches in this process: {cost:.1f} s (a new process also imports the "

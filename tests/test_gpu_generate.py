@@ -506,3 +506,28 @@ def test_gpu_builtin_kernels_bf16_close_to_sdpa():
     inputs[CACHE_KWARG].builtin_kernels = True
     got = cas.generate(**inputs, **gen).logits[0].float()
     assert (got - want).abs().max() <= 0.05 * want.abs().max()
+
+
+def test_gpu_warmup_builds_both_tiers_and_writes_the_record(tmp_path, monkeypatch):
+    """`hf_cascade warmup` (warm_up): per batch size one call on the Triton tier and one compiled, then the warm
+    compile measured again; the record says the Triton kernels are built and the caches warm, so a new process
+    expects the recorded (small) costs, not the cold ones."""
+    import json
+
+    from hf_cascade import tiers
+    from hf_cascade.decode.step_buffers import _BY_MODEL
+    from hf_cascade.warmup import warm_up
+
+    monkeypatch.setenv("HF_CASCADE_RECORDS", str(tmp_path))
+    model = tiny_model("llama", "cascade", device="cuda", num_hidden_layers=2)
+    lines = []
+    results = warm_up(model, rows=(3,), prompt_tokens=40, new_tokens=4, report=lines.append)
+    assert [r["tier"] for r in results] == ["triton", "compiled", "compiled (warm caches)"]
+    assert len(lines) == 3
+    stored = json.loads(next(tmp_path.glob("*.json")).read_text())["tiers"]
+    assert stored["triton_built"] and stored["caches_warm"]
+    _BY_MODEL.get(model, {}).pop(tiers._ModelTiers, None)  # a new process
+    state = tiers._state(model)
+    with state.lock:
+        assert tiers._triton_cost(tiers._load_record(model, state), False) == tiers.RECORDED_TRITON_COST_S
+        assert tiers.expected_compile_cost(model, state) == tiers.WARM_COMPILE_COST_S
