@@ -43,6 +43,7 @@ import time
 STARTED = time.perf_counter()
 
 import argparse  # noqa: E402
+import collections  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import subprocess  # noqa: E402
@@ -210,6 +211,17 @@ class _StallSampler:
                 "worst": sorted(self.stalls, key=lambda s: -s["late_s"])[:12]}
 
 
+def _triton_kernels(folder: str) -> set:
+    """``{(hash, kernel name)}`` of the compiled kernels (``.cubin``) in the Triton cache under ``folder``."""
+    root = os.path.join(folder, "triton")
+    found = set()
+    for entry in (os.listdir(root) if os.path.isdir(root) else []):
+        for name in os.listdir(os.path.join(root, entry)):
+            if name.endswith(".cubin"):
+                found.add((entry, name[:-len(".cubin")]))
+    return found
+
+
 def _smollm2_shape_model():
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -306,6 +318,7 @@ def main(argv=None):
                                                 "cascade_switch_as_is"):  # warm = after `hf_cascade warmup` filled the caches
                     done = subprocess.run([*cmd, "--fill"], env=fresh_cache_env(folder), capture_output=True, text=True)
                     fill = child_result(done.stdout) or f"error: {done.stderr[-800:]}"
+                built_before = _triton_kernels(folder)
                 t = time.perf_counter()
                 proc = subprocess.run(cmd, env=fresh_cache_env(folder), capture_output=True, text=True)
                 wall = time.perf_counter() - t
@@ -317,6 +330,9 @@ def main(argv=None):
                     record = {**result, "status": "ok"}
                 record["child_wall_s"] = round(wall, 2)
                 record["bytecode"] = bytecode
+                new_kernels = _triton_kernels(folder) - built_before  # what the run built beyond the warm caches
+                record["triton_kernels_built"] = dict(sorted(collections.Counter(
+                    name for _, name in new_kernels).items()))
                 if peer == "cascade_exit_during_build":
                     record["exit"] = {"returncode": proc.returncode, "stderr_tail": proc.stderr[-600:],
                                       "exit_after_result_s": round(wall - record.get("process_s", wall), 2)}
