@@ -1,13 +1,16 @@
 """``python -m hf_cascade warmup --model PATH``: build every kernel and compiled graph a model's generate() calls
 use, ahead of time, so that later processes start fast (for container images, CI caches, a job's first step).
 
-It loads the model with ``attn_implementation="cascade"`` and runs, for each ``--rows`` size, a generate() call of
-a shared-prefix batch on the Triton tier (``compile="never"``) and one on the compiled tier (``compile="now"``):
-hf_cascade's Triton kernels are built into Triton's cache (``TRITON_CACHE_DIR``) for both (the compiled tier's
-graphs launch other specialisations than the eager layers do), the decoder layers are compiled into Inductor's
-(``TORCHINDUCTOR_CACHE_DIR``), and the compile records of :mod:`hf_cascade.tiers` are written. A later process on the same machine type, versions and
-cache folders then runs the Triton kernels from its first call and moves to the compiled layers after fewer calls
-(their cost is recorded). Keep those folders in the image (or restore them in CI) at the same paths.
+It loads the model with ``attn_implementation="cascade"`` and runs, for each ``--rows`` size, generate() calls of
+shared-prefix batches on the Triton tier (``compile="never"``: a plain batch and a left-padded tree, the kernels'
+masked and multi-level variants) and one on the compiled tier (``compile="now"``): hf_cascade's Triton kernels are
+built into Triton's cache (``TRITON_CACHE_DIR``) for both tiers (the compiled graphs launch other specialisations
+than the eager layers do), the decoder layers are compiled into Inductor's (``TORCHINDUCTOR_CACHE_DIR``), and the
+compile records of :mod:`hf_cascade.tiers` are written. A later process on the same machine type, versions and
+cache folders then moves to the Triton kernels after a call or two and to the compiled layers after fewer calls
+(their costs are recorded). Keep those folders in the image (or restore them in CI) at the same paths. Triton
+builds a kernel again for launch shapes a warm-up did not run (another query-block size, say): a first call of
+such a layout on the Triton tier pays ~1 s per kernel.
 """
 
 from __future__ import annotations
@@ -32,7 +35,9 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 def warm_up(model, rows=(1, 8, 32), prompt_tokens: int = 512, new_tokens: int = 16, report=print) -> list[dict]:
     """Run generate() on ``model`` (loaded with ``attn_implementation="cascade"``) for shared-prefix batches of
-    each size in ``rows``: one call on the Triton tier, one on the compiled tier. Returns one ``{"rows", "seconds",
+    each size in ``rows``: on the Triton tier a plain batch (the shared tokens + 8 own per row) and, from 2 rows, a
+    tree (two 32-token branches after the shared tokens, 3-12 own tokens, left-padded: the kernels' masked and
+    multi-level variants); on the compiled tier the plain batch. Returns one ``{"rows", "batch", "seconds",
     "tier"}`` per call."""
     import torch
 
@@ -46,19 +51,40 @@ def warm_up(model, rows=(1, 8, 32), prompt_tokens: int = 512, new_tokens: int = 
     shared = torch.randint(3, vocab, (prompt_tokens,), generator=g)
     results = []
     for n in rows:
-        ids = torch.cat([shared.expand(n, -1), torch.randint(3, vocab, (n, 8), generator=g)], dim=1)
-        ids = ids.to(model.device)
-        for compile in ("never", "now"):
+        plain = torch.cat([shared.expand(n, -1), torch.randint(3, vocab, (n, 8), generator=g)], dim=1)
+        runs = [("plain", plain, None, "never")]
+        if n >= 2:
+            runs.append(("tree", *_tree_batch(shared, n, vocab, g), "never"))
+        runs.append(("plain", plain, None, "now"))
+        for batch, ids, mask, compile in runs:
             if compile == "never":
                 _move_up_to_triton(model)
-            seconds = _call(model, ids, new_tokens, compile)
+            seconds = _call(model, ids.to(model.device), new_tokens, compile,
+                            None if mask is None else mask.to(model.device))
             calls = tier_report(model)["calls"]
-            results.append({"rows": n, "seconds": round(seconds, 2), "tier": calls[-1][0] if calls else "none"})
-            report(f"  {n:>4} rows x {prompt_tokens} shared tokens, {new_tokens} new: {seconds:.1f} s "
+            results.append({"rows": n, "batch": batch, "seconds": round(seconds, 2),
+                            "tier": calls[-1][0] if calls else "none"})
+            report(f"  {n:>4} rows x {prompt_tokens} shared tokens ({batch}), {new_tokens} new: {seconds:.1f} s "
                    f"({results[-1]['tier']})")
     if model.device.type == "cuda" and results:
-        results.append(_measure_warm_compile(model, ids, new_tokens, report))
+        results.append(_measure_warm_compile(model, plain.to(model.device), new_tokens, report))
     return results
+
+
+def _tree_batch(shared, n: int, vocab: int, generator):
+    """``(ids [n, W], attention_mask [n, W])``: ``shared``, then one of two 32-token branches, then 3-12 own
+    tokens; left-padded with 0."""
+    import torch
+
+    branches = torch.randint(3, vocab, (2, 32), generator=generator)
+    rows = [torch.cat([shared, branches[i % 2], torch.randint(3, vocab, (3 + (5 * i) % 10,), generator=generator)])
+            for i in range(n)]
+    width = max(len(r) for r in rows)
+    ids = torch.zeros((n, width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, r in enumerate(rows):
+        ids[i, width - len(r):], mask[i, width - len(r):] = r, 1
+    return ids, mask
 
 
 def _move_up_to_triton(model) -> None:
@@ -71,15 +97,16 @@ def _move_up_to_triton(model) -> None:
         state.regret["triton"] = max(state.regret["triton"], DEFAULT_COST_S["triton"])
 
 
-def _call(model, ids, new_tokens: int, compile: str = "now") -> float:
+def _call(model, ids, new_tokens: int, compile: str = "now", attention_mask=None) -> float:
     """Seconds of one greedy generate() of ``ids`` with ``cascade_options={"compile": compile}`` (device work
-    included)."""
+    included); ``attention_mask`` None: no padding."""
     import torch
 
     import hf_cascade
 
     started = time.perf_counter()
-    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+    mask = torch.ones_like(ids) if attention_mask is None else attention_mask
+    model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                    do_sample=False, pad_token_id=0, custom_generate=hf_cascade.generate,
                    cascade_options={"compile": compile, "cost_model": None})
     if model.device.type == "cuda":

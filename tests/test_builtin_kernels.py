@@ -254,7 +254,8 @@ def test_warmup_command_runs_on_cpu(capsys):
     assert main(["warmup", "--model", "tiny", "--device", "cpu", "--dtype", "float32", "--rows", "2", "3",
                  "--prompt-tokens", "20", "--new-tokens", "3"]) == 0
     out = capsys.readouterr().out
-    assert "2 rows x 20 shared tokens, 3 new" in out and "3 rows" in out and "warmup: done" in out
+    assert "2 rows x 20 shared tokens (plain), 3 new" in out and "2 rows x 20 shared tokens (tree), 3 new" in out
+    assert "3 rows" in out and "warmup: done" in out
     with pytest.raises(SystemExit, match="no CUDA GPU"):
         main(["warmup", "--model", "tiny", "--device", "cuda"] if not torch.cuda.is_available() else ["--bad"])
 
