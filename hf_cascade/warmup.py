@@ -2,8 +2,8 @@
 use, ahead of time, so that later processes start fast (for container images, CI caches, a job's first step).
 
 It loads the model with ``attn_implementation="cascade"`` and runs, for each ``--rows`` size, generate() calls of
-shared-prefix batches on the Triton tier (``compile="never"``: a plain batch and a left-padded tree, the kernels'
-masked and multi-level variants) and one on the compiled tier (``compile="now"``): hf_cascade's Triton kernels are
+shared-prefix batches on the Triton tier (``compile="never"``: plain batches of 8 and 40 own tokens and a left-padded tree, the
+kernels' query-block sizes, masked and multi-level variants) and one on the compiled tier (``compile="now"``): hf_cascade's Triton kernels are
 built into Triton's cache (``TRITON_CACHE_DIR``) for both tiers (the compiled graphs launch other specialisations
 than the eager layers do), the decoder layers are compiled into Inductor's (``TORCHINDUCTOR_CACHE_DIR``), and the
 compile records of :mod:`hf_cascade.tiers` are written. A later process on the same machine type, versions and
@@ -35,8 +35,8 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 def warm_up(model, rows=(1, 8, 32), prompt_tokens: int = 512, new_tokens: int = 16, report=print) -> list[dict]:
     """Run generate() on ``model`` (loaded with ``attn_implementation="cascade"``) for shared-prefix batches of
-    each size in ``rows``: on the Triton tier a plain batch (the shared tokens + 8 own per row) and, from 2 rows, a
-    tree (two 32-token branches after the shared tokens, 3-12 own tokens, left-padded: the kernels' masked and
+    each size in ``rows``: on the Triton tier plain batches (the shared tokens + 8 own per row, and + 40: the
+    kernels' query-block sizes) and, from 2 rows, a tree (two 32-token branches after the shared tokens, 3-12 own tokens, left-padded: the kernels' masked and
     multi-level variants); on the compiled tier the plain batch. Returns one ``{"rows", "batch", "seconds",
     "tier"}`` per call."""
     import torch
@@ -52,7 +52,8 @@ def warm_up(model, rows=(1, 8, 32), prompt_tokens: int = 512, new_tokens: int = 
     results = []
     for n in rows:
         plain = torch.cat([shared.expand(n, -1), torch.randint(3, vocab, (n, 8), generator=g)], dim=1)
-        runs = [("plain", plain, None, "never")]
+        longer = torch.cat([shared.expand(n, -1), torch.randint(3, vocab, (n, 40), generator=g)], dim=1)
+        runs = [("plain", plain, None, "never"), ("plain, 40 own", longer, None, "never")]
         if n >= 2:
             runs.append(("tree", *_tree_batch(shared, n, vocab, g), "never"))
         runs.append(("plain", plain, None, "now"))

@@ -522,8 +522,9 @@ def test_gpu_warmup_builds_both_tiers_and_writes_the_record(tmp_path, monkeypatc
     lines = []
     results = warm_up(model, rows=(3,), prompt_tokens=40, new_tokens=4, report=lines.append)
     assert [(r["tier"], r.get("batch")) for r in results] == [
-        ("triton", "plain"), ("triton", "tree"), ("compiled", "plain"), ("compiled (warm caches)", None)]
-    assert len(lines) == 4
+        ("triton", "plain"), ("triton", "plain, 40 own"), ("triton", "tree"), ("compiled", "plain"),
+        ("compiled (warm caches)", None)]
+    assert len(lines) == 5
     (path,) = tmp_path.glob("*.json")
     stored = json.loads(path.read_text())["tiers"]
     assert stored["triton_built"] and stored["caches_warm"]
