@@ -16,12 +16,15 @@ compiled tier would have saved them) reaches what compiling from warm caches cos
 starts the thread again to run the build call *in this process*: it traces the layers and loads what the child compiled, on
 its own CUDA stream, with the compiled layer calls installed for its own thread only
 (:class:`~hf_cascade.decode.compiled_layers._ThreadCompiledCall`), and the first call after it runs the compiled
-tier. That part is Python holding the GIL: a fresh process's first compiled call on warm caches takes ~10 s on the
-device machine (H100, Llama-3-8B shape: imports of the compile stack ~5 s, 2 of them compiling sources where no
-bytecode cache was written; dynamo's tracing 3.6 s; ``results/probe_warm_compile.jsonl``), and the serving call
-beside it is held up about that long once (7-9 s, ``results/first_call.jsonl``). Waiting for the regret keeps that
-stall off short jobs: a stream of 12 batches on warm caches took 24.9 s with the thread started at once, against
-16.9 s without a build. Where the caches start warm (a record says so), no child runs and only the wait applies.
+tier. That part is Python holding the GIL: a fresh process's first compiled call on warm caches takes 8-10 s on the
+device machine (H100, Llama-3-8B shape: imports of the compile stack, 2 s more where no bytecode cache was written;
+dynamo's tracing 3.6 s; ``results/probe_warm_compile.jsonl``). The serving thread gives the GIL up at each torch op
+and, with Python's 5 ms switch interval, waits that long to get it back each time: its call made almost no progress
+until the build ended (one 4.3 s call beside a 4.1 s build). With :data:`BUILD_SWITCH_INTERVAL_S` (0.1 ms) while the
+thread compiles, the two share it: the build takes 5-6 s and the calls beside it 1.2-2.8 s against 0.82 s
+(``results/first_call.jsonl``). Waiting for the regret keeps that stall off short jobs: a stream of 12 batches on
+warm caches took 24.9 s with the thread started at once, against 16.9 s without a build. Where the caches start
+warm (a record says so), no child runs and only the wait applies.
 
 Measured against the alternatives (same H100, one run; 75 s of the same 32-row call): ``MODE = "child"`` (the
 thread only fills the caches; the ski rental then compiles in the foreground, expecting

@@ -20,7 +20,8 @@ measured: :data:`SAVED_FRACTION`) to the tier's *regret*, and the next call move
 tier's expected cost. So the time lost to waiting is never more than the time the compiler would have taken, and
 the time spent compiling is never more than what a slower tier already lost (at most twice the better of the two
 choices, whatever calls come later). Where a record says this machine built the Triton kernels before, their
-expected cost is small (:data:`RECORDED_TRITON_COST_S`): the Triton tier comes after a call or two.
+expected cost is what an earlier process's first Triton call cost beyond its second (else
+:data:`RECORDED_TRITON_COST_S`): the Triton tier comes after a call or a few.
 
 Expected costs come from **records on disk** (``$HF_CASCADE_RECORDS``, else ``$HF_CASCADE_CACHE/compile_records``,
 else ``~/.cache/hf_cascade/compile_records``), one per model shape, dtype, GPU, versions and compile-cache folders: what
