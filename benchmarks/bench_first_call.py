@@ -222,6 +222,17 @@ def _triton_kernels(folder: str) -> set:
     return found
 
 
+def _kernel_metadata(folder: str, entry: str, name: str) -> dict:
+    """A built kernel's metadata from the Triton cache (which specialisation it is: its constants and launch
+    configuration), the large fields left out."""
+    try:
+        with open(os.path.join(folder, "triton", entry, f"{name}.json")) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as err:
+        return {"name": name, "error": str(err)[:200]}
+    return {"name": name, **{k: v for k, v in meta.items() if len(json.dumps(v)) < 600}}
+
+
 def _smollm2_shape_model():
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -333,6 +344,7 @@ def main(argv=None):
                 new_kernels = _triton_kernels(folder) - built_before  # what the run built beyond the warm caches
                 record["triton_kernels_built"] = dict(sorted(collections.Counter(
                     name for _, name in new_kernels).items()))
+                record["triton_kernels_built_metadata"] = [_kernel_metadata(folder, *k) for k in sorted(new_kernels)]
                 if peer == "cascade_exit_during_build":
                     record["exit"] = {"returncode": proc.returncode, "stderr_tail": proc.stderr[-600:],
                                       "exit_after_result_s": round(wall - record.get("process_s", wall), 2)}
