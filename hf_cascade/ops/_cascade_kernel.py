@@ -13,6 +13,7 @@ of running one kernel after the other.
 import triton
 import triton.language as tl
 
+from ._jit import jit_options
 from ._prefix_kernel import _prefix_tile
 from ._suffix_kernel import _suffix_tile
 from ._backend import share_compiler_kernel_cache
@@ -22,8 +23,9 @@ share_compiler_kernel_cache()  # before the first kernel is built
 
 # Sizes that differ between batch layouts are not specialised: Triton would build a variant per pattern of
 # them (== 1, divisible by 16), several per new sharing tree (seconds each, in a stream of layouts).
-@triton.jit(do_not_specialize=["S", "num_splits", "slot0", "suffix_slot", "n_prefix", "tiles", "s_mtiles",
-                               "stride_mb", "stride_mq"])
+@triton.jit(**jit_options(not_specialised=["S", "num_splits", "slot0", "suffix_slot", "n_prefix", "tiles", "s_mtiles",
+                                            "stride_mb", "stride_mq"],
+                          not_aligned=["Lq", "plw_b", "slw_b", "l_s", "l_b", "l_kvh"]))
 def _cascade_fwd_kernel(
     q_ptr,
     pk_ptr, pv_ptr,  # prefix level KV [Hkv, T, D]

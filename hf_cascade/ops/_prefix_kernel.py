@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from ._backend import share_compiler_kernel_cache
+from ._jit import jit_options
 
 share_compiler_kernel_cache()  # before the first kernel is built
 
@@ -218,7 +219,7 @@ def _prefix_tile(
 
 # Sizes that differ between batch layouts are not specialised: Triton would build a variant per pattern of
 # them (== 1, divisible by 16), several per new sharing tree (seconds each, in a stream of layouts).
-@triton.jit(do_not_specialize=["num_splits", "slot0"])
+@triton.jit(**jit_options(not_specialised=["num_splits", "slot0"], not_aligned=["Lq", "lw_b", "l_s", "l_b", "l_kvh"]))
 def _prefix_fwd_kernel(
     q_ptr, k_ptr, v_ptr,
     o_ptr, l_ptr,  # outputs (final or partials, see module docstring), fp32
@@ -286,7 +287,8 @@ def _merge_states(po_ptrs, pl_ptrs, stride_ps, stride_pls, num_slots, valid, o_m
     return acc / t_safe[:, None], tl.where(has_keys, mx + tl.log(t_safe), float("-inf"))
 
 
-@triton.jit(do_not_specialize=["M_total", "num_slots"])  # layout sizes, see _prefix_fwd_kernel
+@triton.jit(**jit_options(not_specialised=["M_total", "num_slots"],  # layout sizes, see _prefix_fwd_kernel
+                          not_aligned=["Lq", "stride_lb", "stride_lh", "stride_pls", "stride_plh"]))
 def _state_combine_kernel(
     out_ptr, lse_ptr,  # final [B, Hq, Lq, D] (any float dtype, d stride 1) / [B, Hq, Lq] fp32
     part_out_ptr, part_lse_ptr,  # fp32 [slots, Hkv, B*Lq*G, D] / [slots, Hkv, B*Lq*G], batch-row order

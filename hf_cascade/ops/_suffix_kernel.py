@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from ._backend import share_compiler_kernel_cache
+from ._jit import jit_options
 
 share_compiler_kernel_cache()  # before the first kernel is built
 
@@ -176,7 +177,8 @@ def _suffix_tile(
 
 # Sizes that differ between batch layouts are not specialised: Triton would build a variant per pattern of
 # them (== 1, divisible by 16), several per new sharing tree (seconds each, in a stream of layouts).
-@triton.jit(do_not_specialize=["S", "num_prefix", "stride_mb", "stride_mq"])
+@triton.jit(**jit_options(not_specialised=["S", "num_prefix", "stride_mb", "stride_mq"],
+                          not_aligned=["Lq", "lw_b", "pl_s", "pl_b", "pl_kvh", "stride_lb", "stride_lh"]))
 def _suffix_fwd_kernel(
     q_ptr, k_ptr, v_ptr, mask_ptr, key_len_ptr, lower_ptr,
     po_ptr, pl_ptr,  # prefix states, fp32 (see module docstring); unused when NUM_PREFIX == 0
