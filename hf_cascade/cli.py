@@ -360,7 +360,7 @@ def cmd_warmup(args) -> int:
 
     argv = ["--model", args.model, "--dtype", args.dtype, "--device", args.device, "--rows", *map(str, args.rows),
             "--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens)]
-    return warmup.main(argv)
+    return warmup.main(argv + (["--no-bytecode"] if args.no_bytecode else []))
 
 
 # name -> (declares its arguments, runs it); the order of the help

@@ -419,3 +419,20 @@ def test_build_gil_switch_interval_is_set_while_builds_compile_and_restored():
     with pytest.raises(RuntimeError, match="boom"), tier_build._gil_switch(1e-4):
         raise RuntimeError("boom")
     assert sys.getswitchinterval() == before
+
+
+def test_warmup_writes_the_bytecode_of_imported_modules(tmp_path):
+    """`hf_cascade warmup` writes the bytecode of what the calls imported where none is up to date (as pip does at
+    install), so later processes on an image without it do not compile every source they import."""
+    import importlib.util
+
+    from hf_cascade.warmup import compile_bytecode
+
+    good, bad = tmp_path / "good_module.py", tmp_path / "bad_module.py"
+    good.write_text("VALUE = 3\n")
+    bad.write_text("def broken(:\n")
+    lines = []
+    result = compile_bytecode([str(good), str(bad)], report=lines.append)
+    assert result["files"] == 2 and len(result["failed"]) == 1 and "bad_module" in result["failed"][0]
+    assert (tmp_path / importlib.util.cache_from_source(str(good))).is_file()
+    assert "bytecode of 2 imported modules" in lines[0] and "1 could not be written" in lines[0]
