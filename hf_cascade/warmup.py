@@ -155,7 +155,7 @@ def compile_bytecode(files=None, report=print) -> dict:
     building the 8B-shaped model 10.1 s against 3.4 s, and the compiled tier's first call 2 s more
     (``benchmarks/results/first_call.jsonl``, ``probe_warm_compile.jsonl``). Python reads bytecode even where it
     writes none; it looks in ``$PYTHONPYCACHEPREFIX`` where that is set (as here, so set it alike for later
-    processes). Runs ``python -m compileall`` over the files with a worker per CPU.
+    processes). Runs ``python -m compileall`` over the files (seconds for a few thousand; up-to-date ones are skipped).
 
     Returns:
         ``{"files", "seconds", "failed"}``; ``failed``: compileall's error lines, at most 20 (a read-only folder:
@@ -173,7 +173,7 @@ def compile_bytecode(files=None, report=print) -> dict:
     with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as listing:
         listing.write("\n".join(files) + "\n")
     try:
-        done = subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", "-i", listing.name],
+        done = subprocess.run([sys.executable, "-m", "compileall", "-q", "-i", listing.name],
                               capture_output=True, text=True)
     finally:
         os.unlink(listing.name)
