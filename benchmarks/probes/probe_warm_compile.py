@@ -7,6 +7,9 @@ during the call, and the functions with the most cumulative time. ``--tier trito
 (``compile="never"``, the tier forced ready): the fill child builds the kernels; the measuring child runs one
 built-in call first (the process's own first-use costs), then its first Triton call under cProfile.
 ``--bytecode``: the packages' bytecode compiled ahead (``common.compile_bytecode_ahead``), as pip leaves a machine.
+``--parts``: more measuring children, each in a fresh process on the same warm folders, that split a first call's
+seconds: the process's generic GPU first use (a bf16 matmul and a tiny SDPA call), Triton's per-process key (it hashes
+``libtriton.so``), then two calls of one path: the Triton tier, the built-in tier, or sdpa (no hf_cascade).
 
     python benchmarks/probes/probe_warm_compile.py --layers 32 [--tier triton] [--bytecode]
 """
@@ -51,6 +54,8 @@ def _child(args) -> dict:
                               cascade_options={"compile": "now" if args.tier == "compiled" else "never"})
 
     record = {"role": args.child, "tier": args.tier}
+    if args.child.startswith("parts-"):
+        return _parts(args, model, call, ids, mask, record)
     if args.tier == "triton":
         from hf_cascade.tiers import building_state, tier_report
 
@@ -85,11 +90,54 @@ def _child(args) -> dict:
     return record
 
 
+def _parts(args, model, call, ids, mask, record) -> dict:
+    """One measuring child of ``--parts``: the generic first use, Triton's key, then two calls of one path."""
+    import torch
+    import torch.nn.functional as F
+
+    from common import wall_time
+
+    path = args.child.removeprefix("parts-")
+
+    def generic():
+        a = torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)
+        q = torch.randn(1, 4, 16, 64, device="cuda", dtype=torch.bfloat16)
+        (a @ a).sum().item()
+        F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().item()
+
+    record["generic_first_use_s"] = round(wall_time(generic)[0], 3)
+    t = time.perf_counter()
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:
+        from triton.compiler.compiler import triton_key
+    triton_key()
+    record["triton_key_s"] = round(time.perf_counter() - t, 3)
+    if path == "triton":
+        from hf_cascade.tiers import building_state
+
+        building_state(model).ready["triton"] = True
+    elif path == "sdpa":
+        model.set_attn_implementation("sdpa")
+
+        def call():  # noqa: F811  (the same batch through transformers' own path)
+            return model.generate(ids, attention_mask=mask, max_new_tokens=64, min_new_tokens=64, do_sample=False,
+                                  pad_token_id=0)
+    record["path"] = path
+    record["calls_s"] = [round(wall_time(call)[0], 3) for _ in range(3)]
+    if path != "sdpa":
+        from hf_cascade.tiers import tier_report
+
+        record["tiers"] = [tier for tier, _ in tier_report(model)["calls"]]
+    return record
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--tier", choices=["compiled", "triton"], default="compiled")
     parser.add_argument("--bytecode", action="store_true")
+    parser.add_argument("--parts", action="store_true")
     parser.add_argument("--output", default=None)
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -100,7 +148,8 @@ def main():
     bytecode = compile_bytecode_ahead(root + "/pycache") if args.bytecode else {"mode": "as-is"}
     env = {**fresh_cache_env(root), "HF_CASCADE_RECORDS": "off"}
     writer = ResultWriter("probe_warm_compile.jsonl", args.output)
-    for role in ("fill", "measure"):
+    roles = ["fill", "measure"] + (["parts-triton", "parts-builtin", "parts-sdpa"] if args.parts else [])
+    for role in roles:
         t = time.perf_counter()
         done = subprocess.run([sys.executable, __file__, "--child", role, "--layers", str(args.layers),
                                "--tier", args.tier], env=env,
