@@ -54,3 +54,29 @@ def test_kernel_cache_shared_with_the_compiler_through_triton_knobs(monkeypatch)
     monkeypatch.setenv("TRITON_CACHE_DIR", "/somewhere/else")
     _backend.share_compiler_kernel_cache()
     assert knobs.cache.dir == "/somewhere/else"
+
+
+def test_first_kernel_waits_for_the_key_thread_instead_of_hashing_beside_it(monkeypatch):
+    """``await_triton_key`` (a kernel module's import, i.e. the first launch) waits for a key thread still running, so
+    the launch reads the thread's result instead of hashing Triton's library a second time beside it; it returns at
+    once where no thread runs, and from the thread itself."""
+    done = threading.Event()
+    release = threading.Event()
+
+    def hashing():
+        release.wait(5)
+        done.set()
+
+    thread = threading.Thread(target=hashing, daemon=True)
+    monkeypatch.setattr(_backend, "_TRITON_KEY_THREAD", thread)
+    thread.start()
+    threading.Timer(0.2, release.set).start()
+    _backend.await_triton_key()
+    assert done.is_set() and not thread.is_alive()
+    monkeypatch.setattr(_backend, "_TRITON_KEY_THREAD", None)
+    _backend.await_triton_key()  # no thread: nothing to wait for
+    own = threading.Thread(target=_backend.await_triton_key)
+    monkeypatch.setattr(_backend, "_TRITON_KEY_THREAD", own)
+    own.start()  # the thread itself must not wait for itself
+    own.join(5)
+    assert not own.is_alive()

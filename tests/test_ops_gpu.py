@@ -245,8 +245,8 @@ def test_gpu_fused_cascade_cuda_graph_replays_new_queries():
 def test_gpu_first_use_warms_the_triton_key():
     """On a CUDA machine ``import hf_cascade`` (and the registration when transformers' registry loads) starts no
     thread and leaves ``os.environ`` alone; ``prepare_triton()`` (the first use) starts one daemon thread that leaves
-    Triton's cache key in Triton's own lru_cache (a new process: the key is not computed yet there), and shares the
-    kernel cache with torch.compile without setting ``TRITON_CACHE_DIR``."""
+    Triton's cache key in Triton's own lru_cache (a new process: the key is not computed yet there), which a kernel
+    module's import (the first launch) waits for, and shares the kernel cache with torch.compile without setting ``TRITON_CACHE_DIR``."""
     import subprocess
     import sys
 
@@ -258,6 +258,8 @@ def test_gpu_first_use_warms_the_triton_key():
         "from hf_cascade.ops._backend import prepare_triton, warm_triton_key, _triton_key_function\n"
         "thread = prepare_triton()\n"
         "assert thread is not None and thread.daemon and prepare_triton() is thread and warm_triton_key() is thread\n"
+        "import hf_cascade.ops._kv_write_kernel\n"  # the first launch's import waits for the thread (10 s at most)
+        "assert not thread.is_alive()\n"
         "thread.join(60)\n"
         "assert _triton_key_function().cache_info().currsize == 1\n"
         "assert 'TRITON_CACHE_DIR' not in os.environ\n"

@@ -122,6 +122,25 @@ def warm_triton_key() -> threading.Thread | None:
     return _TRITON_KEY_THREAD
 
 
+def await_triton_key() -> None:
+    """Before a process's first kernel launch: where :func:`warm_triton_key`'s thread is still hashing, wait for it.
+
+    Triton's ``lru_cache`` holds no lock: a launch that comes while the thread runs would hash the same 0.5 GB again
+    beside it (measured on the H100: the first Triton-tier call's launch took 0.47 s hashing while the thread ran).
+    Waiting costs only what the thread has left (bounded: after 10 s the launch goes on and hashes itself). Called
+    when a kernel module is imported (the first launch)."""
+    thread = _TRITON_KEY_THREAD
+    if thread is not None and thread.is_alive() and thread is not threading.current_thread():
+        thread.join(timeout=10.0)
+
+
+def before_first_kernel() -> None:
+    """What a kernel module does when it is imported, i.e. just before the process's first launch of its kernels:
+    :func:`share_compiler_kernel_cache` and :func:`await_triton_key`."""
+    share_compiler_kernel_cache()
+    await_triton_key()
+
+
 def prepare_triton() -> threading.Thread | None:
     """Get Triton ready for hf_cascade's first launches, without waiting for anything: share the kernel cache with
     ``torch.compile`` (:func:`share_compiler_kernel_cache`) and start hashing Triton's cache key in the background

@@ -16,9 +16,9 @@ import triton.language as tl
 from ._jit import jit_options
 from ._prefix_kernel import _prefix_tile
 from ._suffix_kernel import _suffix_tile
-from ._backend import share_compiler_kernel_cache
+from ._backend import before_first_kernel
 
-share_compiler_kernel_cache()  # before the first kernel is built
+before_first_kernel()  # the kernel cache shared, Triton's key ready: before the first kernel is built
 
 
 # Sizes that differ between batch layouts are not specialised: Triton would build a variant per pattern of

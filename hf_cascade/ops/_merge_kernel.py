@@ -3,9 +3,9 @@
 import triton
 import triton.language as tl
 
-from ._backend import share_compiler_kernel_cache
+from ._backend import before_first_kernel
 
-share_compiler_kernel_cache()  # before the first kernel is built
+before_first_kernel()  # the kernel cache shared, Triton's key ready: before the first kernel is built
 
 
 @triton.jit(do_not_specialize=["R"])  # rows: a size of the batch layout, not specialised

@@ -20,10 +20,10 @@ row order, reduced by ``_state_combine_kernel`` or by the suffix kernel's prolog
 import triton
 import triton.language as tl
 
-from ._backend import share_compiler_kernel_cache
+from ._backend import before_first_kernel
 from ._jit import jit_options
 
-share_compiler_kernel_cache()  # before the first kernel is built
+before_first_kernel()  # the kernel cache shared, Triton's key ready: before the first kernel is built
 
 LOG2E = tl.constexpr(1.4426950408889634)  # log2(e): scores are kept in base 2 inside the loop
 LN2 = tl.constexpr(0.6931471805599453)  # ln(2): back to natural-log LSE on the way out

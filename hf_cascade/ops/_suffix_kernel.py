@@ -15,10 +15,10 @@ launch of their own and no fp32 round trip through memory. State s of query (b, 
 import triton
 import triton.language as tl
 
-from ._backend import share_compiler_kernel_cache
+from ._backend import before_first_kernel
 from ._jit import jit_options
 
-share_compiler_kernel_cache()  # before the first kernel is built
+before_first_kernel()  # the kernel cache shared, Triton's key ready: before the first kernel is built
 
 LOG2E = tl.constexpr(1.4426950408889634)
 LN2 = tl.constexpr(0.6931471805599453)
