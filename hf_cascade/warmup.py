@@ -40,8 +40,10 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 def warm_up(model, rows=(1, 8, 32), prompt_tokens: int = 512, new_tokens: int = 16, report=print) -> list[dict]:
     """Run generate() on ``model`` (loaded with ``attn_implementation="cascade"``) for shared-prefix batches of
     each size in ``rows``: on the Triton tier plain batches (the shared tokens + 8 own per row, and + 40: the
-    kernels' query-block sizes) and, from 2 rows, a tree (two 32-token branches after the shared tokens, 3-12 own tokens, left-padded: the kernels' masked and
-    multi-level variants); on the compiled tier the plain batch. Returns one ``{"rows", "batch", "seconds",
+    kernels' query-block sizes), from 2 rows a tree (two 32-token branches after the shared tokens, 3-12 own
+    tokens, left-padded: the kernels' masked and multi-level variants) and from 4 rows a three-level one (four
+    16-token sub-branches below those: a stream's batch of that shape built one more kernel variant,
+    ``benchmarks/results/first_call.jsonl``); on the compiled tier the plain batch. Returns one ``{"rows", "batch", "seconds",
     "tier"}`` per call."""
     import torch
 
@@ -60,6 +62,8 @@ def warm_up(model, rows=(1, 8, 32), prompt_tokens: int = 512, new_tokens: int = 
         runs = [("plain", plain, None, "never"), ("plain, 40 own", longer, None, "never")]
         if n >= 2:
             runs.append(("tree", *_tree_batch(shared, n, vocab, g), "never"))
+        if n >= 4:  # a deeper tree: its outer levels run the prefix kernel apart from the suffix (other tiles)
+            runs.append(("tree, 3 levels", *_tree_batch(shared, n, vocab, g, levels=3), "never"))
         runs.append(("plain", plain, None, "now"))
         for batch, ids, mask, compile in runs:
             if compile == "never":
@@ -76,14 +80,16 @@ def warm_up(model, rows=(1, 8, 32), prompt_tokens: int = 512, new_tokens: int = 
     return results
 
 
-def _tree_batch(shared, n: int, vocab: int, generator):
-    """``(ids [n, W], attention_mask [n, W])``: ``shared``, then one of two 32-token branches, then 3-12 own
-    tokens; left-padded with 0."""
+def _tree_batch(shared, n: int, vocab: int, generator, levels: int = 2):
+    """``(ids [n, W], attention_mask [n, W])``: ``shared``, then one of two 32-token branches (row i: branch i % 2),
+    with ``levels=3`` then one of four 16-token sub-branches (i % 4, nested in i % 2), then 3-12 own tokens;
+    left-padded with 0."""
     import torch
 
     branches = torch.randint(3, vocab, (2, 32), generator=generator)
-    rows = [torch.cat([shared, branches[i % 2], torch.randint(3, vocab, (3 + (5 * i) % 10,), generator=generator)])
-            for i in range(n)]
+    twigs = torch.randint(3, vocab, (4, 16), generator=generator)
+    rows = [torch.cat([shared, branches[i % 2], *([twigs[i % 4]] if levels == 3 else []),
+                       torch.randint(3, vocab, (3 + (5 * i) % 10,), generator=generator)]) for i in range(n)]
     width = max(len(r) for r in rows)
     ids = torch.zeros((n, width), dtype=torch.long)
     mask = torch.zeros_like(ids)
