@@ -233,6 +233,41 @@ def _kernel_metadata(folder: str, entry: str, name: str) -> dict:
     return {"name": name, **{k: v for k, v in meta.items() if len(json.dumps(v)) < 600}}
 
 
+def _kernel_signature(folder: str, entry: str, name: str) -> dict:
+    """What tells a kernel's variants apart, read from its Triton cache entry: each argument of its TTIR signature
+    (``"div16"`` where Triton specialised it as divisible by 16, ``""`` otherwise; an int specialised as 1 is absent)
+    and the launch configuration (warps, stages, shared memory)."""
+    import re
+
+    sig = {}
+    try:
+        with open(os.path.join(folder, "triton", entry, f"{name}.ttir")) as f:
+            line = next((ln for ln in f if f"tt.func public @{name}(" in ln), "")
+        for arg, attrs in re.findall(r"%(\w+): [^ ,)]+(?: (\{[^}]*\}))?", line.split(") attributes")[0]):
+            sig[arg] = "div16" if "tt.divisibility = 16" in attrs else ""
+        with open(os.path.join(folder, "triton", entry, f"{name}.json")) as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return {"args": sig}
+    return {"args": sig, "config": {k: meta.get(k) for k in ("num_warps", "num_stages", "shared")}}
+
+
+def _variant_difference(new: dict, cached: list[dict]) -> dict | None:
+    """How a kernel built anew differs from the closest variant of it already cached: ``{"args": {arg: (cached,
+    new)}, "config": {...}}`` (``None`` for an argument absent on one side: specialised as 1), or None where no
+    variant of it was cached."""
+    best = None
+    for old in cached:
+        names = set(new["args"]) | set(old["args"])
+        args = {a: (old["args"].get(a), new["args"].get(a)) for a in sorted(names)
+                if old["args"].get(a) != new["args"].get(a)}
+        config = {k: (old.get("config", {}).get(k), v) for k, v in new.get("config", {}).items()
+                  if old.get("config", {}).get(k) != v}
+        if best is None or len(args) + len(config) < len(best["args"]) + len(best["config"]):
+            best = {"args": args, "config": config}
+    return best
+
+
 def _smollm2_shape_model():
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
@@ -345,6 +380,11 @@ def main(argv=None):
                 record["triton_kernels_built"] = dict(sorted(collections.Counter(
                     name for _, name in new_kernels).items()))
                 record["triton_kernels_built_metadata"] = [_kernel_metadata(folder, *k) for k in sorted(new_kernels)]
+                record["triton_kernels_built_vs_cached"] = [  # which argument or configuration made it another variant
+                    {"name": name, "difference": _variant_difference(
+                        _kernel_signature(folder, entry, name),
+                        [_kernel_signature(folder, e, n) for e, n in built_before if n == name])}
+                    for entry, name in sorted(new_kernels) if not name.startswith("triton_")]
                 if peer == "cascade_exit_during_build":
                     record["exit"] = {"returncode": proc.returncode, "stderr_tail": proc.stderr[-600:],
                                       "exit_after_result_s": round(wall - record.get("process_s", wall), 2)}
