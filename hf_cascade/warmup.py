@@ -39,12 +39,15 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
 
 def warm_up(model, rows=(1, 8, 32), prompt_tokens: int = 512, new_tokens: int = 16, report=print) -> list[dict]:
     """Run generate() on ``model`` (loaded with ``attn_implementation="cascade"``) for shared-prefix batches of
-    each size in ``rows``: on the Triton tier plain batches (the shared tokens + 8 own per row, and + 40: the
-    kernels' query-block sizes), from 2 rows a tree (two 32-token branches after the shared tokens, 3-12 own
-    tokens, left-padded: the kernels' masked and multi-level variants) and from 4 rows a three-level one (four
-    16-token sub-branches below those: a stream's batch of that shape built one more kernel variant,
-    ``benchmarks/results/first_call.jsonl``); on the compiled tier the plain batch. Returns one ``{"rows", "batch", "seconds",
-    "tier"}`` per call."""
+    each size in ``rows``, so that later processes find every kernel variant those sizes launch already built.
+
+    On the Triton tier: plain batches (the shared tokens + 8 own per row, and + 40: the kernels' query-block sizes);
+    from 2 rows a plain batch whose shared prefix is long next to the rows' own buffers (the decode step then runs
+    the prefix pass apart from the suffix pass, with other tiles: see :func:`_two_pass_prefix_tokens`; a stream's
+    8,192-token batch built that variant after a warm-up without it, ``benchmarks/results/first_call.jsonl``), a
+    tree (two 32-token branches after the shared tokens, 3-12 own tokens, left-padded: the masked and multi-level
+    variants) and from 4 rows a three-level tree (four 16-token sub-branches below those). On the compiled tier the
+    plain batch. Returns one ``{"rows", "batch", "seconds", "tier"}`` per call."""
     import torch
 
     from hf_cascade.ops._backend import prepare_triton
@@ -60,6 +63,11 @@ def warm_up(model, rows=(1, 8, 32), prompt_tokens: int = 512, new_tokens: int = 
         plain = torch.cat([shared.expand(n, -1), torch.randint(3, vocab, (n, 8), generator=g)], dim=1)
         longer = torch.cat([shared.expand(n, -1), torch.randint(3, vocab, (n, 40), generator=g)], dim=1)
         runs = [("plain", plain, None, "never"), ("plain, 40 own", longer, None, "never")]
+        long_tokens = _two_pass_prefix_tokens(model, n, new_tokens)
+        if n >= 2 and long_tokens > prompt_tokens:
+            long_shared = shared.repeat(-(-long_tokens // prompt_tokens))[:long_tokens]
+            runs.append(("plain, long shared", torch.cat([long_shared.expand(n, -1), plain[:, prompt_tokens:]], 1),
+                         None, "never"))
         if n >= 2:
             runs.append(("tree", *_tree_batch(shared, n, vocab, g), "never"))
         if n >= 4:  # a deeper tree: its outer levels run the prefix kernel apart from the suffix (other tiles)
@@ -73,11 +81,25 @@ def warm_up(model, rows=(1, 8, 32), prompt_tokens: int = 512, new_tokens: int = 
             calls = tier_report(model)["calls"]
             results.append({"rows": n, "batch": batch, "seconds": round(seconds, 2),
                             "tier": calls[-1][0] if calls else "none"})
-            report(f"  {n:>4} rows x {prompt_tokens} shared tokens ({batch}), {new_tokens} new: {seconds:.1f} s "
+            report(f"  {n:>4} rows x {ids.shape[1]} tokens ({batch}), {new_tokens} new: {seconds:.1f} s "
                    f"({results[-1]['tier']})")
     if model.device.type == "cuda" and results:
         results.append(_measure_warm_compile(model, plain.to(model.device), new_tokens, report))
     return results
+
+
+def _two_pass_prefix_tokens(model, rows: int, new_tokens: int) -> int:
+    """Shared tokens enough for ``rows`` rows of 8 own tokens + ``new_tokens`` to run their decode steps' prefix pass
+    apart from the suffix pass (the launch cost model, ``ops/_launch.py``: fused only where the suffix buffers'
+    traffic is at least ``_FUSE_SUFFIX_RATIO`` x the prefix's; twice the threshold here), within the model's
+    positions."""
+    from hf_cascade.inputs import suffix_capacity
+    from hf_cascade.ops._launch import _FUSE_SUFFIX_RATIO
+
+    tokens = int(2 * rows * suffix_capacity(8 + new_tokens) / _FUSE_SUFFIX_RATIO)
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    positions = getattr(config, "max_position_embeddings", None)
+    return tokens if positions is None else min(tokens, positions - 8 - new_tokens)
 
 
 def _tree_batch(shared, n: int, vocab: int, generator, levels: int = 2):

@@ -515,16 +515,17 @@ def test_gpu_warmup_builds_both_tiers_and_writes_the_record(tmp_path, monkeypatc
     import json
 
     from hf_cascade import tiers
-    from hf_cascade.warmup import warm_up
+    from hf_cascade.warmup import _two_pass_prefix_tokens, warm_up
 
     monkeypatch.setenv("HF_CASCADE_RECORDS", str(tmp_path))
     model = tiny_model("llama", "cascade", device="cuda", num_hidden_layers=2)
     lines = []
     results = warm_up(model, rows=(3,), prompt_tokens=40, new_tokens=4, report=lines.append)
+    assert _two_pass_prefix_tokens(model, 3, 4) > 40  # (the tiny model has the positions for it)
     assert [(r["tier"], r.get("batch")) for r in results] == [
-        ("triton", "plain"), ("triton", "plain, 40 own"), ("triton", "tree"), ("compiled", "plain"),
-        ("compiled (warm caches)", None)]
-    assert len(lines) == 5
+        ("triton", "plain"), ("triton", "plain, 40 own"), ("triton", "plain, long shared"), ("triton", "tree"),
+        ("compiled", "plain"), ("compiled (warm caches)", None)]
+    assert len(lines) == 6
     (path,) = tmp_path.glob("*.json")
     stored = json.loads(path.read_text())["tiers"]
     assert stored["triton_built"] and stored["caches_warm"]
