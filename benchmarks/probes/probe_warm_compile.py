@@ -9,7 +9,8 @@ built-in call first (the process's own first-use costs), then its first Triton c
 ``--bytecode``: the packages' bytecode compiled ahead (``common.compile_bytecode_ahead``), as pip leaves a machine.
 ``--parts``: more measuring children, each in a fresh process on the same warm folders, that split a first call's
 seconds: the process's generic GPU first use (a bf16 matmul and a tiny SDPA call), Triton's per-process key (it hashes
-``libtriton.so``), then two calls of one path: the Triton tier, the built-in tier, or sdpa (no hf_cascade).
+``libtriton.so``), then three calls of one path (the first under cProfile): the Triton tier, the built-in tier, or
+sdpa (no hf_cascade).
 
     python benchmarks/probes/probe_warm_compile.py --layers 32 [--tier triton] [--bytecode]
 """
@@ -124,7 +125,15 @@ def _parts(args, model, call, ids, mask, record) -> dict:
             return model.generate(ids, attention_mask=mask, max_new_tokens=64, min_new_tokens=64, do_sample=False,
                                   pad_token_id=0)
     record["path"] = path
-    record["calls_s"] = [round(wall_time(call)[0], 3) for _ in range(3)]
+    profiler = cProfile.Profile()
+    profiler.enable()
+    first = wall_time(call)[0]
+    profiler.disable()
+    record["calls_s"] = [round(first, 3)] + [round(wall_time(call)[0], 3) for _ in range(2)]
+    out = io.StringIO()
+    pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(30)
+    record["first_call_top_tottime"] = [line.strip()[:200] for line in out.getvalue().splitlines()
+                                        if line.strip()[:1].isdigit()]
     if path != "sdpa":
         from hf_cascade.tiers import tier_report
 
