@@ -80,6 +80,13 @@ RECORDED_TRITON_COST_S = 1.0
 # processes expect that instead (H100, Llama-3-8B shape: 1.47 s against 0.83 s after, kernels built for the same
 # call: results/probe_warm_compile.jsonl; 3.7-5.1 s where the warm-up had built only the compiled tier's
 # specialisations: first_call.jsonl).
+# What Triton's first launch in a process costs on top of any recorded cost while its cache key is not hashed yet
+# (it hashes its 0.5 GB library: 0.37-0.47 s on the H100 machine, results/probe_warm_compile.jsonl). A record's cost
+# comes from a process whose key was hashed already (its first Triton call came after built-in calls), so a new
+# process's first call would otherwise take the Triton tier at once and wait for the hashing: chat48 on warm caches
+# 1.13 s against 0.81 s built-in (results/first_call.jsonl). The hashing runs in the background from the first call
+# (ops._backend.prepare_triton), so from the second call on this is 0.
+TRITON_KEY_COST_S = 0.4
 # The compiled tier where the caches are warm but no process recorded what its first compiled call cost (a background
 # child or `warmup` filled them): H100, Llama-3-8B shape, a fresh process's first compiled call on warm caches took
 # 10.0 s against 0.64 s after (imports of the compile stack ~5 s, dynamo's tracing 3.6 s:
@@ -152,7 +159,8 @@ def choose_tier(model, compile: str = "auto") -> Tier:
         # too), the calls do not build anything themselves: they would wait for what the build is making.
         building = state.building is not None and compile == "auto"
         record = _load_record(model, state)
-        triton_cost = _triton_cost(record, caches_warm(model, state))
+        triton_cost = _triton_cost(record, caches_warm(model, state)) + (
+            0.0 if state.ready["triton"] or triton_key_ready() else TRITON_KEY_COST_S)
         triton = state.ready["triton"] or (state.regret["triton"] >= triton_cost and not building)
         if not triton:
             return _TIERS["builtin"]
@@ -238,6 +246,19 @@ def expected_compile_cost(model, state: _ModelTiers) -> float:
     """Seconds the compiled tier is expected to cost this process (see :func:`_compiled_cost`). Call with
     ``state.lock`` held."""
     return _compiled_cost(_load_record(model, state), state.caches_filled)
+
+
+def triton_key_ready() -> bool:
+    """Whether this process has Triton's cache key already (hashed by a launch or by the background thread of
+    :func:`hf_cascade.ops._backend.prepare_triton`); True where no launch would hash it (no CUDA, the interpreter,
+    no Triton) or Triton has no such key."""
+    from hf_cascade.ops._backend import _triton_key_function, interpret_mode, triton_available
+
+    if interpret_mode() or not torch.cuda.is_available() or not triton_available():
+        return True
+    key = _triton_key_function()
+    info = getattr(key, "cache_info", None)
+    return key is None or info is None or info().currsize > 0
 
 
 def _triton_cost(record: dict, caches_warm: bool) -> float:

@@ -81,7 +81,8 @@ def warm_up(model, rows=(1, 8, 32), prompt_tokens: int = 512, new_tokens: int = 
             calls = tier_report(model)["calls"]
             results.append({"rows": n, "batch": batch, "seconds": round(seconds, 2),
                             "tier": calls[-1][0] if calls else "none"})
-            report(f"  {n:>4} rows x {ids.shape[1]} tokens ({batch}), {new_tokens} new: {seconds:.1f} s "
+            shared_tokens = long_tokens if batch == "plain, long shared" else prompt_tokens
+            report(f"  {n:>4} rows x {shared_tokens} shared tokens ({batch}), {new_tokens} new: {seconds:.1f} s "
                    f"({results[-1]['tier']})")
     if model.device.type == "cuda" and results:
         results.append(_measure_warm_compile(model, plain.to(model.device), new_tokens, report))

@@ -436,3 +436,25 @@ def test_warmup_writes_the_bytecode_of_imported_modules(tmp_path):
     assert result["files"] == 2 and len(result["failed"]) == 1 and "bad_module" in result["failed"][0]
     assert (tmp_path / importlib.util.cache_from_source(str(good))).is_file()
     assert "bytecode of 2 imported modules" in lines[0] and "1 could not be written" in lines[0]
+
+
+def test_first_call_of_a_process_waits_for_no_triton_key(records, tiny_llama_pair, monkeypatch):
+    """A record may say the Triton tier costs nothing (its first call, after built-in calls, no slower than the next),
+    but a new process's first Triton launch would also hash Triton's key (0.4 s): until the key is there the Triton
+    tier costs that much more, so the first call stays built-in and the next one moves up."""
+    from hf_cascade import tiers
+
+    model = tiny_llama_pair[0]
+    _fresh_process(model)
+    state = tiers._state(model)
+    tiers._load_record(model, state).update(triton_built=True, triton_cost_s=[0.0])
+    ready = {"key": False}
+    monkeypatch.setattr(tiers, "triton_key_ready", lambda: ready["key"])
+    assert tiers.choose_tier(model).name == "builtin"  # regret 0 < 0 + TRITON_KEY_COST_S
+    tiers.record_call(model, tiers._TIERS["builtin"], 1.0)  # regret 0.25 s: still short of the key's cost
+    assert tiers.choose_tier(model).name == "builtin"
+    ready["key"] = True  # the background thread hashed it during the calls
+    assert tiers.choose_tier(model).name == "triton"
+    tiers.record_call(model, tiers._TIERS["triton"], 0.5)
+    ready["key"] = False
+    assert tiers.choose_tier(model).name == "triton"  # ready: the key no longer counts
