@@ -70,7 +70,7 @@ def warm_up(model, rows=(1, 8, 32), prompt_tokens: int = 512, new_tokens: int = 
                          None, "never"))
         if n >= 2:
             runs.append(("tree", *_tree_batch(shared, n, vocab, g), "never"))
-        if n >= 4:  # a deeper tree: its outer levels run the prefix kernel apart from the suffix (other tiles)
+        if n >= 4:  # a deeper tree: levels of all, half and a quarter of the rows (other tiles per level)
             runs.append(("tree, 3 levels", *_tree_batch(shared, n, vocab, g, levels=3), "never"))
         runs.append(("plain", plain, None, "now"))
         for batch, ids, mask, compile in runs:
