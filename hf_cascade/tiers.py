@@ -75,11 +75,11 @@ DEFAULT_COST_S = {"triton": 8.0, "compiled": 20.0}
 # The Triton tier where a record says this machine built its kernels: loading them costs milliseconds, but a call
 # of another shape can still need a few new specialisations (~1 s each): measured 2.6 s for a first call of ragged
 # chat rows after a warm-up of plain batches (benchmarks/results/first_call.jsonl), against 0.75 s built-in.
-RECORDED_TRITON_COST_S = 1.0
 # A process whose first Triton call loaded built kernels records what that call cost beyond the next one, and later
 # processes expect that instead (H100, Llama-3-8B shape: 1.47 s against 0.83 s after, kernels built for the same
 # call: results/probe_warm_compile.jsonl; 3.7-5.1 s where the warm-up had built only the compiled tier's
 # specialisations: first_call.jsonl).
+RECORDED_TRITON_COST_S = 1.0
 # What Triton's first launch in a process costs on top of any recorded cost while its cache key is not hashed yet
 # (it hashes its 0.5 GB library: 0.37-0.47 s on the H100 machine, results/probe_warm_compile.jsonl). A record's cost
 # comes from a process whose key was hashed already (its first Triton call came after built-in calls), so a new

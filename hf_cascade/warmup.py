@@ -2,17 +2,16 @@
 use, ahead of time, so that later processes start fast (for container images, CI caches, a job's first step).
 
 It loads the model with ``attn_implementation="cascade"`` and runs, for each ``--rows`` size, generate() calls of
-shared-prefix batches on the Triton tier (``compile="never"``: plain batches of 8 and 40 own tokens and a left-padded tree, the
-kernels' query-block sizes, masked and multi-level variants) and one on the compiled tier (``compile="now"``): hf_cascade's Triton kernels are
-built into Triton's cache (``TRITON_CACHE_DIR``) for both tiers (the compiled graphs launch other specialisations
+shared-prefix batches on the Triton tier (``compile="never"``: the batch layouts of :func:`warm_up`, one per family
+of kernel variants) and one on the compiled tier (``compile="now"``): hf_cascade's Triton kernels are built into
+Triton's cache (``TRITON_CACHE_DIR``) for both tiers (the compiled graphs launch other specialisations
 than the eager layers do), the decoder layers are compiled into Inductor's (``TORCHINDUCTOR_CACHE_DIR``), and the
 compile records of :mod:`hf_cascade.tiers` are written. A later process on the same machine type, versions and
 cache folders then moves to the Triton kernels after a call or two and to the compiled layers after fewer calls
 (their costs are recorded). Keep those folders in the image (or restore them in CI) at the same paths. Last, it
 writes the Python bytecode of the modules the calls imported where none is up to date (:func:`compile_bytecode`;
-``--no-bytecode`` skips it). Triton
-builds a kernel again for launch shapes a warm-up did not run (another query-block size, say): a first call of
-such a layout on the Triton tier pays ~1 s per kernel.
+``--no-bytecode`` skips it). Triton builds a kernel again for launch shapes a warm-up did not run (another
+query-block size, say): a first call of such a layout on the Triton tier pays ~1 s per kernel.
 """
 
 from __future__ import annotations
@@ -62,18 +61,19 @@ def warm_up(model, rows=(1, 8, 32), prompt_tokens: int = 512, new_tokens: int = 
     for n in rows:
         plain = torch.cat([shared.expand(n, -1), torch.randint(3, vocab, (n, 8), generator=g)], dim=1)
         longer = torch.cat([shared.expand(n, -1), torch.randint(3, vocab, (n, 40), generator=g)], dim=1)
-        runs = [("plain", plain, None, "never"), ("plain, 40 own", longer, None, "never")]
+        # (batch, shared tokens, ids, attention mask or None, compile)
+        runs = [("plain", prompt_tokens, plain, None, "never"), ("plain, 40 own", prompt_tokens, longer, None, "never")]
         long_tokens = _two_pass_prefix_tokens(model, n, new_tokens)
         if n >= 2 and long_tokens > prompt_tokens:
             long_shared = shared.repeat(-(-long_tokens // prompt_tokens))[:long_tokens]
-            runs.append(("plain, long shared", torch.cat([long_shared.expand(n, -1), plain[:, prompt_tokens:]], 1),
-                         None, "never"))
+            runs.append(("plain, long shared", long_tokens,
+                         torch.cat([long_shared.expand(n, -1), plain[:, prompt_tokens:]], 1), None, "never"))
         if n >= 2:
-            runs.append(("tree", *_tree_batch(shared, n, vocab, g), "never"))
+            runs.append(("tree", prompt_tokens, *_tree_batch(shared, n, vocab, g), "never"))
         if n >= 4:  # a deeper tree: levels of all, half and a quarter of the rows (other tiles per level)
-            runs.append(("tree, 3 levels", *_tree_batch(shared, n, vocab, g, levels=3), "never"))
-        runs.append(("plain", plain, None, "now"))
-        for batch, ids, mask, compile in runs:
+            runs.append(("tree, 3 levels", prompt_tokens, *_tree_batch(shared, n, vocab, g, levels=3), "never"))
+        runs.append(("plain", prompt_tokens, plain, None, "now"))
+        for batch, shared_tokens, ids, mask, compile in runs:
             if compile == "never":
                 _move_up_to_triton(model)
             seconds = _call(model, ids.to(model.device), new_tokens, compile,
@@ -81,7 +81,6 @@ def warm_up(model, rows=(1, 8, 32), prompt_tokens: int = 512, new_tokens: int = 
             calls = tier_report(model)["calls"]
             results.append({"rows": n, "batch": batch, "seconds": round(seconds, 2),
                             "tier": calls[-1][0] if calls else "none"})
-            shared_tokens = long_tokens if batch == "plain, long shared" else prompt_tokens
             report(f"  {n:>4} rows x {shared_tokens} shared tokens ({batch}), {new_tokens} new: {seconds:.1f} s "
                    f"({results[-1]['tier']})")
     if model.device.type == "cuda" and results:
@@ -91,13 +90,12 @@ def warm_up(model, rows=(1, 8, 32), prompt_tokens: int = 512, new_tokens: int = 
 
 def _two_pass_prefix_tokens(model, rows: int, new_tokens: int) -> int:
     """Shared tokens enough for ``rows`` rows of 8 own tokens + ``new_tokens`` to run their decode steps' prefix pass
-    apart from the suffix pass (the launch cost model, ``ops/_launch.py``: fused only where the suffix buffers'
-    traffic is at least ``_FUSE_SUFFIX_RATIO`` x the prefix's; twice the threshold here), within the model's
-    positions."""
+    apart from the suffix pass (twice the launch cost model's threshold,
+    :func:`hf_cascade.ops._launch.fused_up_to_prefix_keys`), within the model's positions."""
     from hf_cascade.inputs import suffix_capacity
-    from hf_cascade.ops._launch import _FUSE_SUFFIX_RATIO
+    from hf_cascade.ops._launch import fused_up_to_prefix_keys
 
-    tokens = int(2 * rows * suffix_capacity(8 + new_tokens) / _FUSE_SUFFIX_RATIO)
+    tokens = int(2 * fused_up_to_prefix_keys(rows, suffix_capacity(8 + new_tokens)))
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     positions = getattr(config, "max_position_embeddings", None)
     return tokens if positions is None else min(tokens, positions - 8 - new_tokens)

@@ -139,6 +139,14 @@ def launch_configs(query: Tensor, key: Tensor, prefixes, fuse_suffix: bool | Non
     return fuse_suffix, configs
 
 
+def fused_up_to_prefix_keys(rows: int, suffix_columns: int) -> float:
+    """Keys of a one-node prefix level up to which :func:`_fuse_suffix` may fuse a decode step of ``rows`` rows with
+    ``suffix_columns`` suffix-buffer columns (its HBM terms: the suffix traffic ``rows x suffix_columns`` against the
+    prefix's keys; the tensor-core term only lowers it). Longer prefixes run the prefix pass apart (other tiles,
+    other kernel variants: ``warmup`` builds those with a prefix past this)."""
+    return rows * suffix_columns / _FUSE_SUFFIX_RATIO
+
+
 def _fuse_suffix(query: Tensor, key: Tensor, prefixes, shape_only: bool = False) -> bool:
     """Cost model: run the last level's prefix programs and the suffix programs in one launch?
 
