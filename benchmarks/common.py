@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -103,7 +104,6 @@ def compile_bytecode_ahead(prefix: str) -> dict:
     process's environment at it (``PYTHONPYCACHEPREFIX``, bytecode writing on), so that every child process started
     after reads it, as `pip install` leaves a machine (the device image has no bytecode and writes none). Returns
     ``{"mode": "compiled", "seconds", "folders"}``."""
-    import sys
     import sysconfig
 
     folders = sorted({sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"],

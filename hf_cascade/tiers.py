@@ -159,9 +159,8 @@ def choose_tier(model, compile: str = "auto") -> Tier:
         # too), the calls do not build anything themselves: they would wait for what the build is making.
         building = state.building is not None and compile == "auto"
         record = _load_record(model, state)
-        triton_cost = _triton_cost(record, caches_warm(model, state)) + (
-            0.0 if state.ready["triton"] or triton_key_ready() else TRITON_KEY_COST_S)
-        triton = state.ready["triton"] or (state.regret["triton"] >= triton_cost and not building)
+        triton = state.ready["triton"] or (not building and state.regret["triton"] >= _triton_cost(
+            record, caches_warm(model, state)) + (0.0 if triton_key_ready() else TRITON_KEY_COST_S))
         if not triton:
             return _TIERS["builtin"]
         if compile == "never":
