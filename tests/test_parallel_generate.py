@@ -59,6 +59,12 @@ SCENARIOS = {
                                        {}),
     "qwen3_beam_search": ("qwen3", [19, 14], 0, dict(combine="tree"), dict(num_beams=2)),
     "qwen3_beam_search_all_gather": ("qwen3", [19, 14], 0, dict(combine="all_gather"), dict(num_beams=2)),
+    # The prefill in rounds (prefill_chunk_tokens columns per rank at a time): every round after the first
+    # attends to the keys all ranks stored in the earlier ones. 2 columns per rank: 2-3 rounds on 4 ranks.
+    "llama_rounds_odd_length": ("llama", [23], 0, dict(prefill_chunk_tokens=2), {}),
+    "qwen3_rounds_left_padded_batch": ("qwen3", [17, 9, 12], 0, dict(prefill_chunk_tokens=2, combine="tree"), {}),
+    "llama_rounds_shared_prefix": ("llama", [16, 18, 15], 13, dict(shared_prefix=True, prefill_chunk_tokens=4), {}),
+    "qwen3_rounds_beam_search": ("qwen3", [19, 14], 0, dict(prefill_chunk_tokens=2), dict(num_beams=2)),
 }
 SAMPLING = ("llama", [21, 15], 0, dict(combine="tree"), dict(do_sample=True, top_k=20, num_return_sequences=2))
 SAMPLING_ALL_GATHER = ("llama", [21, 15], 0, dict(combine="all_gather"),
@@ -147,7 +153,9 @@ def test_default_combine_is_all_gather(cp_results):
                for rank in range(world))
 
 
-@pytest.mark.parametrize("name", ["llama_tree_odd_length", "qwen3_tree_left_padded_batch", "llama_shared_prefix"])
+@pytest.mark.parametrize("name", ["llama_tree_odd_length", "qwen3_tree_left_padded_batch", "llama_shared_prefix",
+                                  "llama_rounds_odd_length", "qwen3_rounds_left_padded_batch",
+                                  "llama_rounds_shared_prefix"])
 def test_each_rank_holds_about_one_nth_of_the_prompt_kv(cp_results, references, name):
     world, results = cp_results
     config = references[name]["config"]
@@ -198,9 +206,11 @@ def test_without_process_group_explains_how_to_launch():
 
 
 def _stalled_peer_worker(rank, world):
-    """Rank 1 joins the input check, then stops participating; rank 0 must fail in the ring, not hang."""
+    """Rank 1 joins the input and capacity checks, then stops participating; rank 0 must fail in the ring, not
+    hang."""
     from hf_cascade.parallel._group import resolve_group
     from hf_cascade.parallel._group import sync_rng
+    from hf_cascade.parallel.capacity import MemoryNeed, check_capacity
     from hf_cascade.parallel.inputs import _check_same_on_all_ranks
 
     model = tiny_model("llama", "cascade", seed=0)
@@ -209,6 +219,7 @@ def _stalled_peer_worker(rank, world):
         info = resolve_group()
         _check_same_on_all_ranks(ids, torch.ones_like(ids), info)
         sync_rng(info, ids.device)
+        check_capacity(MemoryNeed(0, 0, 0), 1 << 40, info, ids.device, prompt_tokens=40, rows=1, kv_per_token=1)
         time.sleep(4)  # alive but silent, past rank 0's timeout
         return None
     start = time.monotonic()

@@ -47,13 +47,14 @@ from hf_cascade.decode.compiled_layers import outside_layer_graphs
 from hf_cascade.model_scan import attention_modules
 from hf_cascade.ops.fused_attention import KERNEL_CHOICES
 from hf_cascade.ops.cascade_wrapper import CascadeWrapper, LevelKV
+from hf_cascade.ops.merge import merge_attention_states
 from hf_cascade.ops.suffix_attention import suffix_attention
 from hf_cascade.parallel._group import GroupInfo
 from hf_cascade.parallel.combine import all_gather_kv, check_combine, combine_states
 from hf_cascade.parallel.fixed import DecodeBuffers, attend_fixed, check_max_new_tokens
-from hf_cascade.parallel.layout import ZigzagLayout
 from hf_cascade.suffix_layers import SuffixLayer
-from hf_cascade.parallel.ring import ring_attention
+from hf_cascade.parallel.prefill_plan import PrefillPlan, PrefillRound
+from hf_cascade.parallel.ring import past_state, ring_states
 
 PLACEMENTS = ("least_loaded", "round_robin")
 _GROW = 256  # columns of spare capacity added when a rank's row KV storage is full
@@ -152,6 +153,18 @@ class _ShardLayer(SuffixLayer):
 
 
 
+class _Prefill:
+    """The prompt's prefill in progress (:meth:`ContextParallelCache.begin_prefill`): the plan, this rank's rounds,
+    the round running now and its key masks."""
+
+    def __init__(self, plan: PrefillPlan, rounds: list[PrefillRound], key_valid, shared: bool):
+        self.plan, self.rounds, self.key_valid, self.shared = plan, rounds, key_valid, shared
+        self.columns: torch.Tensor | None = None  # int64 [plan.num_real(rank)]: global columns, storage order
+        self.current: PrefillRound | None = None
+        self.round_valid = None  # bool [B, round padded length] or None
+        self.past_valid = None  # bool [B, current.offset] or None
+
+
 class ContextParallelCache(Cache):
     """KV cache sharded along the sequence over the ranks of a process group (see the module docstring).
 
@@ -182,7 +195,7 @@ class ContextParallelCache(Cache):
         self.info = info
         self.combine = check_combine(combine)
         self.placement = placement
-        self._ring: tuple[ZigzagLayout, torch.Tensor | None, bool] | None = None  # set while prefilling
+        self._prefill: _Prefill | None = None  # set while the prompt is prefilled
         self._base_counts = [0] * info.world_size  # prompt / shared-prefix columns owned by each rank
         self._base_length = 0  # columns placed by the prefill (zigzag); later ones are in _segments
         self._segments: list[tuple[int, int, int]] = []  # (start, end, owner rank) of each later forward
@@ -202,35 +215,74 @@ class ContextParallelCache(Cache):
         self.decode_step = "auto"
 
     # ------------------------------------------------------------------ prefill (driven by context_parallel_inputs)
-    def begin_ring_prefill(self, layout: ZigzagLayout, key_valid: torch.Tensor | None, *, shared: bool) -> None:
-        """Next forward runs this rank's zigzag shard of ``layout.length`` columns through ring attention.
+    def begin_prefill(self, plan: PrefillPlan, key_valid: torch.Tensor | None, *, shared: bool) -> None:
+        """The next forwards run the prompt's rounds (:mod:`~hf_cascade.parallel.prefill_plan`), one per
+        :meth:`begin_round`; every layer's KV storage is sized once, for ``plan.num_real(rank)`` columns.
 
-        ``key_valid``: bool ``[B, layout.padded_length]`` (False = left padding) or None. ``shared``: the sequence
-        is a prefix shared by every row (batch 1), stored without a batch dimension afterwards.
+        ``key_valid``: bool ``[B, plan.length]`` over the prompt's columns (False = left padding) or None.
+        ``shared``: the prompt is a prefix shared by every row (batch 1), stored without a batch dimension after.
         """
-        if layout.world_size != self.info.world_size:
-            raise ValueError(f"layout is for {layout.world_size} ranks, the group has {self.info.world_size}.")
-        if self.get_seq_length() != 0:
-            raise ValueError("begin_ring_prefill: the ring prefill must be the first thing written to the cache.")
-        self._ring = (layout, key_valid, shared)
+        if plan.world_size != self.info.world_size:
+            raise ValueError(f"plan is for {plan.world_size} ranks, the group has {self.info.world_size}.")
+        if self.get_seq_length() != 0 or self._prefill is not None:
+            raise ValueError("begin_prefill: the prompt's prefill must be the first thing written to the cache.")
+        if key_valid is not None and tuple(key_valid.shape[1:]) != (plan.length,):
+            raise ValueError(f"begin_prefill: key_valid must be bool [batch, {plan.length}]; got "
+                             f"{tuple(key_valid.shape)}.")
+        device = key_valid.device if key_valid is not None else None
+        self._prefill = _Prefill(plan, plan.rounds(self.info.rank), key_valid, shared)
+        self._prefill.columns = plan.columns(self.info.rank, device)
 
-    def end_ring_prefill(self) -> None:
-        """Drop the end padding; switch to decode. The sequence now holds ``layout.length`` columns."""
-        layout, _, shared = self._ring
+    def begin_round(self, index: int) -> PrefillRound:
+        """The next forward runs this rank's zigzag shard of round ``index``; returns the round."""
+        prefill = self._prefill
+        rnd = prefill.rounds[index]
+        prefill.current = rnd
+        valid = prefill.key_valid
+        if valid is None:
+            prefill.round_valid = prefill.past_valid = None
+        else:
+            columns = prefill.columns.to(valid.device)
+            ours = valid[:, rnd.start:rnd.start + rnd.layout.length]
+            pad = rnd.layout.padded_length - rnd.layout.length
+            prefill.round_valid = torch.cat([ours, ours.new_ones(ours.shape[0], pad)], dim=1) if pad else ours
+            prefill.past_valid = valid.index_select(1, columns[:rnd.offset])
+        return rnd
+
+    def end_prefill(self) -> None:
+        """Switch to decode. The sequence now holds ``plan.length`` columns."""
+        prefill = self._prefill
+        plan = prefill.plan
         for layer in self.layers:
-            if layer.cols is None:
-                raise RuntimeError("end_ring_prefill: a layer saw no update during the ring prefill forward.")
-            layer.keep_columns_below(layout.length)
-            layer.length = layout.length
-            if shared:  # batch 1 -> [Hkv, P_r, D], stored once; rows get their own KV later
-                layer.prefix_keys, layer.prefix_values = layer.keys[0].contiguous(), layer.values[0].contiguous()
+            if plan.length and layer.cols is None:
+                raise RuntimeError("end_prefill: a layer saw no update during the prefill.")
+            layer.length = plan.length
+            if prefill.shared and layer.keys is not None:  # batch 1 -> [Hkv, P_r, D], stored once
+                layer.prefix_keys, layer.prefix_values = layer.keys[0], layer.values[0]  # (contiguous views)
                 layer.keys = layer.values = layer.cols = None
-        self._ring = None
-        self._base_counts = [layout.num_real(r) for r in range(layout.world_size)]
+                layer._buffers = None
+        self._prefill = None
+        self._base_counts = [plan.num_real(r) for r in range(plan.world_size)]
         self._counts = list(self._base_counts)
-        self._base_length = layout.length
-        self._prefix_length = layout.length if shared else 0
-        self._prompt_length = layout.length
+        self._base_length = plan.length
+        self._prefix_length = plan.length if prefill.shared else 0
+        self._prompt_length = plan.length
+
+    def _store_round(self, layer: _ShardLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Write the real columns of this round's ``[B, Hkv, 2c, D]`` KV in place into the layer's storage."""
+        prefill, rnd = self._prefill, self._prefill.current
+        capacity = prefill.columns.numel()
+        if layer._buffers is None:  # sized once for the whole prompt: nothing grows, nothing is copied
+            B, H, _, D = key_states.shape
+            keys = key_states.new_empty((B, H, capacity, D))
+            values = value_states.new_empty((B, value_states.shape[1], capacity, value_states.shape[3]))
+            layer._buffers = (keys, values, prefill.columns.to(key_states.device))
+        keys, values, cols = layer._buffers
+        real = rnd.layout.num_real(self.info.rank)
+        end = rnd.offset + real
+        keys[:, :, rnd.offset:end] = key_states[:, :, :real]
+        values[:, :, rnd.offset:end] = value_states[:, :, :real]
+        layer.keys, layer.values, layer.cols = keys[:, :, :end], values[:, :, :end], cols[:end]
 
     def mark_prompt(self) -> None:
         """Record the current length as the prompt: each later generate() call starts again from here."""
@@ -308,17 +360,17 @@ class ContextParallelCache(Cache):
         if outside_layer_graphs():  # a decoder layer compiled for a recorded step: its attention op writes the step
             return key_states, value_states
         layer = self.layers[layer_idx]
-        if layer.decode is not None and self._ring is None:  # fixed decode buffers
+        if layer.decode is not None and self._prefill is None:  # fixed decode buffers
             self._match_rows(layer, key_states.shape[0])
             layer.decode.write(key_states, value_states)
             bind_layer(self, layer_idx, layer.decode.keys, layer.decode.values)
             return layer.decode.keys, layer.decode.values
         if layer.keys is None:
             layer.lazy_initialization(key_states, value_states)
-        if self._ring is not None:  # ring prefill: this rank's zigzag shard, all of it
-            layout = self._ring[0]
-            layer.keys, layer.values = key_states, value_states
-            layer.cols = layout.columns(self.info.rank, key_states.device)
+        if self._prefill is not None:  # a prefill round: this rank's zigzag shard of the round
+            self._store_round(layer, key_states, value_states)
+            bind_layer(self, layer_idx, key_states, value_states)
+            return key_states, value_states  # the round's KV, end padding included, is what the ring sends
         else:
             self._match_rows(layer, key_states.shape[0])
             q_len = key_states.shape[2]
@@ -474,7 +526,7 @@ class ContextParallelCache(Cache):
                 "model you generate with."
             )
         layer = self.layers[module.layer_idx]
-        if layer.decode is not None and self._ring is None:
+        if layer.decode is not None and self._prefill is None:
             # Checked against the most columns the buffers can reach (a constant: no host length per step).
             if sliding_window is not None and self._prompt_length + self.max_new_tokens > sliding_window:
                 raise NotImplementedError(
@@ -490,11 +542,8 @@ class ContextParallelCache(Cache):
                 f"tokens and the sequence has {layer.length}: context parallelism supports full attention only. "
                 "Keep prompt + new tokens within the window, or use a model without sliding-window layers."
             )
-        if self._ring is not None:
-            layout, key_valid, _ = self._ring
-            out, _ = ring_attention(query, key, value, layout=layout, info=self.info, scale=scaling,
-                                    key_valid=key_valid, softcap=softcap, block_backend=self.kernels)
-            return out.transpose(1, 2)
+        if self._prefill is not None:
+            return self._attend_round(layer, query, key, value, scaling, softcap)
         if self.combine == "all_gather_kv":
             return self._attend_all_gather_kv(layer, query, key, value, attention_mask, scaling, softcap)
 
@@ -519,6 +568,20 @@ class ContextParallelCache(Cache):
                                      softcap=softcap)
         out, _ = combine_states(out.transpose(1, 2), lse, self.info, self.combine)
         return out.transpose(1, 2)
+
+    def _attend_round(self, layer, query, key, value, scaling, softcap):
+        """A prefill round: the round's queries against its own keys (zigzag ring) and, after the first round,
+        against every rank's stored keys of the earlier rounds (:func:`~hf_cascade.parallel.ring.past_state`),
+        merged exactly. ``key``/``value``: the round's ``[B, Hkv, 2c, D]`` as ``update`` returned them."""
+        prefill, rnd = self._prefill, self._prefill.current
+        out, lse = ring_states(query, key, value, layout=rnd.layout, info=self.info, scale=scaling,
+                               key_valid=prefill.round_valid, softcap=softcap, block_backend=self.kernels)
+        if rnd.start > 0:  # the same on every rank: past_state is a collective
+            keys, values = layer.keys[:, :, :rnd.offset], layer.values[:, :, :rnd.offset]
+            past_out, past_lse = past_state(query, keys, values, info=self.info, scale=scaling,
+                                            valid=prefill.past_valid, softcap=softcap, block_backend=self.kernels)
+            out, lse = merge_attention_states(out, lse, past_out, past_lse)
+        return out.to(query.dtype).transpose(1, 2)
 
     def _attend_all_gather_kv(self, layer, query, key, value, attention_mask, scaling, softcap):
         """Baseline: gather every rank's row KV, then plain attention over the whole sequence on every rank."""

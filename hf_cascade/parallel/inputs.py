@@ -35,12 +35,14 @@ from hf_cascade.parallel._group import check_device, resolve_group, sync_rng
 from hf_cascade.parallel.cache import ContextParallelCache
 from hf_cascade.parallel.combine import check_combine
 from hf_cascade.parallel.fixed import check_max_new_tokens
-from hf_cascade.parallel.generation import check_decode_step, context_parallel_generate
-from hf_cascade.parallel.layout import ZigzagLayout
+from hf_cascade.parallel.capacity import ModelShape, check_capacity, free_bytes, memory_need
+from hf_cascade.parallel.generation import check_decode_step, context_parallel_generate, decode_buffer_tokens
+from hf_cascade.parallel.prefill_plan import PrefillPlan, check_rank_tokens, default_rank_tokens
 from hf_cascade.transformers_compat import CACHE_KWARG
 
 _OPTIONS = ("placement", "shared_prefix", "min_shared_tokens", "pad_token_id", "sync_rng", "check_inputs",
-            "max_new_tokens", "decode_step", "kernels")
+            "max_new_tokens", "decode_step", "kernels", "prefill_chunk_tokens", "memory_per_rank")
+_PROGRESS_FROM_ROUNDS = 8
 
 
 def _validate(model, input_ids, attention_mask):
@@ -109,6 +111,22 @@ def _shared_prefix_length(input_ids, mask, min_tokens: int) -> int:
     return length if length >= min_tokens else 0
 
 
+def _check_fits(model, plan: PrefillPlan, info, input_ids, mask, prefix: int, max_new_tokens, memory_per_rank):
+    """The capacity check (:mod:`~hf_cascade.parallel.capacity`): one all-gather; raises on every rank at once."""
+    shape = ModelShape.of(model)
+    rows = input_ids.shape[0]
+    suffix = 0 if not prefix else int(mask.sum()) - rows * prefix  # the rows' own columns after the shared prefix
+    new_tokens = max_new_tokens or getattr(getattr(model, "generation_config", None), "max_new_tokens", None) or 256
+    decode_columns = rows * (-(-decode_buffer_tokens(new_tokens) // info.world_size) + 1)
+    stored_rows = 1 if prefix else rows
+    need = memory_need(shape, world_size=info.world_size, stored_columns=plan.num_real(info.rank), rows=stored_rows,
+                       round_tokens=stored_rows * plan.max_local_columns(), suffix_columns=suffix,
+                       decode_columns=decode_columns)
+    free = memory_per_rank if memory_per_rank is not None else free_bytes(input_ids.device, info)
+    check_capacity(need, free, info, input_ids.device, prompt_tokens=input_ids.shape[1], rows=rows,
+                   kv_per_token=shape.kv_bytes_per_column * stored_rows)
+
+
 def _default_pad_id(model) -> int:
     for source in (getattr(model, "generation_config", None), model.config):
         value = getattr(source, "pad_token_id", None)
@@ -117,20 +135,38 @@ def _default_pad_id(model) -> int:
     return 0
 
 
-def _ring_prefill(model, cache, ids, positions, key_valid, *, shared: bool) -> None:
-    """Run this rank's zigzag shard of ``ids`` ``[B, T]`` (global ``positions``) through the model."""
+def _ring_prefill(model, cache, plan: PrefillPlan, ids, positions, key_valid, *, shared: bool) -> None:
+    """Run ``ids`` ``[B, T]`` (global ``positions``) through the model in the plan's rounds, each rank its zigzag
+    shard of each round (:mod:`~hf_cascade.parallel.prefill_plan`); the KV stays on the rank that computed it."""
     info = cache.info
-    layout = ZigzagLayout(ids.shape[1], info.world_size)
-    if layout.length == 0:
+    if plan.length == 0:
         return
-    if key_valid is not None:
-        pad = torch.ones(ids.shape[0], layout.padded_length - layout.length, dtype=torch.bool, device=ids.device)
-        key_valid = torch.cat([key_valid, pad], dim=1)
-    local_ids = layout.shard(ids, info.rank, dim=1, pad_value=0)
-    local_positions = layout.shard(positions, info.rank, dim=1, pad_value=0)
-    cache.begin_ring_prefill(layout, key_valid, shared=shared)
-    model.base_model(input_ids=local_ids, position_ids=local_positions, use_cache=True, **{CACHE_KWARG: cache})
-    cache.end_ring_prefill()
+    cache.begin_prefill(plan, key_valid, shared=shared)
+    rounds = plan.rounds(info.rank)
+    bar = _progress(len(rounds), info, plan)
+    for rnd in rounds:
+        cache.begin_round(rnd.index)
+        span = slice(rnd.start, rnd.start + rnd.layout.length)
+        local_ids = rnd.layout.shard(ids[:, span], info.rank, dim=1, pad_value=0)
+        local_positions = rnd.layout.shard(positions[:, span], info.rank, dim=1, pad_value=0)
+        model.base_model(input_ids=local_ids, position_ids=local_positions, use_cache=True, **{CACHE_KWARG: cache})
+        if bar is not None:
+            bar.update(rnd.layout.length)
+    if bar is not None:
+        bar.close()
+    cache.end_prefill()
+
+
+def _progress(rounds: int, info, plan: PrefillPlan):
+    """A progress bar on rank 0 for a prefill of many rounds (tqdm, as transformers' own); None otherwise."""
+    if rounds < _PROGRESS_FROM_ROUNDS or info.rank != 0:
+        return None
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=plan.length, unit="tok", unit_scale=True, desc=f"context-parallel prefill ({info.world_size} "
+                f"ranks, {rounds} rounds)", leave=False)
 
 
 @torch.no_grad()
@@ -183,6 +219,12 @@ def context_parallel_inputs(
             kernels: the attention blocks' kernel (ring prefill, decode prompt shards): ``"auto"`` (default:
                 PyTorch's cuDNN attention for ring blocks, FlashAttention-2 for decode shards, where they apply on
                 CUDA; else hf_cascade's suffix kernel), ``"fused"`` or ``"suffix"``.
+            prefill_chunk_tokens: prompt columns each rank runs through the model at a time (even; default
+                ``min(16384, 65536 / ranks) / rows``). The prefill runs the prompt in rounds of ``ranks x`` that many
+                columns (:mod:`~hf_cascade.parallel.prefill_plan`), so its working set does not grow with the prompt.
+            memory_per_rank: bytes each rank may use for the KV, the prefill's working set and the decode buffers
+                (default None: measured, the GPU's free memory). Checked on every rank before any work
+                (:mod:`~hf_cascade.parallel.capacity`).
     Returns:
         ``{"input_ids", "attention_mask", CACHE_KWARG, "custom_generate"}`` for ``model.generate(**inputs, ...)``;
         the cache is a :class:`~hf_cascade.parallel.cache.ContextParallelCache` holding this rank's shard
@@ -190,8 +232,9 @@ def context_parallel_inputs(
         pass another one). The same dict may be passed to several generate() calls: each starts again from the
         prompt.
     Raises:
-        ValueError: no process group is initialised (the message explains how to launch), bad arguments, or
-            ranks passing different prompts.
+        ValueError: no process group is initialised (the message explains how to launch), bad arguments,
+            ranks passing different prompts, or a prompt that does not fit the ranks' memory (raised on every rank
+            before any work; the message names the longest prompt that fits and how many GPUs this one needs).
     """
     unknown = sorted(set(options) - set(_OPTIONS))
     if unknown:
@@ -201,6 +244,12 @@ def context_parallel_inputs(
     if max_new_tokens is not None and combine == "all_gather_kv":
         raise ValueError("context_parallel_inputs: combine='all_gather_kv' (a benchmark baseline) has no fixed-buffer "
                          "decode; pick 'all_gather', 'tree' or 'all_to_all', or drop `max_new_tokens`.")
+    rank_tokens = check_rank_tokens(options.get("prefill_chunk_tokens"))
+    memory_per_rank = options.get("memory_per_rank")
+    if memory_per_rank is not None and (isinstance(memory_per_rank, bool) or not isinstance(memory_per_rank, int)
+                                        or memory_per_rank <= 0):
+        raise ValueError(f"`memory_per_rank` must be a positive int (bytes each rank may use for the KV, the "
+                         f"prefill and the decode buffers) or None (measured); got {memory_per_rank!r}.")
     decode_step = check_decode_step(options.get("decode_step", "auto"))
     if decode_step not in ("auto", "eager") and combine == "all_gather_kv":
         raise ValueError(f"context_parallel_inputs: combine='all_gather_kv' (a benchmark baseline) runs eager steps "
@@ -219,9 +268,6 @@ def context_parallel_inputs(
     if options.get("sync_rng", True):
         sync_rng(info, input_ids.device)
 
-    cache = ContextParallelCache(model, info, combine=combine, placement=options.get("placement", "least_loaded"),
-                                 kernels=options.get("kernels", "auto"))
-    cache.decode_step = decode_step
     prefix = 0
     if shared_prefix is not False and input_ids.shape[0] > 1:
         prefix = _shared_prefix_length(input_ids, mask, 1 if shared_prefix is True else
@@ -229,17 +275,25 @@ def context_parallel_inputs(
     if prefix and combine == "all_gather_kv":
         raise ValueError("combine='all_gather_kv' (a benchmark baseline) cannot be used with a shared prefix; "
                          "pass shared_prefix=False.")
+    rows = 1 if prefix else input_ids.shape[0]
+    length = prefix if prefix else input_ids.shape[1] - 1  # generate() feeds the last column itself
+    plan = PrefillPlan(length, info.world_size, rank_tokens or default_rank_tokens(info.world_size, rows))
+    _check_fits(model, plan, info, input_ids, mask, prefix, max_new_tokens, memory_per_rank)
+
+    cache = ContextParallelCache(model, info, combine=combine, placement=options.get("placement", "least_loaded"),
+                                 kernels=options.get("kernels", "auto"))
+    cache.decode_step = decode_step
     if prefix == 0:
         positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
-        body = slice(0, input_ids.shape[1] - 1)  # generate() feeds the last column itself
+        body = slice(0, length)
         key_valid = mask[:, body].bool()
         key_valid = None if bool(key_valid.all()) else key_valid
-        _ring_prefill(model, cache, input_ids[:, body], positions[:, body], key_valid, shared=False)
+        _ring_prefill(model, cache, plan, input_ids[:, body], positions[:, body], key_valid, shared=False)
         new_ids, new_mask = input_ids, mask
     else:
         new_ids, new_mask = _relayout_shared(input_ids, mask, prefix, pad_id)
         positions = (new_mask.cumsum(-1) - 1).masked_fill(new_mask == 0, 1)
-        _ring_prefill(model, cache, new_ids[:1, :prefix], positions[:1, :prefix], None, shared=True)
+        _ring_prefill(model, cache, plan, new_ids[:1, :prefix], positions[:1, :prefix], None, shared=True)
         end = new_ids.shape[1] - 1
         if end > prefix:  # the rows' suffixes but their last token: an ordinary forward, placed on one rank
             model.base_model(input_ids=new_ids[:, prefix:end], attention_mask=new_mask[:, :end],

@@ -57,7 +57,14 @@ def _start_ring_exchange(block: torch.Tensor, info: GroupInfo) -> tuple[torch.Te
     return recv, dist.batch_isend_irecv(ops)
 
 
-def ring_attention(
+def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs):
+    """Exact causal attention of this rank's zigzag shard of queries over the whole (sharded) sequence:
+    :func:`ring_states` with the output in ``query.dtype``: ``(out [B, Hq, 2c, D], lse [B, Hq, 2c] float32)``."""
+    out, lse = ring_states(query, key, value, **kwargs)
+    return out.to(query.dtype), lse
+
+
+def ring_states(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -83,7 +90,7 @@ def ring_attention(
         softcap: Gemma-2 style score soft-capping.
         block_backend: the kernel of each block (:func:`block_attention`).
     Returns:
-        ``(out [B, Hq, 2c, D] in query.dtype, lse [B, Hq, 2c] float32)``. A query that sees no valid key
+        ``(out [B, Hq, 2c, D] float32, lse [B, Hq, 2c] float32)``. A query that sees no valid key
         (a left-padding query) gets out 0, lse -inf.
     """
     B, Hq, Lq, D = query.shape
@@ -103,7 +110,8 @@ def ring_attention(
             f"{key_valid.dtype} with shape {tuple(key_valid.shape)}."
         )
     if Lq == 0:
-        return query.new_zeros(query.shape), query.new_full((B, Hq, 0), float("-inf"), dtype=torch.float32)
+        return query.new_zeros(query.shape, dtype=torch.float32), query.new_full((B, Hq, 0), float("-inf"),
+                                                                                  dtype=torch.float32)
     rank, n = info.rank, info.world_size
     own_cols = layout.columns(rank, query.device)
 
@@ -140,4 +148,53 @@ def ring_attention(
             for work in works:
                 work.wait()
             block = recv
-    return out_acc.to(query.dtype), lse_acc
+    return out_acc, lse_acc
+
+
+def past_state(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, info: GroupInfo, scale: float,
+               valid: torch.Tensor | None = None, softcap: float | None = None, block_backend: str = "auto"):
+    """Exact attention of this rank's queries over the keys EVERY rank stores from earlier prefill rounds.
+
+    All of those keys precede all of the queries (no causal mask). The ranks' queries are all-gathered, each rank
+    attends all of them to its own stored keys in one call, and one all-to-all returns each rank the states of its
+    queries, merged by log-sum-exp. Traffic: queries and states, never the stored KV. A collective: every rank
+    calls it in the same round (a rank storing no keys yet passes ``keys`` with 0 columns).
+
+    Args:
+        query: ``[B, Hq, Lq, D]`` this rank's queries (``Lq`` the same on every rank).
+        keys, values: ``[B, Hkv, P_r, D]`` this rank's stored keys/values (any ``P_r >= 0``), query's dtype.
+        info: the process group.
+        scale: softmax scale.
+        valid: bool ``[B, P_r]`` (False = a left-padding key no query may see) or None (all valid).
+        softcap: Gemma-2 style score soft-capping.
+        block_backend: the attention call's kernel (:func:`block_attention`).
+    Returns:
+        ``(out [B, Hq, Lq, D] float32, lse [B, Hq, Lq] float32)``; a query that sees no key gets out 0, lse -inf.
+    """
+    from hf_cascade.ops.merge_states import merge_states
+    from hf_cascade.parallel.combine import _all_gathered
+
+    B, Hq, Lq, D = query.shape
+    n = info.world_size
+    if n == 1:
+        gathered = query
+    else:  # [n, B, Hq, Lq, D] -> [B, Hq, n * Lq, D]: every rank's queries as one query block
+        gathered = _all_gathered(query, info).view(n, B, Hq, Lq, D).permute(1, 2, 0, 3, 4).reshape(B, Hq, n * Lq, D)
+    P = keys.shape[2]
+    if P == 0:
+        out = gathered.new_zeros(gathered.shape)
+        lse = gathered.new_full(gathered.shape[:-1], float("-inf"), dtype=torch.float32)
+    else:
+        mask = None if valid is None else valid[:, None, :].expand(B, gathered.shape[2], P)
+        out, lse = block_attention(gathered, keys, values, scale=scale, mask=mask, causal=False, softcap=softcap,
+                                   backend=block_backend)
+    del gathered
+    if n == 1:
+        return out.float(), lse
+    out = out.view(B, Hq, n, Lq, D).permute(2, 0, 1, 3, 4).contiguous()  # [n (whose queries), B, Hq, Lq, D]
+    lse = lse.view(B, Hq, n, Lq).permute(2, 0, 1, 3).contiguous()
+    got_out, got_lse = torch.empty_like(out), torch.empty_like(lse)
+    dist.all_to_all_single(got_out, out, group=info.group)
+    dist.all_to_all_single(got_lse, lse, group=info.group)
+    del out, lse
+    return merge_states(got_out, got_lse, out_dtype=torch.float32)

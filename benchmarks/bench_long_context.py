@@ -1,0 +1,266 @@
+"""Long prompts over several GPUs: real 128K..1M-token prefill + decode, memory, the capacity check (one launch).
+
+    torchrun --nproc_per_node 4 benchmarks/bench_long_context.py --out benchmarks/results
+    torchrun --nproc_per_node 2 benchmarks/bench_long_context.py --tiny --out /tmp/cp     # CPU smoke test (gloo)
+
+Llama-3-8B-shaped random bf16 model, the user's own calls (``context_parallel_inputs`` then ``generate``). Records go
+to ``<out>/context_parallel.jsonl`` (GPU, versions, git SHA in each; ``kv="real"``: a real prefill, never synthetic):
+
+* ``check_rounds_fp32``: 2-layer 8B-width fp32 model, 4,099-token prompt prefilled in rounds of
+  ``--check-chunk`` columns per rank (several rounds at every GPU count): greedy tokens identical to 1-GPU sdpa
+  ``generate()``, logits within 1e-3, on 1, 2 and all GPUs.
+* ``capacity``: the longest prompt the capacity check admits on all GPUs (from its error for a prompt far too long),
+  then a prompt 10% over it: every rank must raise, and how long that takes.
+* ``long_prefill`` / ``long_decode`` (all GPUs, each ``--lengths``): prefill seconds, peak allocated and reserved
+  memory beyond weights + KV (+ decode buffers), KV per GPU; then the decode step (difference of two generate()
+  lengths) against its roofline (weights + this GPU's KV) / measured copy bandwidth.
+* ``long_scaling`` (``--scaling-tokens``): the same prompt on 1, 2 and all GPUs and plain sdpa on one GPU
+  (% of ideal = sdpa's time / (GPUs x time)).
+* ``ring_attention_vs_torch_cp``: one layer's exact causal attention at ``--torch-cp-tokens``, hf_cascade's zigzag
+  ring against PyTorch's own ``context_parallel`` (GQA).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import bench_context_parallel as cp  # noqa: E402
+import cp_peers  # noqa: E402
+import hf_cascade  # noqa: E402
+from hf_cascade.parallel.fixed import DecodeBuffers  # noqa: E402,F401  (the decode buffers counted below)
+
+GiB = 2**30
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--lengths", default="1048576,524288,262144,131072", help="prompt lengths on all GPUs, in order")
+    p.add_argument("--scaling-tokens", type=int, default=131072, help="prompt of the 1/2/N-GPU scaling (0: skip)")
+    p.add_argument("--new-tokens", type=int, default=64, help="tokens generated after each long prompt")
+    p.add_argument("--decode-steps", type=int, default=32, help="steps of the decode timing (difference of 2 calls)")
+    p.add_argument("--check-chunk", type=int, default=512, help="columns per rank per round in the fp32 check")
+    p.add_argument("--torch-cp-tokens", type=int, default=524288, help="one-layer ring peer length (0: skip)")
+    p.add_argument("--phases", default="check,capacity,long,scaling,peers")
+    p.add_argument("--budget-s", type=float, default=540.0, help="start nothing new after this many seconds")
+    p.add_argument("--tiny", action="store_true", help="CPU/gloo smoke test with a tiny model")
+    p.add_argument("--out", default="benchmarks/results")
+    return p.parse_args()
+
+
+def memory_state() -> dict:
+    if not torch.cuda.is_available():
+        return dict(peak_allocated=0, peak_reserved=0, allocated=0, reserved=0)
+    return dict(peak_allocated=torch.cuda.max_memory_allocated(), peak_reserved=torch.cuda.max_memory_reserved(),
+                allocated=torch.cuda.memory_allocated(), reserved=torch.cuda.memory_reserved())
+
+
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def check_rounds_fp32(args, groups, record):
+    """Exact: fp32 tokens identical to 1-GPU sdpa with the prompt prefilled in several rounds, 1/2/N GPUs."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    config = cp.llama3_8b_config(2, args.tiny)
+    model = cp.build_model(config, torch.float32, cp._device(), seed=1)
+    ids = cp.prompt(4099 if not args.tiny else 37, config.vocab_size)
+    chunk = args.check_chunk if not args.tiny else 4
+    gen = dict(max_new_tokens=8, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    ref = model.generate(ids, attention_mask=torch.ones_like(ids), **gen)  # no hf_cascade cache: plain sdpa
+    for n, group in groups.items():
+        if group is None:
+            dist.barrier()
+            continue
+        inputs = hf_cascade.context_parallel_inputs(model, ids, group=group, prefill_chunk_tokens=chunk)
+        out = model.generate(**inputs, **gen)
+        err = cp.group_max((torch.stack(out.logits) - torch.stack(ref.logits)).abs().max().item(), group)
+        same = cp.group_max(float(not torch.equal(out.sequences, ref.sequences)), group) == 0
+        rounds = -(-(ids.shape[1] - 1) // (n * chunk))
+        record(dict(kind="check_rounds_fp32", gpus=n, prompt_tokens=ids.shape[1], prefill_chunk_tokens=chunk,
+                    rounds=rounds, tokens_match=same, max_logit_err=err, passed=same and err < 1e-3))
+        dist.barrier()
+    del model
+    torch.backends.cuda.matmul.allow_tf32 = True
+
+
+def _refusal(model, length, group, memory):
+    """Call context_parallel_inputs with a prompt of ``length`` tokens that must not fit: (raised?, message, s)."""
+    ids = cp.prompt(length, model.config.vocab_size)
+    start = time.perf_counter()
+    try:
+        inputs = hf_cascade.context_parallel_inputs(model, ids, group=group, memory_per_rank=memory)
+    except ValueError as err:
+        return True, str(err), time.perf_counter() - start
+    del inputs
+    return False, "", time.perf_counter() - start
+
+
+def check_capacity(args, model, group, n, record):
+    """The longest prompt the check admits on n GPUs; a prompt 10% over it must raise on every rank, fast."""
+    import re
+
+    memory = None if not args.tiny else 1 << 30  # measured on GPUs; a small budget on the CPU smoke test
+    raised, message, _ = _refusal(model, 16 * 1048576 if not args.tiny else 10**7, group, memory)
+    match = re.search(r"longest prompt that fits is about ([\d,]+) tokens", message)
+    if not raised or match is None or int(match.group(1).replace(",", "")) <= 0:
+        record(dict(kind="capacity", gpus=n, passed=False, error=message[:400] or "a 16M-token prompt did not raise"))
+        return None
+    longest = int(match.group(1).replace(",", ""))
+    over = int(longest * 1.1)
+    raised, message, seconds = _refusal(model, over, group, memory)
+    everyone = torch.tensor([float(raised), seconds], device=cp._device())
+    gathered = [torch.empty_like(everyone) for _ in range(n)]
+    dist.all_gather(gathered, everyone, group=group)
+    all_raised = all(bool(g[0]) for g in gathered)
+    slowest = max(float(g[1]) for g in gathered)
+    record(dict(kind="capacity", gpus=n, longest_admitted_tokens=longest, over_tokens=over,
+                every_rank_raised=all_raised, slowest_rank_raise_s=slowest, message=message[:600],
+                passed=all_raised and slowest < 30))
+    return longest
+
+
+def long_prompt(args, model, group, n, length, bandwidth, record):
+    """One long prompt on ``n`` GPUs: prefill, memory, decode step."""
+    weights = weight_bytes(model)
+    cp.reset_peak()
+    ids = cp.prompt(length, model.config.vocab_size)
+    seconds, inputs = cp.timed(lambda: hf_cascade.context_parallel_inputs(model, ids, group=group), group)
+    cache = inputs[hf_cascade.CACHE_KWARG]
+    mem = memory_state()
+    kv = cache.nbytes
+    beyond = mem["peak_allocated"] - weights - kv
+    record(dict(kind="long_prefill", gpus=n, tokens=length, seconds=seconds, tokens_per_s=length / seconds,
+                kv="real", kv_gib_per_gpu=cp.group_max(kv, group) / GiB, weights_gib=weights / GiB,
+                peak_allocated_gib=cp.group_max(mem["peak_allocated"], group) / GiB,
+                peak_reserved_gib=cp.group_max(mem["peak_reserved"], group) / GiB,
+                beyond_weights_kv_gib=cp.group_max(beyond, group) / GiB,
+                reserved_over_allocated=cp.group_max(mem["peak_reserved"] / max(1, mem["peak_allocated"]), group)))
+    steps = args.decode_steps
+
+    def gen(k):
+        return model.generate(**inputs, max_new_tokens=k, min_new_tokens=k, do_sample=False)
+
+    cp.reset_peak()
+    first_s, out = cp.timed(lambda: gen(args.new_tokens), group)  # the user's call: buffers, compile, record
+    new = out[:, ids.shape[1]:]
+    gathered = [torch.empty_like(new) for _ in range(n)]
+    dist.all_gather(gathered, new, group=group)
+    agree = all(torch.equal(g, gathered[0]) for g in gathered)
+    t1, _ = cp.timed(lambda: gen(1), group)
+    tk, _ = cp.timed(lambda: gen(1 + steps), group)
+    step_ms = 1000.0 * (tk - t1) / steps
+    mem = memory_state()
+    held = cache.nbytes  # prompt KV + the fixed decode buffers
+    roofline_ms = 1e3 * (weights - model.get_input_embeddings().weight.nbytes + cp.group_max(held, group)) / bandwidth
+    record(dict(kind="long_decode", gpus=n, context=length, kv="real", new_tokens=args.new_tokens,
+                generate_s=first_s, step_ms=step_ms, roofline_ms=roofline_ms, x_roofline=step_ms / roofline_ms,
+                ranks_agree=agree, decode_buffers_gib=cp.group_max(held - kv, group) / GiB,
+                beyond_weights_kv_decode_gib=cp.group_max(mem["peak_allocated"] - weights - held, group) / GiB,
+                peak_reserved_gib=cp.group_max(mem["peak_reserved"], group) / GiB, passed=agree))
+    del inputs, cache, out
+    cp.reset_peak()
+
+
+def scaling(args, model, groups, record):
+    """The same prompt on 1, 2, N GPUs and plain sdpa on one GPU (transformers, no hf_cascade)."""
+    length = args.scaling_tokens if not args.tiny else 256
+    ids = cp.prompt(length, model.config.vocab_size)
+    times = {}
+    for n, group in groups.items():
+        if group is not None:
+            cp.reset_peak()
+            times[n], inputs = cp.timed(lambda: hf_cascade.context_parallel_inputs(model, ids, group=group), group)
+            peak = cp.group_max(memory_state()["peak_allocated"], group)
+            record(dict(kind="long_scaling", gpus=n, tokens=length, seconds=times[n], peak_allocated_gib=peak / GiB,
+                        kv_gib_per_gpu=cp.group_max(inputs[hf_cascade.CACHE_KWARG].nbytes, group) / GiB))
+            del inputs
+        dist.barrier()
+    if dist.get_rank() == 0:
+        from transformers import DynamicCache
+
+        cp.reset_peak()
+        sdpa_s, _ = cp.timed(lambda: model.base_model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True),
+                             groups[1])
+        record(dict(kind="long_scaling_sdpa_1gpu", gpus=1, tokens=length, seconds=sdpa_s,
+                    peak_allocated_gib=memory_state()["peak_allocated"] / GiB))
+        for n, t in times.items():
+            record(dict(kind="long_scaling_pct", gpus=n, tokens=length, seconds=t, sdpa_1gpu_seconds=sdpa_s,
+                        pct_of_ideal=100.0 * sdpa_s / (n * t)))
+    cp.reset_peak()
+    dist.barrier()
+
+
+def main():
+    args = parse_args()
+    cp_args = argparse.Namespace(budget_s=args.budget_s)
+    import datetime
+
+    timeout = datetime.timedelta(minutes=4)  # a failed rank stops the launch in minutes
+    if args.tiny or not torch.cuda.is_available():
+        dist.init_process_group("gloo", timeout=timeout)
+        args.tiny = True
+    else:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl", timeout=timeout)
+    world = dist.get_world_size()
+    groups = {}
+    for n in [s for s in (1, 2, 4, 8) if s < world] + [world]:
+        g = dist.new_group(list(range(n)))
+        groups[n] = g if dist.get_rank() < n else None
+    record = cp.Recorder(args.out, cp.env_info(world))
+    records = []
+    recorder = lambda r: (records.append(r), record(r))  # noqa: E731
+    phases = args.phases.split(",")
+    lengths = [int(x) for x in args.lengths.split(",")] if not args.tiny else [300, 97]
+    top = groups[world]
+    if "check" in phases:
+        check_rounds_fp32(args, groups, recorder)
+    model = cp.build_model(cp.llama3_8b_config(32, args.tiny), torch.bfloat16 if not args.tiny else torch.float32,
+                           cp._device())
+    bandwidth = 3.0e12
+    if torch.cuda.is_available():
+        t = torch.tensor([cp_peers.copy_bandwidth()], device=cp._device())
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        bandwidth = float(t)
+        recorder(dict(kind="copy_bandwidth", tb_per_s=bandwidth / 1e12))
+    with torch.no_grad():
+        hf_cascade.context_parallel_inputs(model, cp.prompt(4096 if not args.tiny else 32, model.config.vocab_size),
+                                           group=top)  # warm-up: NCCL communicators, kernels
+        if "capacity" in phases:
+            check_capacity(args, model, top, world, recorder)
+        if "long" in phases:
+            for length in lengths:
+                if cp.out_of_time(cp_args):
+                    recorder(dict(kind="long_prefill", gpus=world, tokens=length, skipped="time budget"))
+                    continue
+                long_prompt(args, model, top, world, length, bandwidth, recorder)
+        if "scaling" in phases and args.scaling_tokens and not cp.out_of_time(cp_args):
+            scaling(args, model, groups, recorder)
+        if "peers" in phases and args.torch_cp_tokens and world > 1 and torch.cuda.is_available() \
+                and not cp.out_of_time(cp_args):
+            try:
+                rec = cp_peers.ring_attention_peers(top, world, args.torch_cp_tokens, gqa=True)
+                recorder(dict(kind="ring_attention_vs_torch_cp", gpus=world, **rec,
+                              hf_cascade_speedup=rec["torch_cp_ms"] / rec["hf_cascade_ms"]))
+            except Exception as err:  # noqa: BLE001 (a peer that cannot run is recorded)
+                recorder(dict(kind="ring_attention_vs_torch_cp", gpus=world, error=f"{type(err).__name__}: {err}"[:300]))
+    dist.barrier()
+    failed = [r for r in records if r.get("passed") is False]
+    if dist.get_rank() == 0:
+        print(f"checks: {'FAILED ' + str(len(failed)) if failed else 'all passed'}; results in {record.path}")
+    dist.destroy_process_group()
+    if failed:
+        raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""The context-parallel prefill in rounds: a bounded working set at any prompt length.
+
+A prompt of ``length`` columns is cut into consecutive **rounds** of ``world_size * rank_tokens`` columns (the last
+one shorter). Every round is sharded zigzag over the ranks (:class:`~hf_cascade.parallel.layout.ZigzagLayout`), so
+each rank runs at most ``rank_tokens`` columns through the model at a time: projections, rotary, MLP and the
+attention blocks all see one round, whatever the prompt's length. Each rank writes its real columns' KV in place
+into storage sized once for the whole prompt (:meth:`PrefillPlan.num_real` columns per rank), so nothing is
+copied or re-allocated as the prompt grows.
+
+A round's attention is exact: its queries against the round's own keys (zigzag ring,
+:func:`~hf_cascade.parallel.ring.ring_states`) merged by log-sum-exp with their state against every earlier
+round's keys, which every rank holds an equal share of (:func:`~hf_cascade.parallel.ring.past_state`: the round's
+queries are all-gathered, each rank attends them to its stored keys, and the partial states travel back in one
+all-to-all). Both parts move queries or states, never the stored KV, so the traffic per round does not grow with
+the prompt.
+
+A prompt that fits one round is the plain zigzag ring prefill.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hf_cascade.parallel.layout import ZigzagLayout
+
+ROUND_TOKENS_PER_ROW = 16384  # default columns a rank runs through the model at a time (one row)
+ROUND_TOKENS_ALL_RANKS = 65536  # ... and at most this many over all ranks (the gathered queries of a round)
+MIN_ROUND_TOKENS = 64
+
+
+def default_rank_tokens(world_size: int, batch: int) -> int:
+    """Columns each rank runs through the model per round by default: ``min(16384, 65536 / world_size) / batch``,
+    even, at least 64. Bounds the activations (``~ batch * rank_tokens``) and the round's gathered queries
+    (``~ world_size * batch * rank_tokens``)."""
+    tokens = min(ROUND_TOKENS_PER_ROW, ROUND_TOKENS_ALL_RANKS // max(1, world_size)) // max(1, batch)
+    return max(MIN_ROUND_TOKENS, tokens - tokens % 2)
+
+
+def check_rank_tokens(value) -> int | None:
+    """Validate the ``prefill_chunk_tokens`` option: None (default) or an even int >= 2."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 2 or value % 2:
+        raise ValueError(
+            f"`prefill_chunk_tokens` must be an even int >= 2 (prompt columns each rank runs through the model at a "
+            f"time; default {default_rank_tokens(1, 1)} for one row); got {value!r}."
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class PrefillRound:
+    """One round of a :class:`PrefillPlan`.
+
+    Attributes:
+        index: the round's position in the plan.
+        start: global column of the round's first column.
+        layout: the round's zigzag sharding (``layout.length`` columns).
+        offset: columns this rank stored in the earlier rounds (where this round's go in its storage).
+    """
+
+    index: int
+    start: int
+    layout: ZigzagLayout
+    offset: int
+
+
+@dataclass(frozen=True)
+class PrefillPlan:
+    """How ``length`` prompt columns are prefilled over ``world_size`` ranks, ``rank_tokens`` per rank at a time.
+
+    Attributes:
+        length: prompt columns to prefill (>= 0).
+        world_size: ranks.
+        rank_tokens: columns per rank per round (even, >= 2); a round holds ``world_size * rank_tokens``.
+    """
+
+    length: int
+    world_size: int
+    rank_tokens: int
+
+    def __post_init__(self) -> None:
+        check_rank_tokens(self.rank_tokens)
+
+    @property
+    def round_length(self) -> int:
+        return self.world_size * self.rank_tokens
+
+    @property
+    def num_rounds(self) -> int:
+        return -(-self.length // self.round_length)
+
+    def rounds(self, rank: int) -> list[PrefillRound]:
+        """The rounds in order, with ``rank``'s storage offsets."""
+        out, offset = [], 0
+        for index in range(self.num_rounds):
+            start = index * self.round_length
+            layout = ZigzagLayout(min(self.round_length, self.length - start), self.world_size)
+            out.append(PrefillRound(index, start, layout, offset))
+            offset += layout.num_real(rank)
+        return out
+
+    def num_real(self, rank: int) -> int:
+        """Prompt columns ``rank`` stores (its KV storage), summed over the rounds."""
+        return sum(r.layout.num_real(rank) for r in self.rounds(rank))
+
+    def max_local_columns(self) -> int:
+        """The most columns any rank runs through the model at once (the first round's ``2 * chunk``)."""
+        return 0 if self.length == 0 else ZigzagLayout(min(self.round_length, self.length), self.world_size).local_length
+
+    def columns(self, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
+        """Global columns ``rank`` stores, in storage order (ascending): int64 ``[num_real(rank)]``."""
+        parts = [r.layout.real_columns(rank, device) + r.start for r in self.rounds(rank)]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
