@@ -87,6 +87,8 @@ def fused_attention(query: Tensor, key: Tensor, value: Tensor, *, scale: float, 
     groups = query.shape[1] // key.shape[1]
     if query.device.type == "cuda":
         if kernel == "cudnn" and cudnn_attention_agrees(query.device):
+            if groups > 1 and not causal:  # the G query heads of a KV head as G x Lq rows of one head
+                return _cudnn_folded_gqa(query, key, value, scale)
             if groups > 1:  # (cuDNN's op takes as many KV heads as query heads)
                 key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
             out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
@@ -102,6 +104,18 @@ def fused_attention(query: Tensor, key: Tensor, value: Tensor, *, scale: float, 
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(query, key, value, 0.0, causal,
                                                                           scale=scale)
     return out, lse.float()
+
+
+def _cudnn_folded_gqa(query: Tensor, key: Tensor, value: Tensor, scale: float) -> tuple[Tensor, Tensor]:
+    """Non-causal GQA on cuDNN without repeating the KV heads: query head ``h`` reads KV head ``h // G`` (transformers'
+    ``repeat_kv`` order), so ``[B, Hkv * G, Lq, D]`` viewed as ``[B, Hkv, G * Lq, D]`` is the same attention with
+    one query block per KV head. The KV is read as it is (a long key range costs no ``G``-fold copy)."""
+    B, Hq, Lq, D = query.shape
+    Hkv = key.shape[1]
+    folded = query.reshape(B, Hkv, (Hq // Hkv) * Lq, D)
+    out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+        folded, key, value, None, True, 0.0, False, False, scale=scale)[:2]
+    return out.reshape(B, Hq, Lq, D), lse.reshape(B, Hq, Lq)
 
 
 _NATIVE_GQA: dict[int, bool] = {}  # CUDA device index -> the flash op takes Hq = G * Hkv as it is (probed once)

@@ -163,6 +163,22 @@ class _Prefill:
         self.current: PrefillRound | None = None
         self.round_valid = None  # bool [B, round padded length] or None
         self.past_valid = None  # bool [B, current.offset] or None
+        self._blocks = None  # (keys [layers, B, Hkv, n, D], values [...]): every layer's storage, one allocation each
+
+    def storage(self, layer_idx: int, num_layers: int, key_states, value_states):
+        """Layer ``layer_idx``'s KV storage ``([B, Hkv, n, Dk], [B, Hkv, n, Dv])`` for this rank's ``n`` columns.
+
+        The first layer to ask allocates every layer's at once (two allocations for the whole cache, made before
+        the rounds' temporaries: no fragmentation as the prompt grows); a layer of another shape gets its own."""
+        capacity = self.columns.numel()
+        k_shape = (*key_states.shape[:2], capacity, key_states.shape[3])
+        v_shape = (*value_states.shape[:2], capacity, value_states.shape[3])
+        if self._blocks is None:
+            self._blocks = (key_states.new_empty((num_layers, *k_shape)), value_states.new_empty((num_layers, *v_shape)))
+        keys, values = self._blocks
+        if keys.shape[1:] == k_shape and values.shape[1:] == v_shape and keys.dtype == key_states.dtype:
+            return keys[layer_idx], values[layer_idx]
+        return key_states.new_empty(k_shape), value_states.new_empty(v_shape)
 
 
 class ContextParallelCache(Cache):
@@ -268,14 +284,12 @@ class ContextParallelCache(Cache):
         self._prefix_length = plan.length if prefill.shared else 0
         self._prompt_length = plan.length
 
-    def _store_round(self, layer: _ShardLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    def _store_round(self, layer_idx: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Write the real columns of this round's ``[B, Hkv, 2c, D]`` KV in place into the layer's storage."""
         prefill, rnd = self._prefill, self._prefill.current
-        capacity = prefill.columns.numel()
+        layer = self.layers[layer_idx]
         if layer._buffers is None:  # sized once for the whole prompt: nothing grows, nothing is copied
-            B, H, _, D = key_states.shape
-            keys = key_states.new_empty((B, H, capacity, D))
-            values = value_states.new_empty((B, value_states.shape[1], capacity, value_states.shape[3]))
+            keys, values = prefill.storage(layer_idx, len(self.layers), key_states, value_states)
             layer._buffers = (keys, values, prefill.columns.to(key_states.device))
         keys, values, cols = layer._buffers
         real = rnd.layout.num_real(self.info.rank)
@@ -368,7 +382,7 @@ class ContextParallelCache(Cache):
         if layer.keys is None:
             layer.lazy_initialization(key_states, value_states)
         if self._prefill is not None:  # a prefill round: this rank's zigzag shard of the round
-            self._store_round(layer, key_states, value_states)
+            self._store_round(layer_idx, key_states, value_states)
             bind_layer(self, layer_idx, key_states, value_states)
             return key_states, value_states  # the round's KV, end padding included, is what the ring sends
         else:
