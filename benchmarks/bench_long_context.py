@@ -11,7 +11,8 @@ to ``<out>/context_parallel.jsonl`` (GPU, versions, git SHA in each; ``kv="real"
   ``generate()``, logits within 1e-3, on 1, 2 and all GPUs.
 * ``capacity``: the longest prompt the capacity check admits on all GPUs (from its error for a prompt far too long),
   then a prompt 10% over it: every rank must raise, and how long that takes.
-* ``long_prefill`` / ``long_decode`` (all GPUs, each ``--lengths``): prefill seconds, peak allocated and reserved
+* ``long_prefill`` / ``long_decode`` (all GPUs, each ``--lengths``, then with phase ``longest`` the longest prompt
+  the capacity check admits): prefill seconds, peak allocated and reserved
   memory beyond weights + KV (+ decode buffers), KV per GPU; then the decode step (difference of two generate()
   lengths) against its roofline (weights + this GPU's KV) / measured copy bandwidth.
 * ``long_scaling`` (``--scaling-tokens``): the same prompt on 1, 2 and all GPUs and plain sdpa on one GPU
@@ -138,7 +139,7 @@ def long_prompt(args, model, group, n, length, bandwidth, record):
     mem = memory_state()
     kv = cache.nbytes
     beyond = mem["peak_allocated"] - weights - kv
-    record(dict(kind="long_prefill", gpus=n, tokens=length, seconds=seconds, tokens_per_s=length / seconds,
+    record(dict(kind="long_prefill", gpus=n, tokens=length, alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), seconds=seconds, tokens_per_s=length / seconds,
                 kv="real", kv_gib_per_gpu=cp.group_max(kv, group) / GiB, weights_gib=weights / GiB,
                 peak_allocated_gib=cp.group_max(mem["peak_allocated"], group) / GiB,
                 peak_reserved_gib=cp.group_max(mem["peak_reserved"], group) / GiB,
@@ -235,14 +236,15 @@ def main():
     with torch.no_grad():
         hf_cascade.context_parallel_inputs(model, cp.prompt(4096 if not args.tiny else 32, model.config.vocab_size),
                                            group=top)  # warm-up: NCCL communicators, kernels
-        if "capacity" in phases:
-            check_capacity(args, model, top, world, recorder)
+        longest = check_capacity(args, model, top, world, recorder) if "capacity" in phases else None
         if "long" in phases:
             for length in lengths:
                 if cp.out_of_time(cp_args):
                     recorder(dict(kind="long_prefill", gpus=world, tokens=length, skipped="time budget"))
                     continue
                 long_prompt(args, model, top, world, length, bandwidth, recorder)
+        if "longest" in phases and longest and not cp.out_of_time(cp_args):
+            long_prompt(args, model, top, world, longest, bandwidth, recorder)  # what the check admits, run
         if "scaling" in phases and args.scaling_tokens and not cp.out_of_time(cp_args):
             scaling(args, model, groups, recorder)
         if "peers" in phases and args.torch_cp_tokens and world > 1 and torch.cuda.is_available() \
