@@ -243,7 +243,7 @@ def main():
                     recorder(dict(kind="long_prefill", gpus=world, tokens=length, skipped="time budget"))
                     continue
                 long_prompt(args, model, top, world, length, bandwidth, recorder)
-        if "longest" in phases and longest and not cp.out_of_time(cp_args):
+        if "longest" in phases and longest and not args.tiny and not cp.out_of_time(cp_args):
             long_prompt(args, model, top, world, longest, bandwidth, recorder)  # what the check admits, run
         if "scaling" in phases and args.scaling_tokens and not cp.out_of_time(cp_args):
             scaling(args, model, groups, recorder)
