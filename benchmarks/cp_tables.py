@@ -143,9 +143,74 @@ def checks_table(records) -> str:
                       *rows])
 
 
+_LLAMA3_8B_LINEAR_PARAMS = 32 * (4096 * (4096 + 1024 + 1024 + 4096) + 3 * 4096 * 14336)  # per-token matmul weights
+
+
+def _prefill_flops(tokens: int) -> float:
+    """Causal prefill FLOPs of the Llama-3-8B shape (projections + MLP, and attention's QK^T and PV)."""
+    return 2.0 * _LLAMA3_8B_LINEAR_PARAMS * tokens + 2.0 * tokens**2 * 4096 * 32
+
+
+def long_context_table(records) -> str:
+    """The long prompts (real prefill + decode, default allocator), the capacity check, exactness with rounds."""
+    default_alloc = [r for r in records if not r.get("alloc_conf")]
+    rows, used = [], []
+    lengths = sorted({r["tokens"] for r in default_alloc if r.get("kind") == "long_prefill" and "seconds" in r})
+    for length in lengths:
+        pre = latest(default_alloc, "long_prefill", tokens=length)
+        dec = latest(records, "long_decode", context=length, git_sha=pre["git_sha"])
+        used += [pre, dec]
+        rows.append(f"| {length:,} | {pre['gpus']} | **{pre['seconds']:.1f}** | {pre['kv_gib_per_gpu']:.0f} | "
+                    f"**{pre['beyond_weights_kv_gib']:.2f}** | {pre['reserved_over_allocated']:.2f} | "
+                    f"{_fmt(dec and dec['step_ms'], '.1f')} | {_fmt(dec and dec['roofline_ms'], '.1f')} | "
+                    f"{_fmt(dec and dec['x_roofline'])}x | {pre['git_sha'][:7]} |")
+    lines = [f"Long prompts on {used[0]['gpus'] if used else '?'} GPUs ({used[0]['gpu'] if used else '?'}), Llama-3-8B "
+             "shape, bf16, real prefill (`context_parallel_inputs`, default options) then `generate(max_new_tokens=64)`."
+             " *beyond* = peak allocated minus weights minus KV during the prefill; *reserved / allocated* = the "
+             "allocator's peaks; decode step = difference of two generate() lengths (every step's scores broadcast "
+             "from rank 0), roofline = (weights + this GPU's KV) / measured copy bandwidth.", "",
+             "| prompt tokens | GPUs | prefill s | KV GiB per GPU | beyond GiB | reserved / allocated | decode ms/step "
+             "| roofline ms | x roofline | git |", "|---|---|---|---|---|---|---|---|---|---|", *rows]
+    if len(lengths) >= 2:
+        short, long = latest(default_alloc, "long_prefill", tokens=lengths[0]), None
+        base = latest(default_alloc, "long_prefill", tokens=262144) or short
+        long = latest(default_alloc, "long_prefill", tokens=lengths[-1])
+        ratio = _prefill_flops(long["tokens"]) / _prefill_flops(base["tokens"])
+        lines += ["", f"Prefill throughput with length: {long['tokens']:,} tokens took {long['seconds']:.1f} s = "
+                      f"{long['seconds'] / (base['seconds'] * ratio):.2f}x the {base['tokens']:,}-token time "
+                      f"({base['seconds']:.2f} s) scaled by the FLOP ratio ({ratio:.1f}x)."]
+    sdpa = latest(records, "long_scaling_sdpa_1gpu")
+    scale = [latest(records, "long_scaling_pct", gpus=n) for n in (1, 2, 4)]
+    if sdpa and any(scale):
+        cells = ", ".join(f"{r['gpus']} GPU{'s' if r['gpus'] > 1 else ''} {r['seconds']:.2f} s "
+                          f"({r['pct_of_ideal']:.0f}% of ideal)" for r in scale if r)
+        lines += ["", f"The same code at {sdpa['tokens']:,} tokens (git {_sha(sdpa, *scale)}): {cells}; plain sdpa on one "
+                      f"GPU {sdpa['seconds']:.2f} s."]
+    cap = latest(default_alloc, "capacity")
+    if cap:
+        lines += ["", f"Capacity check (git {_sha(cap)}): on {cap['gpus']} GPUs it admits prompts up to about "
+                      f"**{cap['longest_admitted_tokens']:,} tokens** (estimated from free memory, not yet run); a prompt "
+                      f"10% longer ({cap['over_tokens']:,}) raised on every rank: {cap['every_rank_raised']}, the "
+                      f"slowest after {cap['slowest_rank_raise_s']:.3f} s, before any work."]
+    peer = latest(records, "ring_attention_vs_torch_cp", tokens=524288)
+    if peer:
+        lines += ["", f"One layer's causal attention at 524,288 tokens on {peer['gpus']} GPUs (GQA, git {_sha(peer)}): "
+                      f"hf_cascade's zigzag ring {peer['hf_cascade_ms']:.0f} ms, PyTorch's `context_parallel` "
+                      f"{peer['torch_cp_ms']:.0f} ms ({peer['hf_cascade_speedup']:.2f}x)."]
+    checks = [latest(records, "check_rounds_fp32", gpus=n) for n in (1, 2, 4)]
+    checks = [c for c in checks if c]
+    if checks:
+        lines += ["", "| exactness, fp32 (2 layers), prompt in rounds | GPUs | rounds | tokens vs 1-GPU sdpa | max logit "
+                      "error |", "|---|---|---|---|---|"]
+        lines += [f"| {c['prompt_tokens']:,} tokens, {c['prefill_chunk_tokens']} per rank per round (git "
+                  f"{_sha(c)}) | {c['gpus']} | {c['rounds']} | {'identical' if c['tokens_match'] else 'DIFFERENT'} | "
+                  f"{c['max_logit_err']:.1e} |" for c in checks]
+    return "\n".join(lines)
+
+
 def generate() -> str:
     records = [json.loads(line) for line in open(RESULTS)]
-    return "\n\n".join([decode_table(records), prefill_table(records), kernel_table(records), checks_table(records)])
+    return "\n\n".join([long_context_table(records), decode_table(records), prefill_table(records), kernel_table(records), checks_table(records)])
 
 
 def main() -> int:

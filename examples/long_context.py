@@ -7,6 +7,10 @@ CPU (tiny random model, gloo; `accelerate launch --cpu` would start a single pro
 GPUs (one process per GPU, NCCL):
 
     accelerate launch --num_processes 4 examples/long_context.py --model /path/to/Llama-3-8B --prompt-file book.txt
+    accelerate launch --num_processes 4 examples/long_context.py --model llama3-8b-shape --prompt-tokens 1048576
+
+(``llama3-8b-shape``: Llama-3-8B's architecture with random bf16 weights, no checkpoint needed: the timings and memory
+of the real model, gibberish tokens.)
 
 Every rank prints the same completion (rank 0 prints it, the others check they agree). ``--check`` also runs the
 prompt through a plain single-process sdpa generate() on rank 0 and compares (needs the whole prompt's KV on one
@@ -30,7 +34,8 @@ from hf_cascade.tiny import load_model_and_tokenizer
 
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="local checkpoint (default: a tiny random-init model)")
+    p.add_argument("--model", default=None,
+                   help="local checkpoint, or llama3-8b-shape (random bf16 weights); default a tiny random model")
     p.add_argument("--family", default="llama", help="tiny model family when --model is not given")
     p.add_argument("--prompt-file", default=None, help="text file holding the prompt")
     p.add_argument("--prompt-tokens", type=int, default=1000, help="random prompt length when no --prompt-file")
@@ -44,12 +49,30 @@ def parse_args():
     return p.parse_args()
 
 
+def llama3_8b_shape(device, attn_implementation="cascade"):
+    """Llama-3-8B's architecture with random bf16 weights (the same on every rank: one seed)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
+                         max_position_embeddings=1 << 21, bos_token_id=128000, eos_token_id=128001)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation,
+                                                 dtype=torch.bfloat16)
+    return model.eval()
+
+
 def main():
     args = parse_args()
     # The process group: NCCL on GPUs, gloo on CPU. Its timeout bounds how long a rank waits for a failed peer.
     state = PartialState(cpu=not torch.cuda.is_available(), timeout=datetime.timedelta(seconds=args.timeout))
-    model, tokenizer = load_model_and_tokenizer(args.model, family=args.family, device=state.device,
-                                                dtype=args.dtype)
+    if args.model == "llama3-8b-shape":
+        model, tokenizer = llama3_8b_shape(state.device), None
+    else:
+        model, tokenizer = load_model_and_tokenizer(args.model, family=args.family, device=state.device,
+                                                    dtype=args.dtype)
+    pad_id = tokenizer.pad_token_id if tokenizer is not None else 0
     if args.prompt_file:
         with open(args.prompt_file) as f:
             input_ids = tokenizer(f.read(), return_tensors="pt")["input_ids"]
@@ -65,7 +88,7 @@ def main():
     cache = inputs[hf_cascade.CACHE_KWARG]
     start = time.perf_counter()
     out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=args.do_sample,
-                         pad_token_id=tokenizer.pad_token_id)
+                         pad_token_id=pad_id)
     decode_s = time.perf_counter() - start
     new_tokens = out[:, input_ids.shape[1]:]
 
@@ -79,17 +102,26 @@ def main():
         print(f"{state.num_processes} ranks ({dist.get_backend()}), prompt {input_ids.shape[1]} tokens, "
               f"combine={args.combine}")
         print(f"prefill {prefill_s:.2f} s, generate {new_tokens.shape[1]} tokens {decode_s:.2f} s")
+        if torch.cuda.is_available():
+            print(f"peak GPU memory on rank 0: {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB allocated, "
+                  f"{torch.cuda.max_memory_reserved() / 2**30:.1f} GiB reserved")
         graphs = hf_cascade.decode.captured_step.recorded_steps(model)
         print("decode steps: " + (f"replayed from a CUDA graph ({graphs['replayed']} steps, {graphs['recorded']} "
                                    "recorded)" if graphs["recorded"] else "eager"))
         print(f"KV per rank (MiB): {[round(int(t) / 2**20, 2) for t in kv_per_rank]}")
         print(f"all ranks agree: {agree}")
-        print("completion:", repr(tokenizer.decode(new_tokens[0], skip_special_tokens=True)))
+        if tokenizer is not None:
+            print("completion:", repr(tokenizer.decode(new_tokens[0], skip_special_tokens=True)))
+        else:
+            print("completion token ids:", new_tokens[0, :16].tolist(), "...")
     if args.check and state.is_main_process:
-        ref, _ = load_model_and_tokenizer(args.model, family=args.family, device=state.device, dtype=args.dtype,
-                                          attn_implementation="sdpa")
+        if args.model == "llama3-8b-shape":
+            ref = llama3_8b_shape(state.device, "sdpa")
+        else:
+            ref, _ = load_model_and_tokenizer(args.model, family=args.family, device=state.device, dtype=args.dtype,
+                                              attn_implementation="sdpa")
         want = ref.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                            max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id)
+                            max_new_tokens=args.max_new_tokens, pad_token_id=pad_id)
         same = torch.equal(want[:, input_ids.shape[1]:], new_tokens) if not args.do_sample else None
         print(f"matches single-process sdpa generate(): {same}")
     state.wait_for_everyone()
