@@ -91,7 +91,7 @@ def _compiled_worker(rank, world):
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2ranks", "4ranks"])
 def cp_results(request):
-    return run_on_gloo(_compiled_worker, request.param, timeout_s=600)
+    return run_on_gloo(_compiled_worker, request.param, timeout_s=300, start_method="spawn")
 
 
 @pytest.fixture(scope="module")
@@ -181,5 +181,5 @@ def _combine_worker(rank, world):
 
 def test_combines_trace_with_functional_collectives():
     """Each combine under torch.compile(fullgraph=True) (functional collectives) == its eager torch.distributed form."""
-    for errors in run_on_gloo(_combine_worker, WORLD, timeout_s=300):
+    for errors in run_on_gloo(_combine_worker, WORLD, timeout_s=300, start_method="spawn"):
         assert all(err <= 1e-6 for err in errors.values()), errors

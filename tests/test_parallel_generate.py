@@ -81,11 +81,14 @@ def _generate_kwargs(extra):
 def _generate_worker(rank, world):
     results = {}
     models = {}
-    scenarios = {**SCENARIOS, "sampling": SAMPLING, "sampling_all_gather": SAMPLING_ALL_GATHER}
+    scenarios = {**SCENARIOS, "sampling": SAMPLING, "sampling_all_gather": SAMPLING_ALL_GATHER,
+                 "sampling_seed7": SAMPLING_ALL_GATHER}
     for name, (family, lengths, shared, options, extra) in scenarios.items():
         model = models.setdefault(family, tiny_model(family, "cascade", seed=0))
         ids, mask = _left_pad(_rows(lengths, seed=sum(lengths), shared=shared))
-        if name.startswith("sampling"):
+        if name == "sampling_seed7":  # rank 0 seeded as the sdpa reference is; the others' seeds must not matter
+            torch.manual_seed(7 if rank == 0 else 1000 + rank)
+        elif name.startswith("sampling"):
             torch.manual_seed(100 + rank)  # different seeds: context_parallel_inputs must sync them
         inputs = hf_cascade.context_parallel_inputs(model, ids, mask, **options)
         cache = inputs[CACHE_KWARG]
@@ -186,6 +189,39 @@ def test_sampling_gives_the_same_tokens_on_every_rank(cp_results, name):
     seqs = [results[rank][name]["sequences"] for rank in range(world)]
     assert seqs[0].shape[0] == 4  # 2 prompts x num_return_sequences=2
     assert all(torch.equal(s, seqs[0]) for s in seqs)
+
+
+def test_sampling_with_a_seed_gives_sdpa_s_tokens(cp_results):
+    """The same seed gives the tokens plain sdpa generate() draws (rank 0's RNG state is shared, not re-seeded)."""
+    world, results = cp_results
+    family, lengths, shared, _, extra = SAMPLING_ALL_GATHER
+    model = tiny_model(family, "sdpa", seed=0)
+    ids, mask = _left_pad(_rows(lengths, seed=sum(lengths), shared=shared))
+    torch.manual_seed(7)
+    want = model.generate(input_ids=ids, attention_mask=mask, **_generate_kwargs(extra)).sequences[:, ids.shape[1]:]
+    for rank in range(world):
+        assert torch.equal(results[rank]["sampling_seed7"]["new_tokens"], want), f"rank {rank}"
+
+
+def _mismatched_args_worker(rank, world):
+    model = tiny_model("llama", "cascade", seed=0)
+    ids = torch.tensor([_rows([30], seed=3)[0]])
+    inputs = hf_cascade.context_parallel_inputs(model, ids)
+    start = time.monotonic()
+    try:
+        model.generate(**inputs, max_new_tokens=4 + rank, do_sample=False, pad_token_id=0)
+    except ValueError as err:
+        return str(err), time.monotonic() - start
+    return None
+
+
+def test_ranks_calling_generate_with_different_arguments_all_raise():
+    results = run_on_gloo(_mismatched_args_worker, 2, pg_timeout_s=30, timeout_s=120)
+    for rank, result in enumerate(results):
+        assert result is not None, f"rank {rank} did not raise"
+        message, elapsed = result
+        assert "max_new_tokens" in message and "different arguments" in message
+        assert elapsed < 20
 
 
 def test_generate_twice_from_the_same_inputs(cp_results):

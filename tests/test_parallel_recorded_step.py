@@ -65,7 +65,7 @@ def test_recorded_step_path_with_compiled_layers_matches_sdpa():
     ref = tiny_model("llama", "sdpa", seed=0)
     ids, mask = _batch(ref.config.vocab_size)
     want = ref.generate(ids, attention_mask=mask, **GEN)
-    for rank, results in enumerate(run_on_gloo(_recorded_path_worker, 2, timeout_s=600)):
+    for rank, results in enumerate(run_on_gloo(_recorded_path_worker, 2, timeout_s=300, start_method="spawn")):
         for kernels, got in results.items():
             # Every one-token forward (the last prompt token's and the decode steps) took the recorded path.
             assert got["steps"] == GEN["max_new_tokens"] and got["compiled_steps"] == got["steps"], (rank, kernels)
@@ -95,7 +95,7 @@ def _hidden_states_worker(rank, world):
 
 
 def test_hidden_states_are_refused_not_narrowed():
-    for message in run_on_gloo(_hidden_states_worker, 2, timeout_s=300):
+    for message in run_on_gloo(_hidden_states_worker, 2, timeout_s=300, start_method="spawn"):
         assert message is not None and "output_hidden_states" in message and "shard" in message
 
 
@@ -111,7 +111,7 @@ def _same_tokens_worker(rank, world):
 
 
 def test_every_rank_gets_rank_zeros_tokens_whatever_its_scores_and_seed():
-    (g0, s0), (g1, s1) = run_on_gloo(_same_tokens_worker, 2, timeout_s=300)
+    (g0, s0), (g1, s1) = run_on_gloo(_same_tokens_worker, 2, timeout_s=300, start_method="spawn")
     assert torch.equal(g0, g1) and torch.equal(s0, s1)
 
 

@@ -98,10 +98,22 @@ def check_device(info: GroupInfo, device: torch.device, caller: str) -> None:
 
 
 def sync_rng(info: GroupInfo, device: torch.device) -> None:
-    """Seed every rank's RNG (CPU and CUDA) with a seed drawn on rank 0 (one broadcast)."""
+    """Give every rank rank 0's RNG state (CPU, and ``device``'s CUDA generator): one broadcast each.
+
+    Rank 0's own state is left as it was (nothing is drawn), so a seed the user set (``torch.manual_seed(7)``)
+    gives the draws a single-process run with that seed makes, on every rank."""
     import torch.distributed as dist
 
-    seed = torch.randint(0, 2**62, (1,), dtype=torch.long) if info.rank == 0 else torch.zeros(1, dtype=torch.long)
-    seed = seed.to(device)
-    dist.broadcast(seed, src=info.global_ranks[0], group=info.group)
-    torch.manual_seed(int(seed.item()))
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    for index, state in enumerate(states):
+        size = torch.tensor([state.numel()], dtype=torch.long, device=device)
+        dist.broadcast(size, src=info.global_ranks[0], group=info.group)
+        moved = state.to(device) if info.rank == 0 else torch.empty(int(size), dtype=torch.uint8, device=device)
+        dist.broadcast(moved, src=info.global_ranks[0], group=info.group)
+        if info.rank != 0:
+            if index == 0:
+                torch.set_rng_state(moved.cpu())
+            else:
+                torch.cuda.set_rng_state(moved.cpu(), device)

@@ -15,6 +15,7 @@ import os
 import pickle
 import socket
 import tempfile
+import threading
 import time
 import traceback
 
@@ -67,14 +68,16 @@ def run_on_gloo(
     world_size: int,
     args: tuple = (),
     *,
-    timeout_s: float = 600.0,
+    timeout_s: float = 300.0,
     pg_timeout_s: float = 120.0,
     start_method: str | None = None,
 ):
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` new processes with a gloo default group.
 
-    ``start_method``: "fork" (default where available: the workers inherit the imported modules, so starting
-    them costs milliseconds, not the seconds ``import transformers`` takes) or "spawn".
+    ``start_method``: "fork" or "spawn". Default: "fork" where available and this process runs no thread but the
+    main one (the workers inherit the imported modules: starting them costs milliseconds, not the seconds ``import
+    transformers`` takes); else "spawn". Forking after threads started (Inductor's compile workers, a thread pool)
+    can leave a child waiting forever on a lock a vanished thread held: workers that compile must use "spawn".
 
     Returns the list of the workers' return values (rank order). A worker that raises makes this raise (with the
     worker's traceback); workers still alive after ``timeout_s`` seconds are killed and a TimeoutError raised.
@@ -84,7 +87,8 @@ def run_on_gloo(
     import torch.multiprocessing as mp
 
     if start_method is None:
-        start_method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+        single_threaded = threading.active_count() == 1
+        start_method = "fork" if single_threaded and "fork" in multiprocessing.get_all_start_methods() else "spawn"
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
             _worker,

@@ -91,6 +91,7 @@ def context_parallel_generate(model, input_ids: torch.LongTensor, logits_process
             "context_parallel_generate decodes on the ContextParallelCache that context_parallel_inputs returns; got "
             f"{type(cache).__name__}. Call model.generate(**hf_cascade.context_parallel_inputs(model, input_ids), ...)."
         )
+    check_same_generation_args(cache.info, input_ids, generation_config, logits_processor, stopping_criteria)
     method_name = GENERATION_MODES_MAPPING.get(generation_config.get_generation_mode())
     decode = getattr(type(model), method_name or "", None)
     if decode is None:
@@ -120,6 +121,63 @@ def context_parallel_generate(model, input_ids: torch.LongTensor, logits_process
             cache.use_fixed_buffers(decode_buffer_tokens(max_new_tokens), mask)
         decode = functools.partial(sample, decode_step=step)
     return _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
+
+
+def _generation_fields(input_ids, generation_config, logits_processor, stopping_criteria) -> dict[str, str]:
+    """What must be the same on every rank, as comparable strings: every generation-config field, the rows' shape,
+    the logits processors' and stopping criteria's classes."""
+    import json
+
+    def plain(value):
+        if isinstance(value, torch.Tensor):
+            return value.tolist()
+        return type(value).__name__  # an object: its class (no address, which differs per process)
+
+    fields = {key: json.dumps(value, sort_keys=True, default=plain)
+              for key, value in generation_config.to_dict().items() if not key.startswith("_")}
+    fields["input_ids.shape"] = str(tuple(input_ids.shape))
+    fields["logits_processor"] = str([type(p).__name__ for p in logits_processor or []])
+    fields["stopping_criteria"] = str([type(c).__name__ for c in stopping_criteria or []])
+    return fields
+
+
+def _digest(text: str) -> int:
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little", signed=True)
+
+
+def check_same_generation_args(info, input_ids, generation_config, logits_processor, stopping_criteria) -> None:
+    """Every rank must call generate() with the same arguments (each decode step is a collective): compare them
+    (one all-gather of a hash; a second one names the fields when they differ) and raise the same ValueError on
+    every rank, before any step, instead of a rank failing or waiting alone mid-generation."""
+    import torch.distributed as dist
+
+    if info.world_size == 1:
+        return
+    fields = _generation_fields(input_ids, generation_config, logits_processor, stopping_criteria)
+    keys = sorted(fields)
+    device = input_ids.device
+
+    def gathered(values: list[int]) -> list[list[int]]:
+        mine = torch.tensor(values, dtype=torch.long, device=device)
+        out = [torch.empty_like(mine) for _ in range(info.world_size)]
+        dist.all_gather(out, mine, group=info.group)
+        return [t.tolist() for t in out]
+
+    summary = gathered([_digest(repr(keys)), _digest(repr([fields[k] for k in keys]))])
+    if all(row == summary[0] for row in summary):
+        return
+    if any(row[0] != summary[0][0] for row in summary):
+        raise ValueError("context-parallel generate(): the ranks' generation configs have different fields "
+                         "(different transformers versions?). Run every rank from the same environment.")
+    per_key = gathered([_digest(fields[k]) for k in keys])
+    differ = [k for i, k in enumerate(keys) if any(row[i] != per_key[0][i] for row in per_key)]
+    raise ValueError(
+        f"context-parallel generate(): the ranks called generate() with different arguments: {differ} (this rank, "
+        f"{info.rank}: " + ", ".join(f"{k}={fields[k]}" for k in differ[:4]) + "). Every rank must call generate() "
+        "with the same arguments (each decode step is a collective over the ranks)."
+    )
 
 
 def _with_rank_zero_scores(logits_processor, info):

@@ -12,11 +12,10 @@ What happens: every rank runs the model over ONLY its zigzag shard of the prompt
 computed, so no rank ever holds the whole prompt's KV. ``generate()`` then feeds the last prompt token and the
 decode tokens to every rank; each attention layer combines the ranks' partial results exactly (``combine``).
 
-Same tokens on every rank: greedy/beam decoding is deterministic and the combined attention output is bitwise
-identical on all ranks (an all-reduce / all-gather result), so the logits are too. For sampling,
-``context_parallel_inputs`` re-seeds torch's RNG on every rank with a seed drawn on rank 0 (``sync_rng=True``), so
-``do_sample=True`` draws the same tokens everywhere. Seed rank 0 (``torch.manual_seed``) before the call for
-reproducible samples.
+Same tokens on every rank: every step's scores are broadcast from rank 0, and for sampling every rank gets rank 0's
+RNG state (``sync_rng=True``; rank 0's own state is untouched), so ``do_sample=True`` draws the same tokens
+everywhere, and with ``torch.manual_seed(seed)`` before the calls the tokens a single-process sdpa ``generate()``
+draws with that seed.
 
 Failures: every attention layer is a collective; if one rank raises or dies, the others fail when the process
 group's timeout expires (gloo also as soon as the dead peer's connection drops; NCCL's watchdog aborts, on by
@@ -204,7 +203,7 @@ def context_parallel_inputs(
                 ``[prefix | pads | suffix]``: the completions are ``out[:, inputs["input_ids"].shape[1]:]``.
             min_shared_tokens: shortest prefix ``"auto"`` shares (default 16).
             pad_token_id: id written in padding columns (never attended; default the model's pad id, else 0).
-            sync_rng: re-seed every rank's RNG from rank 0 so sampling agrees (default True).
+            sync_rng: give every rank rank 0's RNG state so sampling agrees (default True).
             check_inputs: verify every rank passed the same prompt (default True; one small all-gather).
             max_new_tokens: None (default: decode KV grows as needed, eager decode) or the most tokens generate()
                 will produce: fixed per-layer decode buffers written in place (:mod:`hf_cascade.parallel.fixed`),
