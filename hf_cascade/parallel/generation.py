@@ -13,7 +13,8 @@ does its usual preparation (generation config, logits processors, stopping crite
   that op's per-layer combine (one NCCL all-gather) is recorded in the graph with the rest of the step. A step then
   costs one graph launch instead of ~1,500 kernel launches and 32 host-driven collectives.
 * **The same tokens on every rank**: every step's scores are broadcast from rank 0 (the ranks' logits agree only to
-  rounding), and a sampling call re-seeds every rank's RNG from rank 0 first, so a per-rank seed set after
+  rounding), and a sampling call gives every rank rank 0's RNG state first (rank 0's is untouched: the same seed
+  draws sdpa's tokens), so a per-rank seed set after
   ``context_parallel_inputs`` (``set_seed(seed, device_specific=True)``) cannot make ranks differ.
 
 ``decode_step`` (``context_parallel_inputs(..., decode_step=...)``, stored on the cache): ``"auto"`` (default:
