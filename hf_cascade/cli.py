@@ -275,6 +275,9 @@ def cmd_demo(args) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- bench
+_CPU_BENCH_WORK = 1 << 14  # layers x rows x prompt tokens above which bench on a CPU points to the demo
+
+
 def add_bench(sub) -> None:
     bench = sub.add_parser(
         "bench",
@@ -323,6 +326,16 @@ def cmd_bench(args) -> int:
         print(f"wrote {plot_results(args.plot, png)}")
         return 0
 
+    if args.device == "cpu" and args.layers * args.batch * (args.prefix + args.suffix) > _CPU_BENCH_WORK:
+        print(
+            f"hf_cascade bench --device cpu: the Llama-3-8B-shaped workload ({args.layers} layers, {args.batch} rows x "
+            f"{args.prefix + args.suffix} tokens) would run for hours on a CPU. For the same comparison on a CPU run "
+            "`python -m hf_cascade demo` (a pretrained 135M model, about a minute; `--model tiny` for a tiny one), "
+            "or shrink this one below layers x rows x tokens = "
+            f"{_CPU_BENCH_WORK:,}, e.g. `--device cpu --layers 1 --batch 4 --prefix 256 --suffix 16 --new-tokens 8`.",
+            file=sys.stderr,
+        )
+        return 2
     import torch
 
     from hf_cascade import quick_bench

@@ -6,8 +6,10 @@ The sizes are tiny so everything runs on a CPU in seconds; the comments give the
 from __future__ import annotations
 
 import copy
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 # family -> (config class name, reference attention implementation, config overrides)
 FAMILIES = {
@@ -111,21 +113,23 @@ def tiny_model(
     attn_implementation: str = "cascade",
     *,
     seed: int = 0,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     device: str | torch.device = "cpu",
     config=None,
     **overrides,
 ):
-    """A random-init causal LM of ``family`` (weights fixed by ``seed``), in eval mode.
+    """A random-init causal LM of ``family`` (weights fixed by ``seed``), in eval mode; ``dtype`` default float32.
 
     Two calls with the same ``family``/``seed``/``overrides`` give identical weights, whatever
     ``attn_implementation`` is; each gets its own deep copy of the config (a shared config object would make a
     "reference" model silently run another attention implementation).
     """
+    import torch
     from transformers import AutoModelForCausalLM
 
     import hf_cascade  # noqa: F401  (registers "cascade")
 
+    dtype = torch.float32 if dtype is None else dtype
     config = copy.deepcopy(config) if config is not None else tiny_config(family, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=dtype)

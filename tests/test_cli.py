@@ -221,3 +221,22 @@ def test_quiet_loading_silences_the_gguf_converter_bar():
         assert gguf_utils.tqdm([1], desc="x").disable
     assert gguf_utils.tqdm is bar
     assert inspect.signature(load_smollm2).parameters["cache_dir"].default is None  # cached, as the CLI loads
+
+
+def test_bench_on_a_cpu_points_to_the_demo(capsys):
+    assert main(["bench", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert "python -m hf_cascade demo" in err and "--layers 1" in err
+
+
+def test_help_imports_neither_torch_nor_transformers():
+    """`python -m hf_cascade --help` answers at once: argparse first, torch only when a command runs."""
+    import subprocess
+    import sys
+
+    code = ("import sys, contextlib, io\nfrom hf_cascade.cli import main\n"
+            "with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n    main(['--help'])\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
