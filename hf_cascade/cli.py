@@ -114,7 +114,8 @@ def collect_info() -> dict:
     if backend == "triton":
         path = f"triton: hf_cascade's Triton kernels on {gpus[0]['name']}"
     elif gpus:
-        path = "torch: fp32 PyTorch ops on the GPU (triton is not importable: pip install triton, or pip install -e '.[triton]' in the hf_cascade checkout)"
+        path = ("torch: fp32 PyTorch ops on the GPU (triton is not importable: pip install triton, or "
+                "pip install -e '.[triton]' in the hf_cascade checkout)")
     else:
         path = "torch: fp32 PyTorch reference ops on the CPU (no CUDA GPU); Triton kernels run on CUDA GPUs"
     from transformers import AttentionInterface

@@ -9,8 +9,8 @@ Panels, each drawn only when the records hold its data:
 * **peak memory** vs batch, one line per peer (and prefix length), out-of-memory points marked.
 
 Records missing a field are skipped; field names have a few accepted aliases (``batch``/``batch_size``,
-``prefix``/``prefix_len``...). Needs ``matplotlib`` (``pip install matplotlib``, or ``pip install -e ".[plot]"`` in the checkout); draws with the Agg
-backend, no display needed.
+``prefix``/``prefix_len``...). Needs ``matplotlib`` (``pip install matplotlib``, or ``pip install -e ".[plot]"`` in
+the checkout); draws with the Agg backend, no display needed.
 """
 
 from __future__ import annotations
