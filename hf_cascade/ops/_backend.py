@@ -183,7 +183,7 @@ def resolve_backend(backend: str, device: torch.device, op: str) -> str:
     if not triton_available():
         raise ValueError(
             f"{op}: backend='triton' but triton is not importable. Install it with "
-            "`pip install triton` (or `pip install -e ".[triton]"` in the hf_cascade checkout) or pass backend='torch'."
+            "`pip install triton` (or `pip install -e '.[triton]'` in the hf_cascade checkout) or pass backend='torch'."
         )
     if device.type != "cuda" and not interpret_mode():
         raise ValueError(
