@@ -4,8 +4,8 @@ custom_generate=hf_cascade.generate)``, as in ``examples/few_shot_eval.py`` and 
 Two explicit ways in:
 
 1. You know the shared prefix (a system prompt): ``CascadeCache.from_prefix(model, prefix_ids)`` prefills it once;
-   pass the cache to ``generate(past_key_values=cache)`` with rows laid out ``[prefix | pads | suffix]``. The same
-   cache serves batch after batch.
+   pass the cache to ``generate(cache=cache)`` (``past_key_values=`` before transformers 5.24: ``CACHE_KWARG`` names
+   it) with rows laid out ``[prefix | pads | suffix]``. The same cache serves batch after batch.
 2. You have an ordinary tokenized batch: ``shared_prefix_inputs(model, input_ids, attention_mask)`` finds the
    (nested) shared prefixes itself and returns the inputs for ``generate(**inputs)``.
 
@@ -61,7 +61,7 @@ def main():
     print(f"prefix: {prefix_ids.shape[1]} tokens prefilled once; {cache}")
     for questions in (QUESTIONS, MORE_QUESTIONS):  # two batches, one prefill
         input_ids, attention_mask = prefix_batch(questions)
-        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, past_key_values=cache, **gen)
+        out = model.generate(input_ids=input_ids, attention_mask=attention_mask, **{CACHE_KWARG: cache}, **gen)
         for q, text in zip(questions, tokenizer.batch_decode(out[:, input_ids.shape[1] :], skip_special_tokens=True)):
             print(f"  {q!r} -> {text!r}")
         print(f"  KV held: {cache.nbytes / 2**20:.2f} MiB (prefix once + {len(questions)} suffixes)")
