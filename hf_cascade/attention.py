@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import sys
 import weakref
 from typing import Protocol
 
@@ -29,6 +30,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.utils import logging
 
+from hf_cascade._registration import OWN_ATTENTION_TABLES
 from hf_cascade.decode.compiled_layers import PREFILL_BATCH_MASKS, layer_step_cache, note_layer_written, outside_layer_graphs
 
 logger = logging.get_logger(__name__)
@@ -354,23 +356,17 @@ def register() -> None:
     models that pick their attention class from a table of their own refuse it clearly (see :class:`_Refused`)."""
     AttentionInterface.register(ATTENTION_NAME, cascade_attention_forward)
     AttentionMaskInterface.register(ATTENTION_NAME, cascade_mask)
-    import importlib
+    refuse_in_own_tables()
 
-    for module_name, table, family in _OWN_ATTENTION_TABLES:
-        try:
-            classes = getattr(importlib.import_module(f"transformers.models.{module_name}"), table)
-        except (ImportError, AttributeError):
-            continue
-        if isinstance(classes, dict) and ATTENTION_NAME not in classes:  # (never replaces an entry)
+
+def refuse_in_own_tables() -> None:
+    """Give the attention table of each loaded model module of :data:`OWN_ATTENTION_TABLES` a ``"cascade"`` entry
+    that refuses clearly (see :class:`_Refused`; never replaces an entry). Modules not loaded yet (or still loading)
+    get it from :mod:`hf_cascade._registration`'s post-import hook once loaded."""
+    for module_name, table, family in OWN_ATTENTION_TABLES:
+        classes = getattr(sys.modules.get(module_name), table, None)
+        if isinstance(classes, dict) and ATTENTION_NAME not in classes:
             classes[ATTENTION_NAME] = type(f"{family}CascadeRefused", (_Refused,), {"family": family})
-
-
-# Models whose constructor looks attn_implementation up in a table of their own (not AttentionInterface): without an
-# entry, loading one with "cascade" fails with a bare KeyError: 'cascade' (transformers 5.x).
-_OWN_ATTENTION_TABLES = (
-    ("falcon.modeling_falcon", "FALCON_ATTENTION_CLASSES", "Falcon"),
-    ("gpt_neo.modeling_gpt_neo", "GPT_NEO_ATTENTION_CLASSES", "GPT-Neo"),
-)
 
 
 class _Refused(torch.nn.Module):

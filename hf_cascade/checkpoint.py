@@ -29,8 +29,8 @@ try:
 except ImportError as err:
     raise ImportError(
         "This checkpoint's custom_generate/generate.py (written by hf_cascade.write_custom_generate) needs "
-        "hf_cascade: `pip install hf-cascade`, or load the checkpoint without trust_remote_code=True for "
-        "transformers' own generate()."
+        "hf_cascade: install it from its checkout (`pip install -e /path/to/hf_cascade`; it is not on PyPI), or load "
+        "the checkpoint without trust_remote_code=True for transformers' own generate()."
     ) from err
 
 
@@ -71,6 +71,36 @@ def checkpoint_generate(model, *args, **kwargs):
     return GenerationMixin.generate(model, *args, **kwargs)
 
 
+_UNREADABLE = object()  # a file that exists but cannot be read as text
+
+
+def _read_text(file: str):
+    """The text of ``file``, None where there is none, or ``_UNREADABLE``."""
+    if not os.path.lexists(file):
+        return None
+    try:
+        with open(file, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError):
+        return _UNREADABLE
+
+
+def _keep_copy(file: str, text: str) -> str:
+    """Copy ``text`` (``file``'s content, about to be rewritten) to a new ``file.bak`` (``.bak.1``, ... where taken)
+    and warn, naming it."""
+    backup, n = f"{file}.bak", 0
+    while os.path.lexists(backup):
+        n += 1
+        backup = f"{file}.bak.{n}"
+    with open(backup, "x", encoding="utf-8") as f:
+        f.write(text)
+    warnings.warn(
+        f"hf_cascade: {file} differs from what write_custom_generate writes (edited, or written by another "
+        f"version); it is rewritten, and its content kept in {backup}.", stacklevel=3,
+    )
+    return backup
+
+
 def write_custom_generate(checkpoint_dir: str) -> str:
     """Make a local checkpoint's plain ``generate()`` use cascade decoding, with no argument at the call.
 
@@ -79,8 +109,10 @@ def write_custom_generate(checkpoint_dir: str) -> str:
     trust_remote_code=True)`` then runs ``model.generate(**batch, ...)`` — and ``pipeline("text-generation",
     model=model, ...)`` — through :func:`hf_cascade.generate` (:func:`checkpoint_generate`). Without
     ``trust_remote_code=True`` transformers ignores the file and generate() is the stock one (no sharing).
-    Files written by hf_cascade are rewritten; any other file at those paths is never overwritten (a ValueError
-    naming it, before anything is written).
+    Files written by hf_cascade are rewritten; a ``generate.py`` of hf_cascade's that differs from what this
+    version writes (edited by hand, or written by another version) is first copied to ``generate.py.bak`` (or
+    ``generate.py.bak.1``, ... : no copy is overwritten), with a warning naming the copy. Any other file at those
+    paths is never overwritten (a ValueError naming it, before anything is written).
 
     Args:
         checkpoint_dir: a folder holding a checkpoint (``config.json``), e.g. written by ``save_pretrained``.
@@ -95,19 +127,18 @@ def write_custom_generate(checkpoint_dir: str) -> str:
     folder = os.path.join(checkpoint_dir, "custom_generate")
     path = os.path.join(folder, "generate.py")
     requirements = os.path.join(folder, "requirements.txt")
+    existing = {}
     for file, ours in ((path, lambda text: text.startswith(_MARK)), (requirements, _OUR_REQUIREMENTS.__contains__)):
-        if os.path.lexists(file):
-            try:
-                with open(file, encoding="utf-8") as f:
-                    text = f.read()
-            except (OSError, UnicodeDecodeError):
-                text = None
-            if text is None or not ours(text):
-                raise ValueError(
-                    f"{file} exists and was not written by hf_cascade: write_custom_generate does not overwrite it. "
-                    "Move it elsewhere (the checkpoint's own custom generate code), then call write_custom_generate "
-                    "again."
-                )
+        text = _read_text(file)
+        if text is not None and (text is _UNREADABLE or not ours(text)):
+            raise ValueError(
+                f"{file} exists and was not written by hf_cascade: write_custom_generate does not overwrite it. "
+                "Move it elsewhere (the checkpoint's own custom generate code), then call write_custom_generate "
+                "again."
+            )
+        existing[file] = text
+    if existing[path] not in (None, _CUSTOM_GENERATE_PY):
+        _keep_copy(path, existing[path])
     os.makedirs(folder, exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         f.write(_CUSTOM_GENERATE_PY)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import warnings
 
 import numpy as np
 import torch
@@ -19,18 +20,70 @@ __all__ = ["CHECKPOINT_VERSION", "Checkpoint"]
 CHECKPOINT_VERSION = 2  # 2: the header records the model and the tokenizer (1 did not)
 
 
-def _fingerprint(rows, gen_kwargs, skip_special_tokens, output_column) -> str:
+# generate() arguments that do not change the completions: left out of the fingerprint.
+_NO_EFFECT_KWARGS = frozenset({"streamer"})
+
+
+class _Unverifiable(Exception):
+    """A setting whose value cannot be written down to be compared with another run's (an object)."""
+
+
+def _describe_setting(value):
+    """``value`` as JSON-able data that two runs compare by value: tensors and arrays by dtype, shape and values, a
+    ``GenerationConfig`` by its fields, containers item by item. Raise :class:`_Unverifiable` for anything else
+    (logits processors, stopping criteria, functions: objects whose behaviour their attributes need not show)."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        array = value.detach().cpu() if isinstance(value, torch.Tensor) else value
+        return {"tensor": str(array.dtype).removeprefix("torch."), "shape": list(array.shape),
+                "values": array.flatten().tolist()}
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, (torch.dtype, torch.device)):
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        return [_describe_setting(item) for item in value]
+    if isinstance(value, dict):
+        if all(isinstance(k, str) for k in value):
+            return {k: _describe_setting(v) for k, v in value.items()}
+        return {"items": [[_describe_setting(k), _describe_setting(v)] for k, v in value.items()]}
+    from transformers import GenerationConfig
+
+    if isinstance(value, GenerationConfig):
+        fields = {k: v for k, v in value.to_dict().items() if k != "transformers_version"}
+        return {"generation_config": _describe_setting(fields)}
+    raise _Unverifiable
+
+
+def _job_settings(gen_kwargs: dict) -> tuple[dict, list[str]]:
+    """``(settings, unverifiable)``: the generation kwargs as JSON-able data compared by value, and the names of
+    those that cannot be (recorded by their type only: a rerun cannot tell whether they are the same)."""
+    settings, unverifiable = {}, []
+    for key, value in sorted(gen_kwargs.items()):
+        if key in _NO_EFFECT_KWARGS:
+            continue
+        try:
+            json.dumps(value)
+            settings[key] = value  # plain JSON: as written by earlier versions (their fingerprints still match)
+            continue
+        except (TypeError, ValueError):
+            pass
+        try:
+            settings[key] = _describe_setting(value)
+        except _Unverifiable:
+            settings[key] = {"unverifiable": f"{type(value).__module__}.{type(value).__qualname__}"}
+            unverifiable.append(key)
+    return settings, unverifiable
+
+
+def _fingerprint(rows, settings: dict, skip_special_tokens, output_column) -> str:
+    """A hash of the prompts' token ids and the job's settings (from :func:`_job_settings`)."""
     digest = hashlib.sha256()
     for ids in rows:
         digest.update(np.asarray(ids, dtype=np.int64).tobytes())
         digest.update(b"|")
-    settings = {}
-    for key, value in sorted(gen_kwargs.items()):
-        try:
-            json.dumps(value)
-        except (TypeError, ValueError):
-            continue  # objects (stopping criteria, logits processors) are not part of the fingerprint
-        settings[key] = value
+    settings = dict(settings)
     settings["skip_special_tokens"] = skip_special_tokens
     settings["output_column"] = output_column
     digest.update(json.dumps(settings, sort_keys=True).encode())
@@ -184,6 +237,23 @@ def _tokenizer_difference(old: dict, new: dict) -> str | None:
     )
 
 
+def _is_row_index(value, rows: int) -> bool:
+    """Whether ``value`` is a row number of a job of ``rows`` rows (an int, not a bool)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < rows
+
+
+def _is_completion(value, num_return: int) -> bool:
+    """Whether ``value`` is what generate_dataset writes for one row: a string, or a list of ``num_return``."""
+    if num_return == 1:
+        return isinstance(value, str)
+    return isinstance(value, list) and len(value) == num_return and all(isinstance(v, str) for v in value)
+
+
+def _short_repr(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 class Checkpoint:
     """JSON lines: a header ``{"hf_cascade_checkpoint": 2, "fingerprint": ..., "rows": N, "output_column": ...,
     "model": {...}, "tokenizer": {...}}`` then one ``{"index": i, "completion": ...}`` per finished row, appended
@@ -195,8 +265,12 @@ class Checkpoint:
                 tokenizer) -> "Checkpoint":
         """The checkpoint at ``path`` of the job that generates for ``rows`` (token ids) with these settings, this
         model and this tokenizer (call :meth:`load` to read what it finished)."""
-        return cls(path, _fingerprint(rows, gen_kwargs, skip_special_tokens, output_column), len(rows), output_column,
-                   _describe_model(model), _describe_tokenizer(tokenizer))
+        settings, unverifiable = _job_settings(gen_kwargs)
+        checkpoint = cls(path, _fingerprint(rows, settings, skip_special_tokens, output_column), len(rows),
+                         output_column, _describe_model(model), _describe_tokenizer(tokenizer))
+        checkpoint.unverifiable = unverifiable
+        checkpoint.num_return = int(gen_kwargs.get("num_return_sequences") or 1)
+        return checkpoint
 
     def __init__(self, path, fingerprint: str, num_rows: int, output_column: str, model: dict, tokenizer: dict):
         self.path = os.fspath(path)
@@ -208,12 +282,31 @@ class Checkpoint:
             "model": model,
             "tokenizer": tokenizer,
         }
+        # generation kwargs that cannot be compared with the run that wrote the file (see _job_settings)
+        self.unverifiable: list[str] = []
+        self.num_return = 1  # completions per row: a string each, or a list of this many strings
 
     def load(self) -> dict[int, object]:
-        """Finished rows from an existing file (creating it with its header if absent)."""
+        """Finished rows from an existing file (creating it with its header if absent). Raises a ValueError, the
+        file untouched, for a file of another job, a line edited into another shape, or finished rows this call's
+        settings cannot be checked against (:attr:`unverifiable`)."""
         if not os.path.exists(self.path) or os.path.getsize(self.path) == 0:
-            self._rewrite({})
-            return {}
+            done, rewrite = {}, True
+        else:
+            done, rewrite = self._read()
+        if done and self.unverifiable:
+            self._refuse_unverifiable(len(done))
+        if self.unverifiable:
+            warnings.warn(
+                f"generate_dataset: generation_kwargs {', '.join(self.unverifiable)} cannot be compared between runs "
+                f"(objects, not values): if this job stops, {self.path} cannot be resumed.", stacklevel=3,
+            )
+        if rewrite:
+            self._rewrite(done)
+        return done
+
+    def _read(self) -> tuple[dict[int, object], bool]:
+        """``(finished rows, whether the file must be rewritten)`` from the existing file."""
         done: dict[int, object] = {}
         clean = True
         # Read as bytes and decode line by line: a crash (or a full disk) while appending can cut the last line
@@ -230,20 +323,44 @@ class Checkpoint:
                 "delete the file."
             )
         self._check_header(header)
-        for line in lines[1:]:
+        for number, line in enumerate(lines[1:], start=2):
             if not line:
                 continue
             try:
                 record = json.loads(line.decode("utf-8"))
-                index = int(record["index"])
-                if not 0 <= index < self.header["rows"]:
-                    raise ValueError
-                done[index] = record["completion"]
-            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError):
+            except (json.JSONDecodeError, UnicodeDecodeError):
                 clean = False  # a line cut short by a crash: that row is generated again
-        if not clean or not lines[-1] == b"":
-            self._rewrite(done)
-        return done
+                continue
+            index, completion = self._check_record(record, number)
+            done[index] = completion
+        return done, not clean or lines[-1] != b""
+
+    def _check_record(self, record, number: int) -> tuple[int, object]:
+        """``(index, completion)`` of a decoded line, or a ValueError naming the file and the line: a whole line
+        of another shape was not cut by a crash but edited (its completion would fail, or be wrong, later)."""
+        if not isinstance(record, dict):
+            problem = f'it must be an object {{"index": row, "completion": ...}}; got {_short_repr(record)}'
+        elif not _is_row_index(record.get("index"), self.header["rows"]):
+            problem = f"its index must be a row number in [0, {self.header['rows']}); got {record.get('index')!r}"
+        elif not _is_completion(record.get("completion"), self.num_return):
+            want = "a string" if self.num_return == 1 else f"a list of {self.num_return} strings"
+            problem = f"its completion must be {want}; got {_short_repr(record.get('completion'))}"
+        else:
+            return record["index"], record["completion"]
+        raise ValueError(
+            f"The checkpoint {self.path}, line {number}, is not a finished row: {problem}. Fix or delete that line "
+            "(its row is then generated again), or delete the file to start over."
+        )
+
+    def _refuse_unverifiable(self, finished: int) -> None:
+        """Refuse to resume rows generated with settings that cannot be compared with this call's."""
+        names = ", ".join(f"`{name}`" for name in self.unverifiable)
+        raise ValueError(
+            f"The checkpoint {self.path} holds {finished} finished rows, but this call's generation_kwargs {names} "
+            "cannot be compared with the run that wrote them (objects, not values), so they may not be this call's "
+            "completions and are not resumed. Delete the file to generate every row again (a job with such "
+            "settings cannot be resumed), or pass another `checkpoint_path=`."
+        )
 
     def _check_header(self, header: dict) -> None:
         """Refuse (ValueError) a checkpoint written by another job, naming what differs."""

@@ -188,7 +188,11 @@ def generate_dataset(
             (name, vocabulary size, a hash of its vocabulary). A checkpoint of another job (other prompts,
             settings, model, dtype or tokenizer) is refused with a ValueError naming what differs, rather than
             silently mixed in. The model's and tokenizer's names are recorded for that message but not
-            compared: the same weights loaded from another directory resume.
+            compared: the same weights loaded from another directory resume. Settings are compared by value
+            (tensors included); objects that cannot be (a logits processor, stopping criteria, a function) make
+            the file unresumable: a warning when the job starts, a ValueError naming them on a rerun that would
+            resume it. A line edited into another shape is refused with a ValueError naming the file and the
+            line.
         return_stats: return ``(dataset, GenerationStats)`` instead of the dataset alone.
 
     Returns:
@@ -265,7 +269,11 @@ def generate_dataset(
         stats.interrupted = True
         bar.close()
         partial = dataset.add_column(output_column, completions)
-        where = f"; saved to {checkpoint.path} (rerun to resume)" if checkpoint else ""
+        where = ""
+        if checkpoint:
+            resume = "rerun to resume" if not checkpoint.unverifiable else (
+                f"not resumable: generation_kwargs {', '.join(checkpoint.unverifiable)} cannot be compared between runs")
+            where = f"; saved to {checkpoint.path} ({resume})"
         finished = stats.rows_generated + stats.rows_resumed
         message = f"generate_dataset interrupted: {finished}/{num_rows} rows done{where}"
         logger.warning("%s\n%s", message, stats.summary())
@@ -286,7 +294,8 @@ def _check_dataset(dataset, prompt_column, prompt_fn, output_column):
     try:
         import datasets
     except ImportError:  # pragma: no cover - datasets is an optional extra
-        raise ImportError("generate_dataset needs `datasets`: pip install 'hf-cascade[datasets]'") from None
+        raise ImportError("generate_dataset needs `datasets`: pip install datasets (or pip install -e '.[datasets]' "
+                          "in the hf_cascade checkout)") from None
     if isinstance(dataset, datasets.DatasetDict):
         raise ValueError(
             f"`dataset` is a DatasetDict with splits {list(dataset)}; pass one split, e.g. dataset['train']."
@@ -344,6 +353,8 @@ def _eos_ids(model, gen_kwargs) -> list[int]:
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if eos is None:
         return []
+    if isinstance(eos, torch.Tensor):  # generate() takes a tensor of one or more ids too
+        return [int(e) for e in eos.flatten().tolist()]
     return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
 
@@ -414,42 +425,94 @@ def _make_batches(rows, order, max_batch_tokens, max_batch_size, new_tokens_per_
 
 
 class _CarriedPrefix:
-    """A prefix shared by consecutive batches, prefilled once (``CascadeCache.from_prefix``) and passed as
-    ``past_key_values`` to each of them (hf_cascade.generate plans the batch below it). Rows are sorted, so the batches a prefix serves
-    are consecutive: once a batch does not start with it, it is dropped for good."""
+    """The prefix shared by consecutive batches, prefilled once and passed as ``past_key_values`` to each of them
+    (hf_cascade.generate plans the batch below it). Rows are sorted, so the batches a prefix serves are consecutive:
+    the carried prefix grows where a batch shares more with the next one (only the new tokens are prefilled, below
+    the carried ones) and shrinks to what the rows still share (its KV cut, nothing prefilled). A dataset-wide
+    preamble is so prefilled once in total, however the rows fall into batches (rows of a resumed job included)."""
 
     def __init__(self, model, min_shared_tokens):
         self.model = model
-        self.min_shared_tokens = min_shared_tokens
+        self.min_shared_tokens = max(min_shared_tokens, 1)
         self.tokens: tuple[int, ...] = ()
+        self.level = None  # the carried tokens' KV: one PrefixLevel of one node
         self.cache = None
 
     def clear(self):
-        self.tokens, self.cache = (), None
+        self.tokens, self.level, self.cache = (), None, None
 
     def for_batch(self, batch_rows: list[list[int]], next_rows: list[list[int]] | None, stats) -> tuple:
         """Return ``(cache or None, its token count)`` for a batch (rows in sorted order)."""
-        from hf_cascade.cache import CascadeCache
-
         first, last = batch_rows[0], batch_rows[-1]
         shortest = min(len(r) for r in batch_rows)
-        if self.cache is not None:
-            n = len(self.tokens)
-            if n < shortest and tuple(first[:n]) == self.tokens and tuple(last[:n]) == self.tokens:
-                return self.cache, n
+        # Later rows sort after `last`: they share no more of the carried tokens than it does.
+        self._truncate(_common_prefix_len(self.tokens, last))
+        if next_rows is not None:
+            # The prefix this batch shares with the next one (sorted rows: LCP of a range = LCP of its ends).
+            span = min(_common_prefix_len(first, next_rows[-1]), _common_prefix_len(first, last))
+            span = min(span, shortest - 1, min(len(r) for r in next_rows) - 1)  # each row keeps >= 1 own token
+            if span > len(self.tokens) and span >= self.min_shared_tokens:
+                self._extend(tuple(first[:span]), stats)
+        n = min(len(self.tokens), shortest - 1)
+        if n < self.min_shared_tokens:
+            return None, 0
+        if n == len(self.tokens):
+            return self.cache, n
+        return self._cache_for(_slice_level(self.level, n), n), n  # a row ends inside the carried tokens
+
+    def _truncate(self, n: int) -> None:
+        """Keep the first ``n`` carried tokens (their KV cut from the carried level; nothing prefilled)."""
+        if n >= len(self.tokens):
+            return
+        if n < self.min_shared_tokens:
             self.clear()
-        if next_rows is None:
-            return None, 0
-        # The prefix this batch shares with the next one (sorted rows: LCP of a range = LCP of its ends).
-        span = min(_common_prefix_len(first, next_rows[-1]), _common_prefix_len(first, last))
-        span = min(span, shortest - 1, min(len(r) for r in next_rows) - 1)  # each row keeps >= 1 own token
-        if span < max(self.min_shared_tokens, 1):
-            return None, 0
-        prefix = torch.tensor(first[:span], dtype=torch.int64, device=self.model.device)
-        self.cache = CascadeCache.from_prefix(self.model, prefix)
-        self.tokens = tuple(first[:span])
-        stats.prefix_tokens_prefilled += int(getattr(self.cache, "prefilled_prefix_tokens", span))
-        return self.cache, span
+            return
+        self.level = _slice_level(self.level, n, copy=True)  # a copy: the longer level's memory is freed
+        self.tokens = self.tokens[:n]
+        self.cache = self._cache_for(self.level, n)
+
+    def _extend(self, tokens: tuple[int, ...], stats) -> None:
+        """Carry ``tokens`` (which start with the carried ones): prefill only the tokens not carried yet, below the
+        carried level, and join the two into one level."""
+        from hf_cascade.cache import CascadeCache
+        from hf_cascade.prefill import prefill_levels
+
+        start = len(self.tokens)
+        base = [self.level] if self.level is not None else []
+        levels = prefill_levels(self.model, [[(tokens[start:], 0 if base else None, start)]], base,
+                                [[None]] if base else [], cache_class=CascadeCache)
+        self.level = _join_levels(levels) if base else levels[0]
+        self.tokens = tokens
+        self.cache = self._cache_for(self.level, len(tokens))
+        stats.prefix_tokens_prefilled += len(tokens) - start
+
+    def _cache_for(self, level, n: int):
+        from hf_cascade.cache import CascadeCache
+
+        return CascadeCache(self.model, [level], row_nodes=None, prefix_length=n)
+
+
+def _slice_level(level, n: int, copy: bool = False):
+    """The first ``n`` tokens of a one-node :class:`~hf_cascade.prefill.PrefixLevel` (a causal prefix's KV does
+    not depend on the tokens after it)."""
+    from hf_cascade.prefill import PrefixLevel
+
+    cut = (lambda t: t[:, :n].clone()) if copy else (lambda t: t[:, :n])
+    return PrefixLevel([level.node_tokens[0][:n]], [0, n], [cut(k) for k in level.keys],
+                       [cut(v) for v in level.values])
+
+
+def _join_levels(levels):
+    """One one-node level holding the tokens of a chain of one-node levels (their KV joined along the tokens)."""
+    from hf_cascade.prefill import PrefixLevel
+
+    tokens = tuple(t for level in levels for t in level.node_tokens[0])
+
+    def join(per_level):  # per level, per layer [Hkv, T, D] -> per layer [Hkv, sum T, D]
+        return [torch.cat(parts, dim=1) for parts in zip(*per_level)]
+
+    return PrefixLevel([tokens], [0, len(tokens)], join([level.keys for level in levels]),
+                       join([level.values for level in levels]))
 
 
 def _pad_left(rows: list[list[int]], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -73,6 +73,46 @@ def validate_token_ids(ids, name: str, model: torch.nn.Module) -> torch.Tensor:
     return ids.long()
 
 
+def fill_window(input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+                rows: Sequence[Sequence[int]], starts: Sequence[int]) -> np.ndarray:
+    """Lay ``rows`` (token ids; row ``b``'s first token at position ``starts[b]``, after its chain of shared nodes)
+    out in a forward over a :class:`~hf_cascade.cache.CascadeCache` of ``P >= max(starts)`` prefix columns, as
+    generate() lays out a left-padded row ``[pads | chain | own tokens]``.
+
+    Args:
+        input_ids, position_ids: zeroed int64 ``[B, W]`` (``W`` >= the longest row); attention_mask: zeroed int64
+            ``[B, P + W]``. Filled in place: each row right-aligned in the ``W`` window columns, the mask 1 from
+            column ``P + pad - start`` on (its chain's columns end where its own tokens start), so column ``j``
+            holds position ``j - (leading zeros)``: transformers' chunked-attention mask (Llama 4), which counts
+            chunks from a row's first 1, puts the bounds on the row's own positions.
+    Returns:
+        ``suffix_start`` int64 ``[B]``: each row's first own window column (``pad``); the window columns before it
+        stand for chain tokens (read through the prefix levels) and are masked by the cache.
+    """
+    prefix_length, width = attention_mask.shape[1] - input_ids.shape[1], input_ids.shape[1]
+    suffix_start = np.zeros(len(rows), dtype=np.int64)
+    for i, (tokens, start) in enumerate(zip(rows, starts)):
+        pad = width - len(tokens)
+        if start > prefix_length or pad < 0:
+            raise ValueError(f"fill_window: row {i} ({len(tokens)} tokens from position {start}) does not fit "
+                             f"{prefix_length} prefix columns and a window of {width}.")
+        input_ids[i, pad:] = np.fromiter(tokens, np.int64, len(tokens))
+        position_ids[i, pad:] = np.arange(start, start + len(tokens))
+        attention_mask[i, prefix_length + pad - start:] = 1
+        suffix_start[i] = pad
+    return suffix_start
+
+
+def window_layout(rows: Sequence[Sequence[int]], starts: Sequence[int], prefix_length: int):
+    """:func:`fill_window` into new CPU tensors: ``(input_ids [B, W], attention_mask [B, P + W], position_ids [B, W],
+    suffix_start [B])``, all int64, ``W`` the longest row, ``P = prefix_length`` (at least ``max(starts)``)."""
+    width = max(len(row) for row in rows)
+    input_ids, position_ids = np.zeros((len(rows), width), np.int64), np.zeros((len(rows), width), np.int64)
+    attention_mask = np.zeros((len(rows), prefix_length + width), np.int64)
+    suffix_start = fill_window(input_ids, attention_mask, position_ids, rows, starts)
+    return tuple(torch.from_numpy(a) for a in (input_ids, attention_mask, position_ids, suffix_start))
+
+
 def _chains(levels_so_far: int, parents: Sequence[Sequence[int | None]], node_parent: list[int | None]):
     """``[levels_so_far, N]`` int64 chain of ancestor node indices for each new node (row)."""
     rows = torch.full((levels_so_far, len(node_parent)), -1, dtype=torch.int64)
@@ -122,8 +162,6 @@ def prefill_levels(
         # On the host: the cache keeps row_nodes there (a copy to the device and back would wait for the level
         # before).
         row_nodes = _chains(len(levels), parents, node_parent) if levels else None
-        cache = cache_class(model, levels, row_nodes=row_nodes, prefix_length=prefix_length)
-        cache.builtin_kernels = builtin_kernels
         # The forward's ids, mask and positions in one host buffer: one pinned copy to the device, not three. Built
         # in numpy (one thread; torch's CPU kernels wake their thread pool for long nodes, slow on a busy host).
         rows = len(nodes)
@@ -132,12 +170,11 @@ def prefill_levels(
         input_ids, attention_mask, position_ids = (
             part.reshape(rows, -1) for part in np.split(packed, np.cumsum(sizes)[:-1])
         )
-        for i, (tokens, _, start) in enumerate(nodes):
-            pad = width - len(tokens)
-            input_ids[i, pad:] = np.fromiter(tokens, np.int64, len(tokens))
-            attention_mask[i, :start] = 1
-            attention_mask[i, prefix_length + pad :] = 1
-            position_ids[i, pad:] = np.arange(start, start + len(tokens))
+        suffix_start = fill_window(input_ids, attention_mask, position_ids,
+                                   [tokens for tokens, _, _ in nodes], [start for _, _, start in nodes])
+        cache = cache_class(model, levels, row_nodes=row_nodes, prefix_length=prefix_length,
+                            suffix_start=torch.from_numpy(suffix_start))
+        cache.builtin_kernels = builtin_kernels
         input_ids, attention_mask, position_ids = (
             part.view(rows, -1) for part in host_to_device(torch.from_numpy(packed), device).split(sizes)
         )

@@ -74,11 +74,10 @@ def left_padding(tokenizer):
 
 def gguf_cache_root(cache_dir: str | None = None) -> str | None:
     """Where dequantised GGUF weights are cached: ``cache_dir``, else ``$HF_CASCADE_CACHE``, else
-    ``~/.cache/hf_cascade``; None when that is ``"off"``."""
-    root = cache_dir or os.environ.get("HF_CASCADE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hf_cascade"
-    )
-    return None if root == "off" else root
+    ``~/.cache/hf_cascade``; None when that is ``"off"`` (any case; also ``0``, ``false``, ``no``)."""
+    from hf_cascade._env import cache_root
+
+    return cache_root(cache_dir)
 
 
 def load_gguf(

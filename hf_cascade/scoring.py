@@ -30,7 +30,7 @@ import torch
 
 from hf_cascade.attention import check_model_uses_cascade
 from hf_cascade.cache import CascadeCache
-from hf_cascade.prefill import PrefixLevel, prefill_levels
+from hf_cascade.prefill import PrefixLevel, prefill_levels, window_layout
 from hf_cascade.prefix_tree import PrefixTree, find_shared_prefixes
 from hf_cascade.transformers_compat import CACHE_KWARG
 
@@ -109,8 +109,9 @@ def score(
         best = int(out.logprobs.argmax())
     """
     check_model_uses_cascade(model)
-    if isinstance(max_batch_tokens, bool) or not isinstance(max_batch_tokens, int) or max_batch_tokens < 1:
-        raise ValueError(f"`max_batch_tokens` must be a positive int; got {max_batch_tokens!r}.")
+    _check_options(add_special_tokens=add_special_tokens, return_token_logprobs=return_token_logprobs,
+                   max_batch_tokens=max_batch_tokens, min_shared_tokens=min_shared_tokens, max_levels=max_levels,
+                   progress=progress)
     pairs = _token_pairs(model, contexts, continuations, tokenizer, add_special_tokens)
     n = len(pairs)
     index = {}  # identical pairs are scored once
@@ -139,9 +140,28 @@ def score(
     return ScoreOutput(
         logprobs=logprobs[owner],
         is_greedy=torch.tensor(greedy, dtype=torch.bool)[owner],
-        token_logprobs=[token_lps[u] for u in owner] if return_token_logprobs else None,
+        # (each entry its own tensor: identical pairs were scored once)
+        token_logprobs=[token_lps[u].clone() for u in owner] if return_token_logprobs else None,
         stats=stats,
     )
+
+
+_INT_OPTIONS = {"max_batch_tokens": 1, "min_shared_tokens": 1, "max_levels": 0}  # name -> least value
+_BOOL_OPTIONS = ("add_special_tokens", "return_token_logprobs", "progress")  # progress: None too
+
+
+def _check_options(**options) -> None:
+    """Raise a ValueError naming the first of :func:`score`'s options of the wrong type or range (before any work)."""
+    for name, least in _INT_OPTIONS.items():
+        value = options[name]
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            kind = "a positive int" if least else "an int >= 0"
+            raise ValueError(f"`{name}` must be {kind}; got {value!r} ({type(value).__name__}).")
+    for name in _BOOL_OPTIONS:
+        value = options[name]
+        if not isinstance(value, bool) and not (name == "progress" and value is None):
+            kind = "None, True or False" if name == "progress" else "True or False"
+            raise ValueError(f"`{name}` must be {kind}; got {value!r} ({type(value).__name__}).")
 
 
 class _Scorer:
@@ -150,6 +170,8 @@ class _Scorer:
 
     def __init__(self, model, pairs, max_batch_tokens, min_shared_tokens, max_levels, stats):
         self.model, self.budget, self.stats = model, max_batch_tokens, stats
+        # Llama 4's temperature tuning reads columns, not positions: rows whose columns would shift it run apart.
+        self.floor_scale = _temperature_floor_scale(model)
         # Sorted: the rows under one tree node are consecutive (a node's KV lives from its first chunk to its last).
         self.order = sorted(range(len(pairs)), key=lambda i: pairs[i][0] + pairs[i][1])
         self.pairs = [pairs[i] for i in self.order]
@@ -170,17 +192,9 @@ class _Scorer:
 
     def chunks(self) -> list[list[int]]:
         """Consecutive rows, at most ``budget`` query tokens per chunk (rows x the widest own length)."""
-        chunks, current, width = [], [], 0
-        for r in range(len(self.pairs)):
-            new_width = max(width, self.own_length(r))
-            if current and (len(current) + 1) * new_width > self.budget:
-                chunks.append(current)
-                current, new_width = [], self.own_length(r)
-            current.append(r)
-            width = new_width
-        if current:
-            chunks.append(current)
-        return chunks
+        rows = range(len(self.pairs))
+        return _batches([self.own_length(r) for r in rows], [self.tree.row_prefix_len[r] for r in rows],
+                        self.budget, self.floor_scale)
 
     def run(self, rows: list[int]):
         """Score one chunk; yields ``(original row index, [len(cont)] float32 log-probs, is_greedy)``."""
@@ -188,20 +202,15 @@ class _Scorer:
         levels, row_nodes = self._levels_for(rows)
         own = [self.pairs[r][0][tree.row_prefix_len[r]:] + self.pairs[r][1][:-1] for r in rows]
         starts = [tree.row_prefix_len[r] for r in rows]
-        batch, width = len(rows), max(len(o) for o in own)
+        batch = len(rows)
         keep = max(len(self.pairs[r][1]) for r in rows)
         prefix_length = max(starts)
-        # Each row right-aligned in the window (the continuation positions are the last `keep` columns for all);
-        # the window's padding is masked and its queries are discarded.
-        input_ids = torch.zeros((batch, width), dtype=torch.int64)
-        position_ids = torch.zeros((batch, width), dtype=torch.int64)
-        attention_mask = torch.zeros((batch, prefix_length + width), dtype=torch.int64)
-        attention_mask[:, :prefix_length] = 1  # the chain is read through row_nodes; these columns stand for it
-        for b, (tokens, start) in enumerate(zip(own, starts)):
-            input_ids[b, width - len(tokens):] = torch.tensor(tokens, dtype=torch.int64)
-            position_ids[b, width - len(tokens):] = torch.arange(start, start + len(tokens))
-            attention_mask[b, prefix_length + width - len(tokens):] = 1
-        cache = CascadeCache(model, levels, row_nodes=row_nodes, prefix_length=prefix_length)
+        # Each row right-aligned in the window (the continuation positions are the last `keep` columns for all), laid
+        # out as generate() lays out a left-padded row, so that column - (its mask's leading zeros) is its position:
+        # transformers' chunked-attention mask (Llama 4) counts chunks that way. Padding queries are discarded.
+        input_ids, attention_mask, position_ids, suffix_start = window_layout(own, starts, prefix_length)
+        cache = CascadeCache(model, levels, row_nodes=row_nodes, prefix_length=prefix_length,
+                             suffix_start=suffix_start)
         device = model.device
         out = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                     position_ids=position_ids.to(device), use_cache=True, logits_to_keep=keep, **{CACHE_KWARG: cache})
@@ -259,18 +268,50 @@ class _Scorer:
         return levels, row_nodes
 
     def _prefill_batches(self, nodes, indices: list[int]) -> list[list[int]]:
-        """``indices`` in batches of at most ``budget`` tokens (nodes x the longest node), a longer node alone."""
-        batches, current, width = [], [], 0
-        for node, i in zip(nodes, indices):
-            new_width = max(width, len(node.tokens))
-            if current and (len(current) + 1) * new_width > self.budget:
-                batches.append(current)
-                current, new_width = [], len(node.tokens)
-            current.append(i)
-            width = new_width
-        if current:
+        """``indices`` in batches of at most ``budget`` tokens (nodes x the longest node; a longer node alone), laid
+        out exactly (:func:`_layout_exact`) in :func:`~hf_cascade.prefill.prefill_levels`' forward."""
+        batches = _batches([len(node.tokens) for node in nodes], [node.start for node in nodes], self.budget,
+                           self.floor_scale)
+        return [[indices[k] for k in batch] for batch in batches]
+
+
+def _batches(lengths: list[int], starts: list[int], budget: int, floor_scale: int | None) -> list[list[int]]:
+    """Consecutive indices into ``lengths`` (each row's tokens, its first at position ``starts[i]``) in batches of at
+    most ``budget`` query tokens (rows x the longest row; a longer row alone), each batch laid out exactly
+    (:func:`_layout_exact`)."""
+    batches, current, width = [], [], 0
+    for k, length in enumerate(lengths):
+        new_width = max(width, length)
+        if current and ((len(current) + 1) * new_width > budget or floor_scale is not None and not _layout_exact(
+                [starts[j] for j in current + [k]], [lengths[j] for j in current + [k]], floor_scale)):
             batches.append(current)
-        return batches
+            current, new_width = [], length
+        current.append(k)
+        width = new_width
+    if current:
+        batches.append(current)
+    return batches
+
+
+def _temperature_floor_scale(model: torch.nn.Module) -> int | None:
+    """Llama 4's attention temperature tuning: its layers without RoPE scale the queries by
+    ``log1p(floor((i + 1) / floor_scale)) * attn_scale + 1``, ``i`` the query's column (``cache.get_seq_length()`` +
+    its index in the forward), not its position. The ``floor_scale`` of such a layer, or None."""
+    for module in model.modules():
+        if getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+            return int(module.floor_scale)
+    return None
+
+
+def _layout_exact(starts: list[int], lengths: list[int], floor_scale: int) -> bool:
+    """Whether every row of one forward laid out by :func:`~hf_cascade.prefill.window_layout` (``P = max(starts)``
+    prefix columns, a window of ``W = max(lengths)``) gets the temperature its position gets scored alone: row ``b``'s
+    columns are its positions + ``d = P + W - lengths[b] - starts[b]``, and ``floor((i + 1) / floor_scale)`` is the
+    same at every column ``i`` as at its position iff ``d == 0`` or it is the same at its first position and its
+    last column (``P + W - 1``)."""
+    prefix, width = max(starts), max(lengths)
+    return all(prefix + width - n == s or (s + 1) // floor_scale == (prefix + width) // floor_scale
+               for s, n in zip(starts, lengths))
 
 
 def _token_pairs(model, contexts, continuations, tokenizer, add_special_tokens) -> list[tuple[tuple, tuple]]:
@@ -315,6 +356,13 @@ def _token_pairs(model, contexts, continuations, tokenizer, add_special_tokens) 
 
 
 def _ids(tokens, name: str) -> tuple[int, ...]:
+    """One context or continuation as a tuple of Python ints; a ValueError naming ``name`` for anything else (bytes,
+    bools, floats, a 2-D tensor)."""
+    if isinstance(tokens, (bytes, bytearray, memoryview)):
+        raise ValueError(
+            f"`{name}` must be a sequence of int token ids (or a str with `tokenizer=`); got {type(tokens).__name__}. "
+            "Decode it to a str (`.decode()`) and pass `tokenizer=`, or pass its token ids as a list of ints."
+        )
     if isinstance(tokens, torch.Tensor):
         if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
             raise ValueError(
@@ -327,12 +375,21 @@ def _ids(tokens, name: str) -> tuple[int, ...]:
     if kind not in "iu":
         raise ValueError(f"`{name}` must hold integer token ids; got an array of dtype {tokens.dtype}.")
     try:
-        return tuple(map(operator.index, tokens))  # ints (numpy ints too); a float raises TypeError
+        return tuple(map(_token_id, tokens))
     except TypeError:
         raise ValueError(
             f"`{name}` must be a sequence of int token ids (or a string with `tokenizer=`); got "
-            f"{type(tokens).__name__}{' holding other values than ints' if hasattr(tokens, '__iter__') else ''}."
+            f"{type(tokens).__name__}{' holding other values than ints' if hasattr(tokens, '__iter__') else ''} "
+            "(bools and floats are not token ids)."
         ) from None
+
+
+def _token_id(token) -> int:
+    """``token`` as a Python int: ints and numpy ints; a bool (an int to Python, never a token id), a float or
+    anything else raises TypeError."""
+    if isinstance(token, bool):
+        raise TypeError("a bool is not a token id")
+    return operator.index(token)
 
 
 def _encode_pair(tokenizer, context: str, continuation: str, add_special_tokens: bool):

@@ -45,9 +45,11 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 import threading
 import time
+import warnings
 
 import torch
 
@@ -283,13 +285,14 @@ def _compiled_cost(record: dict, caches_filled: bool = False) -> float:
 # ---------------------------------------------------------------------------------------------- records on disk
 def records_folder() -> str | None:
     """Where the compile records live: ``$HF_CASCADE_RECORDS``, else ``compile_records`` in ``$HF_CASCADE_CACHE`` or
-    ``~/.cache/hf_cascade``; None where either is ``off``."""
+    ``~/.cache/hf_cascade``; None where either is ``off`` (any case; also ``0``, ``false``, ``no``)."""
+    from hf_cascade._env import cache_root, is_off
+
     folder = os.environ.get("HF_CASCADE_RECORDS")
     if folder:
-        return None if folder == "off" else folder
-    root = os.environ.get("HF_CASCADE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "hf_cascade")
-    return None if root == "off" else os.path.join(root, "compile_records")
+        return None if is_off(folder) else folder
+    root = cache_root()
+    return None if root is None else os.path.join(root, "compile_records")
 
 
 def record_key(model) -> dict:
@@ -351,15 +354,58 @@ def _load_record(model, state: _ModelTiers) -> dict:
     key = record_key(model)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
     state.record_path = os.path.join(folder, f"{digest}.json")
-    try:
-        with open(state.record_path) as f:
-            stored = json.load(f)
-        if stored.get("key") == key:
-            state.record = stored.get("tiers", {})
-    except (OSError, ValueError):
-        pass
+    stored = _read_record(state.record_path)
+    if stored is not None and stored["key"] == key:
+        state.record = stored["tiers"]
     state.record_key = key
     return state.record
+
+
+def _read_record(path: str) -> dict | None:
+    """The record at ``path`` (``{"key": {...}, "tiers": {...}}``), or None where there is none or it cannot be
+    used: a file that is not such a record (edited, or written by something else) is ignored with a warning naming
+    it, and replaced when this process records a tier."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            stored = json.load(f)
+    except OSError:
+        return None
+    except ValueError as err:  # not JSON (records are written whole: os.replace)
+        problem = f"not JSON ({err})"
+    else:
+        problem = _record_problem(stored)
+    if problem is not None:
+        warnings.warn(f"hf_cascade: ignoring the compile record {path}: {problem}. It is rewritten when this "
+                      "process records a tier.", stacklevel=4)
+        return None
+    return stored
+
+
+# A record's "tiers" fields: booleans, and lists of seconds (the costs the rules above take the least of).
+_RECORD_FLAGS = ("triton_built", "caches_warm")
+_RECORD_COSTS = ("triton_cost_s", "compiled_call_s")
+
+
+def _record_problem(stored) -> str | None:
+    """None for a record of the shape :func:`_write_record` writes, else what is wrong with it (a file edited or
+    written by something else: it must not break every call that reads it)."""
+    if not isinstance(stored, dict):
+        return f"not a JSON object but {type(stored).__name__}"
+    if not isinstance(stored.get("key"), dict) or not isinstance(stored.get("tiers"), dict):
+        return '"key" and "tiers" must be objects'
+    tiers = stored["tiers"]
+    for name in _RECORD_FLAGS:
+        if name in tiers and not isinstance(tiers[name], bool):
+            return f'"{name}" must be true or false, not {tiers[name]!r}'
+    for name in _RECORD_COSTS:
+        costs = tiers.get(name)
+        if costs is not None and not (isinstance(costs, list) and all(_is_seconds(c) for c in costs)):
+            return f'"{name}" must be a list of seconds (numbers >= 0), not {costs!r}'
+    return None
+
+
+def _is_seconds(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
 
 
 def _write_record(state: _ModelTiers) -> None:
