@@ -53,7 +53,7 @@ from hf_cascade.parallel._group import GroupInfo
 from hf_cascade.parallel.combine import all_gather_kv, check_combine, combine_states
 from hf_cascade.parallel.fixed import DecodeBuffers, attend_fixed, check_max_new_tokens
 from hf_cascade.suffix_layers import SuffixLayer
-from hf_cascade.parallel.prefill_plan import PrefillPlan, PrefillRound
+from hf_cascade.parallel.prefill_plan import PrefillPlan, PrefillRound, PrefillState
 from hf_cascade.parallel.ring import past_state, ring_states
 
 PLACEMENTS = ("least_loaded", "round_robin")
@@ -153,34 +153,6 @@ class _ShardLayer(SuffixLayer):
 
 
 
-class _Prefill:
-    """The prompt's prefill in progress (:meth:`ContextParallelCache.begin_prefill`): the plan, this rank's rounds,
-    the round running now and its key masks."""
-
-    def __init__(self, plan: PrefillPlan, rounds: list[PrefillRound], key_valid, shared: bool):
-        self.plan, self.rounds, self.key_valid, self.shared = plan, rounds, key_valid, shared
-        self.columns: torch.Tensor | None = None  # int64 [plan.num_real(rank)]: global columns, storage order
-        self.current: PrefillRound | None = None
-        self.round_valid = None  # bool [B, round padded length] or None
-        self.past_valid = None  # bool [B, current.offset] or None
-        self._blocks = None  # (keys [layers, B, Hkv, n, D], values [...]): every layer's storage, one allocation each
-
-    def storage(self, layer_idx: int, num_layers: int, key_states, value_states):
-        """Layer ``layer_idx``'s KV storage ``([B, Hkv, n, Dk], [B, Hkv, n, Dv])`` for this rank's ``n`` columns.
-
-        The first layer to ask allocates every layer's at once (two allocations for the whole cache, made before
-        the rounds' temporaries: no fragmentation as the prompt grows); a layer of another shape gets its own."""
-        capacity = self.columns.numel()
-        k_shape = (*key_states.shape[:2], capacity, key_states.shape[3])
-        v_shape = (*value_states.shape[:2], capacity, value_states.shape[3])
-        if self._blocks is None:
-            self._blocks = (key_states.new_empty((num_layers, *k_shape)), value_states.new_empty((num_layers, *v_shape)))
-        keys, values = self._blocks
-        if keys.shape[1:] == k_shape and values.shape[1:] == v_shape and keys.dtype == key_states.dtype:
-            return keys[layer_idx], values[layer_idx]
-        return key_states.new_empty(k_shape), value_states.new_empty(v_shape)
-
-
 class ContextParallelCache(Cache):
     """KV cache sharded along the sequence over the ranks of a process group (see the module docstring).
 
@@ -211,7 +183,7 @@ class ContextParallelCache(Cache):
         self.info = info
         self.combine = check_combine(combine)
         self.placement = placement
-        self._prefill: _Prefill | None = None  # set while the prompt is prefilled
+        self._prefill: PrefillState | None = None  # set while the prompt is prefilled
         self._base_counts = [0] * info.world_size  # prompt / shared-prefix columns owned by each rank
         self._base_length = 0  # columns placed by the prefill (zigzag); later ones are in _segments
         self._segments: list[tuple[int, int, int]] = []  # (start, end, owner rank) of each later forward
@@ -246,7 +218,7 @@ class ContextParallelCache(Cache):
             raise ValueError(f"begin_prefill: key_valid must be bool [batch, {plan.length}]; got "
                              f"{tuple(key_valid.shape)}.")
         device = key_valid.device if key_valid is not None else None
-        self._prefill = _Prefill(plan, plan.rounds(self.info.rank), key_valid, shared)
+        self._prefill = PrefillState(plan, plan.rounds(self.info.rank), key_valid, shared)
         self._prefill.columns = plan.columns(self.info.rank, device)
 
     def begin_round(self, index: int) -> PrefillRound:

@@ -114,3 +114,31 @@ class PrefillPlan:
         """Global columns ``rank`` stores, in storage order (ascending): int64 ``[num_real(rank)]``."""
         parts = [r.layout.real_columns(rank, device) + r.start for r in self.rounds(rank)]
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
+
+
+class PrefillState:
+    """The prompt's prefill in progress on one rank (``ContextParallelCache.begin_prefill``): the plan, this rank's
+    rounds, the round running now, its key masks and the KV storage of every layer."""
+
+    def __init__(self, plan: PrefillPlan, rounds: list[PrefillRound], key_valid, shared: bool):
+        self.plan, self.rounds, self.key_valid, self.shared = plan, rounds, key_valid, shared
+        self.columns: torch.Tensor | None = None  # int64 [plan.num_real(rank)]: global columns, storage order
+        self.current: PrefillRound | None = None
+        self.round_valid = None  # bool [B, round padded length] or None
+        self.past_valid = None  # bool [B, current.offset] or None
+        self._blocks = None  # (keys [layers, B, Hkv, n, D], values [...]): every layer's storage, one allocation each
+
+    def storage(self, layer_idx: int, num_layers: int, key_states, value_states):
+        """Layer ``layer_idx``'s KV storage ``([B, Hkv, n, Dk], [B, Hkv, n, Dv])`` for this rank's ``n`` columns.
+
+        The first layer to ask allocates every layer's at once (two allocations for the whole cache, made before
+        the rounds' temporaries: no fragmentation as the prompt grows); a layer of another shape gets its own."""
+        capacity = self.columns.numel()
+        k_shape = (*key_states.shape[:2], capacity, key_states.shape[3])
+        v_shape = (*value_states.shape[:2], capacity, value_states.shape[3])
+        if self._blocks is None:
+            self._blocks = (key_states.new_empty((num_layers, *k_shape)), value_states.new_empty((num_layers, *v_shape)))
+        keys, values = self._blocks
+        if keys.shape[1:] == k_shape and values.shape[1:] == v_shape and keys.dtype == key_states.dtype:
+            return keys[layer_idx], values[layer_idx]
+        return key_states.new_empty(k_shape), value_states.new_empty(v_shape)
