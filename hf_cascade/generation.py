@@ -61,7 +61,8 @@ def generate(
     Args:
         model: a causal LM loaded with ``attn_implementation="cascade"`` (``model`` as generate() passes it).
         input_ids: ``[B * n, L]`` the rows generate() prepared (each prompt already repeated ``n`` times for
-            ``num_return_sequences`` / ``num_beams``), left- or right-padded.
+            ``num_return_sequences`` / ``num_beams``), left-padded (right-padded rows that share a segment raise a
+            ValueError; a right-padded batch that shares nothing runs as generate()'s own).
         logits_processor, stopping_criteria, generation_config: as generate() prepared them.
         cascade_caches: optional list; the :class:`CascadeCache` built for this call is appended to it (to read
             ``nbytes`` or ``prefix_tree``). Pass it to ``generate()`` / a pipeline call like any other kwarg.
@@ -218,9 +219,6 @@ def generate(
             stopping_criteria = _with_added_rows_done(stopping_criteria, real_rows)
         input_ids = planned_ids
         model_kwargs["attention_mask"] = attention_mask
-        if model_kwargs.get("position_ids") is not None:  # right padding moved: positions count real tokens
-            position_ids = attention_mask.long().cumsum(-1) - 1
-            model_kwargs["position_ids"] = position_ids.masked_fill(attention_mask == 0, 1)
     model_kwargs[CACHE_KWARG] = cache
     if method_name == "_sample":  # transformers' loop, without a wait for the GPU at every step
         decode = functools.partial(sample, defer_stop_check=defer, decode_step=decode_step,

@@ -9,16 +9,15 @@ from hf_cascade.attention import check_model_uses_cascade
 from hf_cascade.cache import CascadeCache
 from hf_cascade.cost_model import CascadeCostModel
 from hf_cascade.model_scan import attention_modules
-from hf_cascade.ops._backend import host_to_device
 from hf_cascade.prefill import prefill_levels, validate_token_ids
 from hf_cascade.prefix_tree import find_shared_prefixes
 from hf_cascade.transformers_compat import CACHE_KWARG
 
 
 def _left_aligned(input_ids: torch.Tensor, attention_mask: torch.Tensor):
-    """The batch with each row's trailing padding moved to its front (same width), and its real tokens on the host.
-    Padding anywhere else (left padding, masked tokens inside a row) stays where it is and is honoured exactly: a
-    masked column is never attended, and positions count only real tokens, as in sdpa.
+    """Each row's real tokens, left-aligned, on the host (the rows themselves are not moved). Padding (left padding,
+    masked tokens inside a row) is honoured exactly: a masked column is never attended, and positions count only
+    real tokens, as in sdpa. Right padding is refused once rows share a segment (:func:`_refuse_right_padding`).
 
     The host side is numpy, single-threaded: torch's CPU kernels split a [32, 4K] batch over their thread pool, and
     on a GPU host busy with other threads (after torch.compile, say) waking it took 16 ms per op instead of 0.3 (H100
@@ -27,12 +26,12 @@ def _left_aligned(input_ids: torch.Tensor, attention_mask: torch.Tensor):
     Args:
         input_ids, attention_mask: ``[B, L]`` on the model's device (mask: nonzero for real tokens).
     Returns:
-        ``(input_ids, attention_mask, real_ids, real_columns, lengths, mask_host)``: the ``[B, L]`` ids and mask with
-        the trailing padding moved, on their device; then numpy arrays: ``real_ids`` ``[B, L]`` int64, each row's
+        ``(input_ids, attention_mask, real_ids, real_columns, lengths, mask_host)``: the ``[B, L]`` ids and mask as
+        given, on their device; then numpy arrays: ``real_ids`` ``[B, L]`` int64, each row's
         real tokens first, then -1 (the form :func:`find_shared_prefixes` takes, as a tensor); ``real_columns``
         ``[B, L]`` int64, the column of each of those tokens (-1 after a row's last; a read-only broadcast view when
         no row has padding); ``lengths`` ``[B]`` int64, each row's real tokens; ``mask_host`` ``[B, L]`` bool, the
-        moved mask.
+        mask.
     """
     ids = input_ids.cpu().numpy().astype(np.int64, copy=False)  # one copy each, before the prefill is queued
     try:
@@ -47,16 +46,10 @@ def _left_aligned(input_ids: torch.Tensor, attention_mask: torch.Tensor):
         )
     batch, width = ids.shape
     columns = np.arange(width, dtype=np.int64)
-    shift = width - 1 - np.where(mask, columns, -1).max(axis=1)
-    if shift.any():  # right padding: generate() appends after the last column, so move the pads to the front
-        index = (columns - shift[:, None]) % width  # row r rolled by shift[r]: column i takes column i - shift[r]
-        ids, mask = np.take_along_axis(ids, index, 1), np.take_along_axis(mask, index, 1)
-        index = host_to_device(torch.from_numpy(index), input_ids.device)
-        input_ids, attention_mask = input_ids.gather(1, index), attention_mask.gather(1, index)
     lengths = mask.sum(axis=1)
     if (lengths == width).all():  # no padding (the common case): the rows as they are
         return input_ids, attention_mask, ids, np.broadcast_to(columns, (batch, width)), lengths, mask
-    first = width - lengths  # a row without masked tokens inside holds its real tokens in columns [first, L)
+    first = width - lengths  # a left-padded row without masked tokens inside holds its real tokens in [first, L)
     real_columns = columns + first[:, None]
     with_holes = np.where(mask, columns, width).min(axis=1) != first
     for r in np.flatnonzero(with_holes):
@@ -67,6 +60,27 @@ def _left_aligned(input_ids: torch.Tensor, attention_mask: torch.Tensor):
     real_ids = np.take_along_axis(ids, real_columns, 1)
     real_ids[past_end] = real_columns[past_end] = -1
     return input_ids, attention_mask, real_ids, real_columns, lengths, mask
+
+
+def _refuse_right_padding(mask_host: np.ndarray) -> None:
+    """Raise a ValueError naming the right-padded rows of ``mask_host`` (``[B, L]`` bool, True = real token), if any.
+
+    generate() takes a row's next token from the last column; for a right-padded row that is a pad (transformers
+    warns: "right-padding was detected"), and sdpa's tokens follow from that pad's logits. hf_cascade does not
+    reproduce this with shared segments, so such a batch is refused rather than answered differently."""
+    padded = np.flatnonzero(~mask_host[:, -1])
+    if not padded.size:
+        return
+    trailing = [int(mask_host.shape[1] - 1 - np.flatnonzero(mask_host[r]).max()) for r in padded[:4]]
+    rows = ", ".join(f"row {int(r)} ({n} pad column{'s' * (n > 1)})" for r, n in zip(padded[:4], trailing))
+    raise ValueError(
+        f"This batch (input_ids / attention_mask {list(mask_host.shape)}) is right-padded: {len(padded)} of its "
+        f"rows end with padding ({rows}{', ...' if padded.size > 4 else ''}), and its rows share a prefix. "
+        "generate() takes each row's first new token from the last column, a pad for these rows (transformers warns "
+        "about right padding too), and hf_cascade does not reproduce that with shared segments. Pad on the left: "
+        "tokenizer.padding_side = \"left\" (or padding_side=\"left\" in the tokenizer call), as generate() needs "
+        "for batched prompts."
+    )
 
 
 def _check_rows_start_with(
@@ -145,7 +159,10 @@ def plan_cascade_batch(
             :attr:`CascadeCache.builtin_kernels`).
     Returns:
         ``(cache, input_ids, attention_mask)``: ``cache`` is None when no segment is worth sharing (the caller then
-        runs plain attention); the ids and mask are the user's, right padding moved to the front of each row.
+        runs plain attention); the ids and mask are the user's, unchanged.
+    Raises:
+        ValueError: a right-padded batch (a row's last column masked) whose rows share a segment
+            (:func:`_refuse_right_padding`: pad on the left, ``tokenizer.padding_side = "left"``).
     """
     input_ids, attention_mask, real_ids, real_columns, lengths, mask_host = _left_aligned(input_ids, attention_mask)
     batch, width = input_ids.shape
@@ -170,6 +187,7 @@ def plan_cascade_batch(
     )
     if not tree.levels and prefix_cache is None:
         return None, input_ids, attention_mask
+    _refuse_right_padding(mask_host)
     node_levels = [
         [(node.tokens, node.parent if level else (0 if base_levels else None), offset + node.start) for node in nodes]
         for level, nodes in enumerate(tree.levels)
@@ -239,13 +257,14 @@ def shared_prefix_inputs(
 
     Args:
         model: a causal LM loaded with ``attn_implementation="cascade"``.
-        input_ids: ``[batch, seq]`` int64 token ids on the model's device, left- or right-padded.
+        input_ids: ``[batch, seq]`` int64 token ids on the model's device, left-padded (a right-padded batch whose
+            rows share a segment raises a ValueError: see :func:`_refuse_right_padding`).
         attention_mask: ``[batch, seq]`` 1 for real tokens, 0 for padding (None: no padding).
         min_shared_tokens: shortest shared segment stored as its own node.
         min_rows: fewest rows that must share a segment.
         max_levels: deepest nesting of shared segments (system prompt -> few-shot block -> ...).
-        layout: ``"full"``: the returned rows are the user's rows, as wide as ``input_ids`` (a right-padded row has
-            its padding moved to the front), so ``out[:, input_ids.shape[1]:]`` are the new tokens; ``"suffix"``:
+        layout: ``"full"``: the returned rows are the user's rows, as wide as ``input_ids``, so
+            ``out[:, input_ids.shape[1]:]`` are the new tokens; ``"suffix"``:
             returned ``input_ids`` hold only the last ``L - prefix_length`` columns (the widest own suffix) while
             ``attention_mask`` still spans all columns (generate() output starts with those columns).
         prefix_cache: a cache from :meth:`CascadeCache.from_prefix`: every row must start with its prefix, which

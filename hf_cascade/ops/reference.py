@@ -20,7 +20,7 @@ decode step 20x sdpa's). :func:`cascade_attention_ref` reads, per layer, in fp32
   :attr:`~hf_cascade.ops.plan.PrefixPlan.torch_way`), and every level given by device index tensors or with lower
   bounds, as one matmul of all the rows' queries against all the level's keys, ``[Hkv, B * G * Lq, D] x [Hkv, D,
   T]`` (the keys stored once, never per row), the columns a query does not see (other nodes', below its bound)
-  hidden by one mask;
+  hidden by one mask (and their values kept out of ``P @ V``, where 0 x NaN would be NaN: :func:`_values_product`);
 * a level of many short nodes by gathering each row's node keys (``[B, Hkv, max_node_len, D]``);
 * any other level (a few long nodes read by few rows) node by node (:func:`shared_prefix_attention_ref`), joining as
   an attention state;
@@ -252,9 +252,10 @@ def cascade_attention_ref(
     # [Hkv, B * M, D] (GQA folded into M).
     q = query.float().reshape(B * Hkv, M, D)
     q_heads = None
-    parts = []  # per part: ("rows", e [B, Hkv, M, N] scores then weights, values [B * Hkv, N, Dv])
-    #                       ("heads", scores [Hkv, B * M, T], values [Hkv, T, Dv])
-    #                       ("state", out [B, Hkv, M, Dv] fp32, lse [B, Hkv, M])
+    parts = []  # per part: ("rows", e [B, Hkv, M, N] scores then weights, values [B * Hkv, N, Dv], hidden)
+    #                       ("heads", scores [Hkv, B * M, T], values [Hkv, T, Dv], hidden)
+    #                       ("state", out [B, Hkv, M, Dv] fp32, lse [B, Hkv, M], None)
+    # hidden: None, or the columns masked in the scores that hold other nodes' values (see _values_product)
     lowers = [None] * len(levels) if key_lower is None else key_lower
     for (k_pre, v_pre, layout), lower in zip(levels, lowers):
         way = "dense" if isinstance(layout, tuple) else layout.torch_way
@@ -267,28 +268,30 @@ def cascade_attention_ref(
             hide = _level_hidden(layout, k_pre.shape[1], lower, query.device)
             if hide is not None:
                 s.view(Hkv, B, Hq // Hkv, Lq, -1).masked_fill_(hide[None, :, None], _NEG_INF)
-            parts.append(("heads", s, v_pre.float()))
+            parts.append(("heads", s, v_pre.float(), hide))
         elif way == "gather":
             index, valid = layout.gather_index  # [B, L] each row's node columns, left-aligned
             k = k_pre[:, index].float().transpose(0, 1).reshape(B * Hkv, -1, D)  # [B * Hkv, L, D]
             v = v_pre[:, index].float().transpose(0, 1).reshape(B * Hkv, -1, Dv)
             s = _scores3(q, k, scale, softcap).view(B, Hkv, M, -1)
-            if not layout.gather_all_valid:
-                s.masked_fill_(~valid[:, None, None, :], _NEG_INF)
-            parts.append(("rows", s, v))
+            padding = None if layout.gather_all_valid else ~valid  # (pointing at column 0: another node's)
+            if padding is not None:
+                s.masked_fill_(padding[:, None, None, :], _NEG_INF)
+            parts.append(("rows", s, v, padding))
         else:  # a few long nodes read by few rows: node by node (no keys copied per row)
             o, lse = shared_prefix_attention_ref(query, k_pre, v_pre, None, layout.node_starts, scale=scale,
                                                  softcap=softcap, rows_by_node=layout.rows_by_node)
-            parts.append(("state", o.view(B, Hkv, M, Dv), _empty_guard(lse).view(B, Hkv, M)))
+            parts.append(("state", o.view(B, Hkv, M, Dv), _empty_guard(lse).view(B, Hkv, M), None))
     if prior is not None:
-        parts.append(("state", prior[0].float().reshape(B, Hkv, M, Dv), _empty_guard(prior[1]).reshape(B, Hkv, M)))
+        parts.append(("state", prior[0].float().reshape(B, Hkv, M, Dv), _empty_guard(prior[1]).reshape(B, Hkv, M),
+                      None))
     S = 0 if key is None else key.shape[2]
     if S and B:
         s = _scores3(q, key.float().reshape(B * Hkv, S, D), scale, softcap).view(B, Hkv, Hq // Hkv, Lq, S)
         visible = _suffix_visible(mask, causal, key_length, suffix_lower, Lq, S, query.device)
         if visible is not None:
             s = torch.where(visible[:, None, None], s, _NEG_INF)
-        parts.append(("rows", s.view(B, Hkv, M, S), value.float().reshape(B * Hkv, S, Dv)))
+        parts.append(("rows", s.view(B, Hkv, M, S), value.float().reshape(B * Hkv, S, Dv), None))
     return _joint_softmax(parts, query, Hkv, Dv)
 
 
@@ -332,16 +335,17 @@ def _suffix_visible(mask: Tensor | None, causal: bool, key_length: Tensor | None
 def _joint_softmax(parts: list, query: Tensor, Hkv: int, Dv: int) -> tuple[Tensor, Tensor]:
     """One softmax over the scores of every part, each part's ``P @ V`` summed: ``(out [B, Hq, Lq, Dv] float32,
     laid out [B, Lq, Hq, Dv]; lse [B, Hq, Lq] float32)``. Parts (their scores are overwritten):
-    ``("heads", scores [Hkv, B * M, T], values [Hkv, T, Dv])`` (a level read by one matmul),
-    ``("rows", scores [B, Hkv, M, N], values [B * Hkv, N, Dv])`` (per-row keys), or
-    ``("state", out [B, Hkv, M, Dv] fp32, lse [B, Hkv, M])`` (an attention state, -inf where empty)."""
+    ``("heads", scores [Hkv, B * M, T], values [Hkv, T, Dv], hidden)`` (a level read by one matmul),
+    ``("rows", scores [B, Hkv, M, N], values [B * Hkv, N, Dv], hidden)`` (per-row keys), or
+    ``("state", out [B, Hkv, M, Dv] fp32, lse [B, Hkv, M], None)`` (an attention state, -inf where empty);
+    ``hidden``: see :func:`_values_product`."""
     B, Hq, Lq, _ = query.shape
     G = Hq // Hkv
     M = G * Lq
     # One softmax over every part: the max over all of them (a row with no key: -inf, taken as the float32 minimum,
     # so that exp() gives 0 and not NaN).
     m = None
-    for kind, a, b in parts:
+    for kind, a, b, _ in parts:
         if kind == "heads":
             part_max = a.amax(dim=-1).view(Hkv, B, M).transpose(0, 1)
         elif kind == "rows":
@@ -354,15 +358,15 @@ def _joint_softmax(parts: list, query: Tensor, Hkv: int, Dv: int) -> tuple[Tenso
         return out, query.new_full((B, Hq, Lq), _NEG_INF, dtype=torch.float32)
     m = m.clamp(min=_F32_MIN)  # [B, Hkv, M]
     total = num = None
-    for kind, a, b in parts:
+    for kind, a, b, hidden in parts:
         if kind == "heads":
             a.view(Hkv, B, M, -1).sub_(m.transpose(0, 1).unsqueeze(-1)).exp_()
             part_sum = a.sum(dim=-1).view(Hkv, B, M).transpose(0, 1)
-            part_num = torch.bmm(a, b).view(Hkv, B, M, Dv).transpose(0, 1)
+            part_num = _values_product(a, b, hidden, B).view(Hkv, B, M, Dv).transpose(0, 1)
         elif kind == "rows":
             a.sub_(m.unsqueeze(-1)).exp_()
             part_sum = a.sum(dim=-1)
-            part_num = torch.bmm(a.view(B * Hkv, M, -1), b).view(B, Hkv, M, Dv)
+            part_num = _values_product(a.view(B * Hkv, M, -1), b, hidden, B).view(B, Hkv, M, Dv)
         else:
             part_sum = torch.exp(b - m)  # 0 for an empty state
             # where(), not multiply: an empty state's out may hold NaN garbage; 0 * NaN must stay 0.
@@ -375,6 +379,43 @@ def _joint_softmax(parts: list, query: Tensor, Hkv: int, Dv: int) -> tuple[Tenso
     torch.div(num.reshape(B, Hkv, G, Lq, Dv), total.clamp(min=1.0).reshape(B, Hkv, G, Lq, 1),
               out=out.permute(0, 2, 3, 1, 4))
     return out.view(B, Lq, Hq, Dv).transpose(1, 2), lse
+
+
+def _values_product(p: Tensor, v: Tensor, hidden: Tensor | None, B: int) -> Tensor:
+    """``p @ v`` (bmm) of one part's weights and values, where a column masked for a query adds nothing to it even
+    when its value is NaN or inf. A masked column's weight is 0, and 0 x NaN is NaN: a NaN (or an fp16 overflow) in
+    one node's KV would reach every row of the level, read or not, where sdpa keeps another row's KV out.
+
+    Args:
+        p: ``[Hkv, B * M, T]`` (a level read by one matmul, ``M = G * Lq``; ``v`` ``[Hkv, T, Dv]`` shared by the
+            rows) or ``[B * Hkv, M, L]`` (node columns gathered per row; ``v`` ``[B * Hkv, L, Dv]``).
+        hidden: None (no masked column holds another node's value), or bool ``[B, Lq or 1, T]`` (True: the column
+            is not the query's) resp. ``[B, L]`` (True: a padding entry).
+    Returns:
+        ``p @ v`` ``[Hkv, B * M, Dv]`` resp. ``[B * Hkv, M, Dv]``, fp32. On the CPU outside ``torch.compile`` the
+        plain product when it is finite (the common case: no pass over the values); else the product over finite
+        values only, NaN for the queries that read a non-finite value (sdpa's are NaN or inf there).
+    """
+    if hidden is None:
+        return torch.bmm(p, v)
+    if p.device.type == "cpu" and not torch.compiler.is_compiling():
+        out = torch.bmm(p, v)
+        if bool(torch.isfinite(out).all()):
+            return out
+    if hidden.dim() == 2:  # gathered: a row's padding entries zeroed, its own node's values kept as they are
+        return torch.bmm(p, v.masked_fill(hidden.repeat_interleave(v.shape[0] // B, dim=0)[:, :, None], 0.0))
+    return _finite_columns_product(p, v, hidden, B)
+
+
+def _finite_columns_product(p: Tensor, v: Tensor, hidden: Tensor, B: int) -> Tensor:
+    """``p @ v`` of a level read by one matmul (``p`` ``[Hkv, B * G * Lq, T]``, ``v`` ``[Hkv, T, Dv]``) over its
+    finite value columns only; NaN for the queries that see (``hidden`` ``[B, Lq or 1, T]`` False) a column holding a
+    non-finite value. Returns ``[Hkv, B * G * Lq, Dv]`` fp32."""
+    bad = ~torch.isfinite(v).all(dim=-1)  # [Hkv, T]
+    out = torch.bmm(p, v.masked_fill(bad[:, :, None], 0.0))
+    seen = torch.einsum("blt,ht->hbl", (~hidden).float(), bad.float()) > 0  # [Hkv, B, Lq or 1]
+    Hkv, Lq = v.shape[0], hidden.shape[1]
+    return out.view(Hkv, B, -1, Lq, v.shape[-1]).masked_fill(seen[:, :, None, :, None], float("nan")).view_as(out)
 
 
 def _scores3(q: Tensor, k: Tensor, scale: float, softcap: float | None) -> Tensor:
