@@ -1,11 +1,12 @@
 """Write docs/benchmarks.md's tables from benchmarks/results/*.jsonl, and print the README's headline table.
 
     python benchmarks/make_docs.py             # rewrites docs/benchmarks.md (the text between the markers)
-    python benchmarks/make_docs.py --headline  # prints the README's headline table (tests/test_readme.py checks it)
+    python benchmarks/make_docs.py --headline  # prints the README's headline table (tests/test_readme.py checks it;
+                                               # no commits there: docs/benchmarks.md's copy names them)
 
 Only numbers come from here; the prose around them is hand-written in docs/benchmarks.md, outside the markers
-``<!-- generated: start -->`` / ``<!-- generated: end -->``. Every figure names its GPU and commit (the records'
-``gpu`` and ``git_sha``). No GPU is needed.
+``<!-- generated: start -->`` / ``<!-- generated: end -->``. Every figure there names its GPU and commit (the
+records' ``gpu`` and ``git_sha``); the README's headline table names the GPU only. No GPU is needed.
 """
 
 from __future__ import annotations
@@ -70,7 +71,9 @@ def headline_rows(records: list[dict]) -> list[dict]:
     return rows
 
 
-def headline_table(records: list[dict]) -> str:
+def headline_table(records: list[dict], shas: bool = False) -> str:
+    """The headline table: the README's without commits (``shas=False``), docs/benchmarks.md's with each row's
+    commit (``shas=True``)."""
     rows = headline_rows(records)
     gpus = sorted({r["cascade"]["gpu"] for r in rows})
     lines = [
@@ -81,8 +84,9 @@ def headline_table(records: list[dict]) -> str:
     for r in rows:
         c, h, s = r["cascade"], r["recipe"], r["sdpa"]
         kv_flat = s.get("kv_gib") or h.get("kv_gib")
+        label = f"{r['label']} (`{r['sha'][:7]}`)" if shas else r["label"]
         lines.append(
-            f"| {r['label']} (`{r['sha'][:7]}`) | {_call(s)} | {_call(h)} | **{_call(c)}** "
+            f"| {label} | {_call(s)} | {_call(h)} | **{_call(c)}** "
             f"| **{s['total_s'] / c['total_s']:.1f}x** | {kv_flat:.2f} → {c['kv_gib']:.2f} GiB |"
         )
     return "\n".join(lines)
@@ -140,7 +144,7 @@ def generated() -> str:
     parts = [
         "## Headline (newest run per workload with all three peers)",
         "",
-        headline_table(gen),
+        headline_table(gen, shas=True),
         "",
         "## Every run of the end-to-end workloads (`benchmarks/results/generate.jsonl`)",
         "",
