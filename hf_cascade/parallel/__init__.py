@@ -1,6 +1,7 @@
 """Context parallelism: one long prompt's KV sharded over the ranks of a process group, inside ``generate()``.
 
-Prefill runs zigzag ring attention (:mod:`~hf_cascade.parallel.ring`), decode combines per-rank partial
+Prefill runs the prompt in rounds (:mod:`~hf_cascade.parallel.prefill_plan`) of zigzag ring attention
+(:mod:`~hf_cascade.parallel.ring`), after a capacity check on every rank (:mod:`~hf_cascade.parallel.capacity`); decode combines per-rank partial
 attention exactly (:mod:`~hf_cascade.parallel.combine`: ``"all_gather"``, the default, ``"tree"`` or
 ``"all_to_all"``); the KV lives in a :class:`~hf_cascade.parallel.cache.ContextParallelCache`. Start with
 :func:`context_parallel_inputs`; with ``max_new_tokens=N`` the decode KV lives in fixed buffers

@@ -7,9 +7,11 @@ Run the same script on every rank (``torchrun --nproc_per_node N`` / ``accelerat
     inputs = hf_cascade.context_parallel_inputs(model, input_ids.to(state.device))
     out = model.generate(**inputs, max_new_tokens=64)       # the same tokens on every rank
 
-What happens: every rank runs the model over ONLY its zigzag shard of the prompt (all but the last token; global
-``position_ids``), with ring attention inside the registered ``"cascade"`` attention; the KV stays where it was
-computed, so no rank ever holds the whole prompt's KV. ``generate()`` then feeds the last prompt token and the
+What happens: every rank first checks that the prompt fits (:mod:`~hf_cascade.parallel.capacity`; one small
+all-gather, the same error on every rank if not), then runs the model over ONLY its zigzag shard of the prompt (all
+but the last token; global ``position_ids``), in rounds of a bounded size (:mod:`~hf_cascade.parallel.prefill_plan`),
+with ring attention inside the registered ``"cascade"`` attention; the KV stays where it was computed, so no rank
+ever holds the whole prompt's KV. ``generate()`` then feeds the last prompt token and the
 decode tokens to every rank; each attention layer combines the ranks' partial results exactly (``combine``).
 
 Same tokens on every rank: every step's scores are broadcast from rank 0, and for sampling every rank gets rank 0's
