@@ -19,13 +19,9 @@ import sys
 import threading
 import warnings
 
+from hf_cascade._own_attention_tables import OWN_ATTENTION_TABLES
+
 TARGET = "transformers.modeling_utils"
-# Models whose constructor looks attn_implementation up in a table of their own (not AttentionInterface): without an
-# entry, loading one with "cascade" fails with a bare KeyError: 'cascade' (transformers 5.x). (module, table, family)
-OWN_ATTENTION_TABLES = (
-    ("transformers.models.falcon.modeling_falcon", "FALCON_ATTENTION_CLASSES", "Falcon"),
-    ("transformers.models.gpt_neo.modeling_gpt_neo", "GPT_NEO_ATTENTION_CLASSES", "GPT-Neo"),
-)
 
 _lock = threading.RLock()
 _registered = False

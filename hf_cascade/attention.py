@@ -30,7 +30,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.utils import logging
 
-from hf_cascade._registration import OWN_ATTENTION_TABLES
+from hf_cascade._own_attention_tables import OWN_ATTENTION_TABLES
 from hf_cascade.decode.compiled_layers import PREFILL_BATCH_MASKS, layer_step_cache, note_layer_written, outside_layer_graphs
 
 logger = logging.get_logger(__name__)
