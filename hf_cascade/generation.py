@@ -107,6 +107,14 @@ def generate(
             f"{type(cascade_caches).__name__} {cascade_caches!r}. Pass `cascade_caches=[]`."
         )
     check_model_uses_cascade(model, "model")
+    if torch.is_autocast_enabled(input_ids.device.type):
+        raise ValueError(
+            f"hf_cascade.generate was called under torch.autocast ({input_ids.device.type}, "
+            f"{torch.get_autocast_dtype(input_ids.device.type)}): the cascade cache does not follow autocast's per-op "
+            "dtypes (keys and values would be stored in different dtypes). Call generate() outside autocast, with "
+            "the model in the dtype you want (`model.to(torch.bfloat16)`); with TRL, pass `GRPOConfig(bf16=False)` "
+            "(docs/trl.md)."
+        )
     method_name = GENERATION_MODES_MAPPING.get(generation_config.get_generation_mode())
     if method_name not in _DECODING_METHODS:
         raise NotImplementedError(

@@ -15,6 +15,7 @@ import hf_cascade
 from hf_cascade.ops import cascade_attention
 from hf_cascade.ops.builtin_cascade import builtin_cascade_attention
 from hf_cascade.ops.cascade_wrapper import planned_attention, step_inputs
+from hf_cascade.model_zoo import tiny_model
 from hf_cascade.ops.plan import plan_cascade, plan_shared_prefix
 
 from _ops_common import needs_triton
@@ -183,3 +184,17 @@ def test_right_padded_rows_sharing_nothing_are_sdpa_s_own():
     assert torch.equal(got.sequences, want.sequences)
     for w, g in zip(want.logits, got.logits):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=0)
+
+
+def test_generate_under_autocast_is_refused_clearly():
+    """Under torch.autocast (TRL's default bf16=True) the cascade cache would hold keys and values of different dtypes:
+    a clear ValueError naming autocast and the way out, before any work, instead of a dtype error deep in a kernel."""
+    model = tiny_model("llama", "cascade", seed=0)
+    ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(0))
+    ids[:, :6] = ids[0, :6]
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match="autocast"):
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False, pad_token_id=0,
+                       custom_generate=hf_cascade.generate)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False, pad_token_id=0,
+                         custom_generate=hf_cascade.generate)  # outside autocast: runs
+    assert out.shape == (2, 11)
