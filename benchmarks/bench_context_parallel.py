@@ -473,22 +473,30 @@ def estimate_longest(prefill_records, capacity_gib, record):
                     gib_per_1k_tokens=slope * 1024, estimated_longest_prompt=longest, capacity_gib=capacity_gib))
 
 
-def main():
-    args = parse_args()
-    timeout = datetime.timedelta(minutes=30)  # 1-GPU runs make the other ranks wait in a barrier
-    if args.tiny or not torch.cuda.is_available():
+def start_process_group(tiny: bool, timeout: datetime.timedelta) -> bool:
+    """gloo on CPU (or with ``tiny``), else NCCL with this rank's GPU; returns whether this is the CPU smoke test."""
+    if tiny or not torch.cuda.is_available():
         dist.init_process_group("gloo", timeout=timeout)
-        args.tiny = True
-    else:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl", timeout=timeout)
-    world = dist.get_world_size()
-    sizes = [n for n in (1, 2, 4, 8, 16) if n <= world]
-    # Every rank must create every group; non-members get None.
+        return True
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl", timeout=timeout)
+    return False
+
+
+def sub_groups(sizes: list[int]) -> dict:
+    """``{n: the group of ranks [0, n) or None on the ranks outside it}``: every rank creates every group."""
     groups = {}
     for n in sizes:
         g = dist.new_group(list(range(n)))
         groups[n] = g if dist.get_rank() < n else None
+    return groups
+
+
+def main():
+    args = parse_args()
+    args.tiny = start_process_group(args.tiny, datetime.timedelta(minutes=30))  # 1-GPU runs: the others wait
+    world = dist.get_world_size()
+    groups = sub_groups([n for n in (1, 2, 4, 8, 16) if n <= world])
     record = Recorder(args.out, env_info(world))
     if args.tiny:
         lengths = [int(x) for x in (args.lengths or "64,256").split(",")]

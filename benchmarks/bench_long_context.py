@@ -24,6 +24,7 @@ to ``<out>/context_parallel.jsonl`` (GPU, versions, git SHA in each; ``kv="real"
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import sys
 import time
@@ -203,20 +204,9 @@ def scaling(args, model, groups, record):
 def main():
     args = parse_args()
     cp_args = argparse.Namespace(budget_s=args.budget_s)
-    import datetime
-
-    timeout = datetime.timedelta(minutes=4)  # a failed rank stops the launch in minutes
-    if args.tiny or not torch.cuda.is_available():
-        dist.init_process_group("gloo", timeout=timeout)
-        args.tiny = True
-    else:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl", timeout=timeout)
+    args.tiny = cp.start_process_group(args.tiny, datetime.timedelta(minutes=4))  # a failed rank: minutes, not 30
     world = dist.get_world_size()
-    groups = {}
-    for n in [s for s in (1, 2, 4, 8) if s < world] + [world]:
-        g = dist.new_group(list(range(n)))
-        groups[n] = g if dist.get_rank() < n else None
+    groups = cp.sub_groups([s for s in (1, 2, 4, 8) if s < world] + [world])
     record = cp.Recorder(args.out, cp.env_info(world))
     records = []
     recorder = lambda r: (records.append(r), record(r))  # noqa: E731

@@ -14,8 +14,8 @@ from hf_cascade.prefix_tree import find_shared_prefixes
 from hf_cascade.transformers_compat import CACHE_KWARG
 
 
-def _left_aligned(input_ids: torch.Tensor, attention_mask: torch.Tensor):
-    """Each row's real tokens, left-aligned, on the host (the rows themselves are not moved). Padding (left padding,
+def _real_tokens_on_host(input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """Each row's real tokens, left-aligned, on the host (the rows on the device stay as they are). Padding (left padding,
     masked tokens inside a row) is honoured exactly: a masked column is never attended, and positions count only
     real tokens, as in sdpa. Right padding is refused once rows share a segment (:func:`_refuse_right_padding`).
 
@@ -26,8 +26,7 @@ def _left_aligned(input_ids: torch.Tensor, attention_mask: torch.Tensor):
     Args:
         input_ids, attention_mask: ``[B, L]`` on the model's device (mask: nonzero for real tokens).
     Returns:
-        ``(input_ids, attention_mask, real_ids, real_columns, lengths, mask_host)``: the ``[B, L]`` ids and mask as
-        given, on their device; then numpy arrays: ``real_ids`` ``[B, L]`` int64, each row's
+        ``(real_ids, real_columns, lengths, mask_host)``, numpy arrays: ``real_ids`` ``[B, L]`` int64, each row's
         real tokens first, then -1 (the form :func:`find_shared_prefixes` takes, as a tensor); ``real_columns``
         ``[B, L]`` int64, the column of each of those tokens (-1 after a row's last; a read-only broadcast view when
         no row has padding); ``lengths`` ``[B]`` int64, each row's real tokens; ``mask_host`` ``[B, L]`` bool, the
@@ -48,7 +47,7 @@ def _left_aligned(input_ids: torch.Tensor, attention_mask: torch.Tensor):
     columns = np.arange(width, dtype=np.int64)
     lengths = mask.sum(axis=1)
     if (lengths == width).all():  # no padding (the common case): the rows as they are
-        return input_ids, attention_mask, ids, np.broadcast_to(columns, (batch, width)), lengths, mask
+        return ids, np.broadcast_to(columns, (batch, width)), lengths, mask
     first = width - lengths  # a left-padded row without masked tokens inside holds its real tokens in [first, L)
     real_columns = columns + first[:, None]
     with_holes = np.where(mask, columns, width).min(axis=1) != first
@@ -59,7 +58,7 @@ def _left_aligned(input_ids: torch.Tensor, attention_mask: torch.Tensor):
     real_columns[past_end] = 0
     real_ids = np.take_along_axis(ids, real_columns, 1)
     real_ids[past_end] = real_columns[past_end] = -1
-    return input_ids, attention_mask, real_ids, real_columns, lengths, mask
+    return real_ids, real_columns, lengths, mask
 
 
 def _refuse_right_padding(mask_host: np.ndarray) -> None:
@@ -87,7 +86,7 @@ def _check_rows_start_with(
     base_tokens: tuple[int, ...], real_ids: np.ndarray, real_columns: np.ndarray, lengths: np.ndarray
 ) -> None:
     """Raise a ValueError naming the first row whose real tokens are not ``base_tokens`` followed by at least one
-    more token (the arguments as :func:`_left_aligned` returns them)."""
+    more token (the arguments as :func:`_real_tokens_on_host` returns them)."""
     n = len(base_tokens)
     if n < real_ids.shape[1]:
         starts_right = (real_ids[:, :n] == np.fromiter(base_tokens, np.int64, n)).all(axis=1) & (lengths > n)
@@ -164,7 +163,7 @@ def plan_cascade_batch(
         ValueError: a right-padded batch (a row's last column masked) whose rows share a segment
             (:func:`_refuse_right_padding`: pad on the left, ``tokenizer.padding_side = "left"``).
     """
-    input_ids, attention_mask, real_ids, real_columns, lengths, mask_host = _left_aligned(input_ids, attention_mask)
+    real_ids, real_columns, lengths, mask_host = _real_tokens_on_host(input_ids, attention_mask)
     batch, width = input_ids.shape
     base_levels, base_parents, base_tokens = [], [], ()
     if prefix_cache is not None:

@@ -24,6 +24,8 @@ import warnings
 
 import torch
 
+from hf_cascade._env import cache_root
+
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -75,8 +77,6 @@ def left_padding(tokenizer):
 def gguf_cache_root(cache_dir: str | None = None) -> str | None:
     """Where dequantised GGUF weights are cached: ``cache_dir``, else ``$HF_CASCADE_CACHE``, else
     ``~/.cache/hf_cascade``; None when that is ``"off"`` (any case; also ``0``, ``false``, ``no``)."""
-    from hf_cascade._env import cache_root
-
     return cache_root(cache_dir)
 
 

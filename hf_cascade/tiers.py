@@ -53,6 +53,7 @@ import warnings
 
 import torch
 
+from hf_cascade._env import cache_root, is_off
 from hf_cascade.decode.step_buffers import model_state
 
 __all__ = ["COMPILE_CHOICES", "SAVED_FRACTION", "Tier", "choose_tier", "note_caches_warm", "record_call", "tier_report"]
@@ -286,8 +287,6 @@ def _compiled_cost(record: dict, caches_filled: bool = False) -> float:
 def records_folder() -> str | None:
     """Where the compile records live: ``$HF_CASCADE_RECORDS``, else ``compile_records`` in ``$HF_CASCADE_CACHE`` or
     ``~/.cache/hf_cascade``; None where either is ``off`` (any case; also ``0``, ``false``, ``no``)."""
-    from hf_cascade._env import cache_root, is_off
-
     folder = os.environ.get("HF_CASCADE_RECORDS")
     if folder:
         return None if is_off(folder) else folder

@@ -203,12 +203,14 @@ class ContextParallelCache(Cache):
         self.decode_step = "auto"
 
     # ------------------------------------------------------------------ prefill (driven by context_parallel_inputs)
-    def begin_prefill(self, plan: PrefillPlan, key_valid: torch.Tensor | None, *, shared: bool) -> None:
+    def begin_prefill(self, plan: PrefillPlan, key_valid: torch.Tensor | None, *, shared: bool,
+                      device: torch.device | str | None = None) -> None:
         """The next forwards run the prompt's rounds (:mod:`~hf_cascade.parallel.prefill_plan`), one per
         :meth:`begin_round`; every layer's KV storage is sized once, for ``plan.num_real(rank)`` columns.
 
         ``key_valid``: bool ``[B, plan.length]`` over the prompt's columns (False = left padding) or None.
         ``shared``: the prompt is a prefix shared by every row (batch 1), stored without a batch dimension after.
+        ``device``: the model's (where the stored columns' indices live; default ``key_valid``'s, else the CPU).
         """
         if plan.world_size != self.info.world_size:
             raise ValueError(f"plan is for {plan.world_size} ranks, the group has {self.info.world_size}.")
@@ -217,7 +219,8 @@ class ContextParallelCache(Cache):
         if key_valid is not None and tuple(key_valid.shape[1:]) != (plan.length,):
             raise ValueError(f"begin_prefill: key_valid must be bool [batch, {plan.length}]; got "
                              f"{tuple(key_valid.shape)}.")
-        device = key_valid.device if key_valid is not None else None
+        if device is None and key_valid is not None:
+            device = key_valid.device
         self._prefill = PrefillState(plan, plan.rounds(self.info.rank), key_valid, shared)
         self._prefill.columns = plan.columns(self.info.rank, device)
 
@@ -230,11 +233,10 @@ class ContextParallelCache(Cache):
         if valid is None:
             prefill.round_valid = prefill.past_valid = None
         else:
-            columns = prefill.columns.to(valid.device)
             ours = valid[:, rnd.start:rnd.start + rnd.layout.length]
             pad = rnd.layout.padded_length - rnd.layout.length
             prefill.round_valid = torch.cat([ours, ours.new_ones(ours.shape[0], pad)], dim=1) if pad else ours
-            prefill.past_valid = valid.index_select(1, columns[:rnd.offset])
+            prefill.past_valid = valid.index_select(1, prefill.columns[:rnd.offset])
         return rnd
 
     def end_prefill(self) -> None:
@@ -262,7 +264,7 @@ class ContextParallelCache(Cache):
         layer = self.layers[layer_idx]
         if layer._buffers is None:  # sized once for the whole prompt: nothing grows, nothing is copied
             keys, values = prefill.storage(layer_idx, len(self.layers), key_states, value_states)
-            layer._buffers = (keys, values, prefill.columns.to(key_states.device))
+            layer._buffers = (keys, values, prefill.columns)
         keys, values, cols = layer._buffers
         real = rnd.layout.num_real(self.info.rank)
         end = rnd.offset + real

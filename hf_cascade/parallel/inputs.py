@@ -142,7 +142,7 @@ def _ring_prefill(model, cache, plan: PrefillPlan, ids, positions, key_valid, *,
     info = cache.info
     if plan.length == 0:
         return
-    cache.begin_prefill(plan, key_valid, shared=shared)
+    cache.begin_prefill(plan, key_valid, shared=shared, device=ids.device)
     rounds = plan.rounds(info.rank)
     bar = _progress(len(rounds), info, plan)
     for rnd in rounds:
