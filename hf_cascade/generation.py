@@ -46,6 +46,18 @@ logger = logging.get_logger(__name__)
 _DECODING_METHODS = {"_sample", "_beam_search"}
 
 
+def _refuse_autocast(device_type: str) -> None:
+    """A ValueError under ``torch.autocast``: the cascade cache does not follow autocast's per-op dtypes."""
+    if torch.is_autocast_enabled(device_type):
+        raise ValueError(
+            f"hf_cascade.generate was called under torch.autocast ({device_type}, "
+            f"{torch.get_autocast_dtype(device_type)}): the cascade cache does not follow autocast's per-op dtypes "
+            "(keys and values would be stored in different dtypes). Call generate() outside autocast, with the model "
+            "in the dtype you want (`model.to(torch.bfloat16)`); with TRL, pass `GRPOConfig(bf16=False)` "
+            "(docs/trl.md)."
+        )
+
+
 def generate(
     model,
     input_ids: torch.LongTensor,
@@ -107,14 +119,7 @@ def generate(
             f"{type(cascade_caches).__name__} {cascade_caches!r}. Pass `cascade_caches=[]`."
         )
     check_model_uses_cascade(model, "model")
-    if torch.is_autocast_enabled(input_ids.device.type):
-        raise ValueError(
-            f"hf_cascade.generate was called under torch.autocast ({input_ids.device.type}, "
-            f"{torch.get_autocast_dtype(input_ids.device.type)}): the cascade cache does not follow autocast's per-op "
-            "dtypes (keys and values would be stored in different dtypes). Call generate() outside autocast, with "
-            "the model in the dtype you want (`model.to(torch.bfloat16)`); with TRL, pass `GRPOConfig(bf16=False)` "
-            "(docs/trl.md)."
-        )
+    _refuse_autocast(input_ids.device.type)
     method_name = GENERATION_MODES_MAPPING.get(generation_config.get_generation_mode())
     if method_name not in _DECODING_METHODS:
         raise NotImplementedError(
