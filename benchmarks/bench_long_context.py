@@ -65,6 +65,19 @@ def memory_state() -> dict:
                 allocated=torch.cuda.memory_allocated(), reserved=torch.cuda.memory_reserved())
 
 
+def segment_summary() -> dict:
+    """What the caching allocator holds (this rank): segments, their free bytes, the largest free blocks (GiB)."""
+    if not torch.cuda.is_available():
+        return {}
+    segments = torch.cuda.memory_snapshot()
+    free = sorted((b["size"] for s in segments for b in s["blocks"] if b["state"] == "inactive"), reverse=True)
+    partly = [s for s in segments if 0 < s["allocated_size"] < s["total_size"]]
+    return dict(segments=len(segments), reserved_gib=sum(s["total_size"] for s in segments) / GiB,
+                free_in_segments_gib=sum(free) / GiB, segments_partly_free=len(partly),
+                largest_free_blocks_mib=[round(b / 2**20, 1) for b in free[:8]],
+                segment_sizes_mib=sorted((round(s["total_size"] / 2**20) for s in segments), reverse=True)[:12])
+
+
 def weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
@@ -135,17 +148,26 @@ def long_prompt(args, model, group, n, length, bandwidth, record):
     weights = weight_bytes(model)
     cp.reset_peak()
     ids = cp.prompt(length, model.config.vocab_size)
+    before = memory_state()  # after empty_cache: what the weights (and their segments' holes) hold
     seconds, inputs = cp.timed(lambda: hf_cascade.context_parallel_inputs(model, ids, group=group), group)
     cache = inputs[hf_cascade.CACHE_KWARG]
     mem = memory_state()
     kv = cache.nbytes
     beyond = mem["peak_allocated"] - weights - kv
+    # The prefill's own growth: what it reserved beyond what it allocated, apart from the weights' segments.
+    grown_reserved = mem["peak_reserved"] - before["reserved"]
+    grown_allocated = mem["peak_allocated"] - before["allocated"]
+    layout = segment_summary() if dist.get_rank() == 0 else {}
     record(dict(kind="long_prefill", gpus=n, tokens=length, alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), seconds=seconds, tokens_per_s=length / seconds,
                 kv="real", kv_gib_per_gpu=cp.group_max(kv, group) / GiB, weights_gib=weights / GiB,
                 peak_allocated_gib=cp.group_max(mem["peak_allocated"], group) / GiB,
                 peak_reserved_gib=cp.group_max(mem["peak_reserved"], group) / GiB,
                 beyond_weights_kv_gib=cp.group_max(beyond, group) / GiB,
-                reserved_over_allocated=cp.group_max(mem["peak_reserved"] / max(1, mem["peak_allocated"]), group)))
+                reserved_over_allocated=cp.group_max(mem["peak_reserved"] / max(1, mem["peak_allocated"]), group),
+                before_allocated_gib=cp.group_max(before["allocated"], group) / GiB,
+                before_reserved_gib=cp.group_max(before["reserved"], group) / GiB,
+                prefill_reserved_over_allocated=cp.group_max(grown_reserved / max(1, grown_allocated), group),
+                rank0_allocator=layout))
     steps = args.decode_steps
 
     def gen(k):
@@ -233,8 +255,12 @@ def main():
                     recorder(dict(kind="long_prefill", gpus=world, tokens=length, skipped="time budget"))
                     continue
                 long_prompt(args, model, top, world, length, bandwidth, recorder)
-        if "longest" in phases and longest and not args.tiny and not cp.out_of_time(cp_args):
-            long_prompt(args, model, top, world, longest, bandwidth, recorder)  # what the check admits, run
+        if "longest" in phases and not args.tiny and not cp.out_of_time(cp_args):
+            if "long" in phases or longest is None:  # the decode graphs of the prompts before hold memory: ask again
+                cp.reset_peak()
+                longest = check_capacity(args, model, top, world, recorder)
+            if longest:
+                long_prompt(args, model, top, world, longest, bandwidth, recorder)  # what the check admits, run
         if "scaling" in phases and args.scaling_tokens and not cp.out_of_time(cp_args):
             scaling(args, model, groups, recorder)
         if "peers" in phases and args.torch_cp_tokens and world > 1 and torch.cuda.is_available() \
