@@ -72,8 +72,10 @@ def segment_summary() -> dict:
     segments = torch.cuda.memory_snapshot()
     free = sorted((b["size"] for s in segments for b in s["blocks"] if b["state"] == "inactive"), reverse=True)
     partly = [s for s in segments if 0 < s["allocated_size"] < s["total_size"]]
+    holes = sum(s["total_size"] - s["allocated_size"] for s in partly)  # what empty_cache cannot hand back
     return dict(segments=len(segments), reserved_gib=sum(s["total_size"] for s in segments) / GiB,
                 free_in_segments_gib=sum(free) / GiB, segments_partly_free=len(partly),
+                free_in_partly_used_segments_gib=holes / GiB,
                 largest_free_blocks_mib=[round(b / 2**20, 1) for b in free[:8]],
                 segment_sizes_mib=sorted((round(s["total_size"] / 2**20) for s in segments), reverse=True)[:12])
 

@@ -106,11 +106,17 @@ def memory_need(shape: ModelShape, *, world_size: int, stored_columns: int, rows
 
 
 def free_bytes(device: torch.device, info: GroupInfo) -> int:
-    """Bytes this rank may still allocate: on CUDA the device's free memory plus what PyTorch's allocator holds
-    unused; on CPU the host's available memory shared by the ranks on it."""
+    """Bytes this rank may still allocate: on CUDA the device's free memory once PyTorch's allocator has handed back
+    the segments nothing uses; on CPU the host's available memory shared by the ranks on it.
+
+    Memory the allocator holds but cannot give to one large allocation is not counted: holes in segments that
+    also hold live tensors (the weights') and the private pools of recorded CUDA graphs. Counting them admitted
+    prompts whose KV then did not fit (4x H100, 1.87M tokens, 2026-11-28)."""
     if device.type == "cuda":
+        with torch.cuda.device(device):
+            torch.cuda.empty_cache()
         free, _ = torch.cuda.mem_get_info(device)
-        return int(free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device))
+        return int(free)
     available = None
     try:
         with open("/proc/meminfo") as f:
