@@ -17,6 +17,7 @@ import torch
 import hf_cascade
 from hf_cascade.model_zoo import tiny_model
 from hf_cascade.parallel._testing import run_on_gloo
+from hf_cascade.parallel import capacity
 from hf_cascade.parallel.capacity import ModelShape, memory_need, working_set_bytes
 from hf_cascade.parallel.prefill_plan import PrefillPlan, default_rank_tokens
 
@@ -52,7 +53,9 @@ def test_working_set_does_not_grow_with_the_prompt():
         plan = PrefillPlan(length, 4, default_rank_tokens(4, 1))
         needs.append(memory_need(shape, world_size=4, stored_columns=plan.num_real(0), rows=1,
                                  round_tokens=plan.max_local_columns(), suffix_columns=0, decode_columns=64))
-    assert needs[0].working == needs[1].working == needs[2].working < 4 << 30
+    assert needs[0].working == needs[1].working == needs[2].working
+    # What the round's tensors take (the bound on allocated memory), apart from the allocator's holes.
+    assert needs[0].working - capacity._SLACK_BYTES < 4 << 30
     assert needs[2].kv == 32 << 30  # Llama-3-8B: 128 KiB per token; 1M tokens over 4 ranks
     assert working_set_bytes(shape, 4, 16384) < working_set_bytes(shape, 4, 32768)
 
