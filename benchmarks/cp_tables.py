@@ -188,8 +188,12 @@ def long_context_table(records) -> str:
                       f"GPU {sdpa['seconds']:.2f} s."]
     cap = latest(default_alloc, "capacity")
     if cap:
+        ran = latest(default_alloc, "long_prefill", tokens=cap["longest_admitted_tokens"])
+        run = (f"that prompt ran: prefill {ran['seconds']:.0f} s, peak reserved / allocated "
+               f"{ran['reserved_over_allocated']:.2f}, see the table" if ran and "seconds" in ran
+               else "estimated from free memory, not yet run")
         lines += ["", f"Capacity check (git {_sha(cap)}): on {cap['gpus']} GPUs it admits prompts up to about "
-                      f"**{cap['longest_admitted_tokens']:,} tokens** (estimated from free memory, not yet run); a prompt "
+                      f"**{cap['longest_admitted_tokens']:,} tokens** ({run}); a prompt "
                       f"10% longer ({cap['over_tokens']:,}) raised on every rank: {cap['every_rank_raised']}, the "
                       f"slowest after {cap['slowest_rank_raise_s']:.3f} s, before any work."]
     peer = latest(records, "ring_attention_vs_torch_cp", tokens=524288)
