@@ -1,5 +1,7 @@
 """End-to-end generate() benchmark: hf_cascade (compiled and eager) vs generate() with sdpa (dynamic cache, and
-transformers' static cache compiled) vs generate_batch (continuous batching).
+transformers' static cache compiled) vs generate_batch (continuous batching with prefix sharing: ``benchmarks/
+cb_peer.py``; ``generate_batch_defaults`` as a user first calls it, ``generate_batch_best`` with its guide's fast
+settings; ``generate_batch`` is the defaults). The peers and batches are in ``generate_peers.py``.
 
 Workload (issue 3): a Llama-3-8B-shaped random bf16 model, B rows sharing a P-token prompt, each with its own
 S-token suffix, N new tokens, greedy. Reports total time, prefill time, decode ms/step, tokens/s and peak memory
@@ -11,6 +13,7 @@ no further from sdpa's than transformers' eager attention's are (``bf16_logits_g
     python benchmarks/bench_generate.py --workload nsamples grpo   # n samples of a prompt, through plain generate()
     python benchmarks/bench_generate.py --workload stream --stream-passes 2  # 8 batches, 8 sharing trees, cold + warm
     python benchmarks/bench_generate.py --workload stream --stream-process-per-peer  # each peer in a new process
+    python benchmarks/bench_generate.py --workload tree      # 64 rows: 1,024 shared by all, 4 docs of 2,048 by 16
 
 hf_cascade's one-argument peers: ``cascade_generate`` (the default, ``decode_step="auto"``: decode steps replayed
 from recorded CUDA graphs, the prefill forwards with compiled layers), ``cascade_generate_graphs`` and
@@ -20,9 +23,9 @@ from recorded CUDA graphs, the prefill forwards with compiled layers), ``cascade
 Sampling workloads (``--workload nsamples grpo``): ``nsamples`` is 1 prompt of 4096 tokens x 32 samples, 64 new
 tokens; ``grpo`` is 16 prompts (a shared 256-token system prompt + 512 own tokens) x 8 samples, 128 new tokens. The
 peers are the user's own ``model.generate(**batch, num_return_sequences=N, do_sample=True)`` with sdpa, transformers'
-prefix-reuse recipe on the repeated rows (``hf_prefix_reuse``), and the same call with
-``custom_generate=hf_cascade.generate``; KV bytes are compared with the unique tokens (each prompt token
-once + every sample's own tokens).
+prefix-reuse recipe on the repeated rows (``hf_prefix_reuse``), the same call with
+``custom_generate=hf_cascade.generate``, and ``--sampling-peers generate_batch_defaults generate_batch_best`` (the
+repeated rows); KV bytes are compared with the unique tokens (each prompt token once + every sample's own tokens).
 """
 
 from __future__ import annotations
@@ -33,7 +36,6 @@ PROCESS_STARTED = time.perf_counter()  # before torch's import: a stream record'
 
 import argparse  # noqa: E402
 import functools  # noqa: E402
-import gc  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import subprocess  # noqa: E402
@@ -46,310 +48,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import (  # noqa: E402
     RESULTS_DIR, ResultWriter, TritonBuilds, timed_with_compile_breakdown, triton_cache_files, triton_variants,
-    wall_time,
+)
+from generate_peers import (  # noqa: E402,F401  (re-exported: the probes and other suites import them from here)
+    CASCADE_GENERATE_PEERS, CB_PEERS, SAMPLING_WORKLOADS, TREE_LEVELS, TREE_OWN, TREE_ROWS, TREE_SEED, PeerFailed,
+    _options_name, bf16_logits_gate, build_model, common_prefix_length, dynamic_cache_nbytes, first_logits_check,
+    gate, make_batch, make_sampling_batch, make_tree_batch, median_run, peak_gib, reset_memory, run_cascade,
+    run_cascade_generate, run_generate_batch, run_hf_prefix_reuse, run_sampling, run_sdpa, sampling_logits_check,
+    sdpa_in_parts, step_timings,
 )
 
 import hf_cascade  # noqa: E402
-
-
-def build_model(layers: int):
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    config = LlamaConfig(
-        vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=layers,  # 32 in Llama-3-8B
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        max_position_embeddings=16384,
-        rope_theta=500000.0,
-        bos_token_id=1,
-        eos_token_id=None,  # random weights: never stop early, every row makes N tokens
-        pad_token_id=0,
-    )
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="cascade", dtype=torch.bfloat16)
-    model.generation_config.eos_token_id = None
-    return model.eval()
-
-
-def make_batch(batch: int, prefix: int, suffix: int, vocab: int):
-    g = torch.Generator().manual_seed(batch)
-    shared = torch.randint(3, vocab, (prefix,), generator=g)
-    rows = torch.randint(3, vocab, (batch, suffix), generator=g)
-    ids = torch.cat([shared.expand(batch, -1), rows], dim=1).cuda()
-    return ids, torch.ones_like(ids)
-
-
-def peak_gib() -> float:
-    return torch.cuda.max_memory_allocated() / 2**30
-
-
-def reset_memory():
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-
-
-def step_timings(t_first: float, t_all: float, new_tokens: int) -> dict:
-    """total / prefill (a 1-token generate()) / decode ms per step, and peak memory, of one timed peer."""
-    return {
-        "total_s": t_all,
-        "prefill_s": t_first,
-        "decode_ms_per_step": (t_all - t_first) / max(new_tokens - 1, 1) * 1e3,
-        "peak_gib": peak_gib(),
-    }
-
-
-def median_run(run, repeats: int) -> dict:
-    """``run()`` ``repeats`` times; the record of the run with the median ``total_s``, with every run's total in
-    ``total_s_runs`` (and the first run's ``first_call_s``, the one that compiled, if the runs report it)."""
-    records = [run() for _ in range(max(repeats, 1))]
-    chosen = dict(sorted(records, key=lambda r: r["total_s"])[len(records) // 2])
-    chosen["total_s_runs"] = [round(r["total_s"], 4) for r in records]
-    for key in ("first_call_s", "first_call_compile_s"):
-        if key in records[0]:
-            chosen[key] = records[0][key]
-    return chosen
-
-
-def run_cascade(model, ids, mask, new_tokens, compiled=False):
-    """hf_cascade; ``compiled``: fixed suffix buffers, so generate() compiles the decode step (CUDA graphs)."""
-    model.set_attn_implementation("cascade")
-    gen = dict(do_sample=False, pad_token_id=0)
-    reset_memory()
-    t_prefix, inputs = wall_time(
-        lambda: hf_cascade.shared_prefix_inputs(model, ids, mask, max_new_tokens=new_tokens if compiled else None)
-    )
-    t_first, _ = wall_time(lambda: model.generate(**inputs, max_new_tokens=1, **gen))
-    t_all, out = wall_time(lambda: model.generate(**inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **gen))
-    cache = inputs["past_key_values"]
-    return {
-        "total_s": t_prefix + t_all,
-        "prefill_s": t_prefix + t_first,
-        "decode_ms_per_step": (t_all - t_first) / max(new_tokens - 1, 1) * 1e3,
-        "peak_gib": peak_gib(),
-        "kv_gib": cache.nbytes / 2**30,
-        "new_tokens": out[:, inputs["input_ids"].shape[1] :],
-    }
-
-
-# hf_cascade.generate peers: the default, and each decode step (cascade_options["decode_step"]) named
-# peer -> cascade_options (None: the default path)
-CASCADE_GENERATE_PEERS = {"cascade_generate": None, "cascade_generate_compile": {"decode_step": "compile"},
-                          "cascade_generate_graphs": {"decode_step": "graphs"},
-                          "cascade_generate_layers": {"decode_step": "layers"},
-                          "cascade_generate_eager_prefill": {"compile_prefill": False}}
-
-
-def _options_name(options: dict | None) -> str:
-    return "default" if not options else ",".join(f"{k}={v}" for k, v in sorted(options.items()))
-
-
-def run_cascade_generate(model, ids, mask, new_tokens, options=None):
-    """The user's own generate() call + ``custom_generate=hf_cascade.generate`` (planning and prefill included);
-    ``options``: its ``cascade_options`` (None: the default)."""
-    model.set_attn_implementation("cascade")
-    caches = []
-    gen = dict(do_sample=False, pad_token_id=0, custom_generate=hf_cascade.generate, cascade_caches=caches,
-               cascade_options=options)
-    reset_memory()
-    t_first, _ = wall_time(lambda: model.generate(ids, attention_mask=mask, max_new_tokens=1, **gen))
-    t_all, out = wall_time(lambda: model.generate(
-        ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **gen
-    ))
-    return {
-        **step_timings(t_first, t_all, new_tokens),
-        "decode_step": (options or {}).get("decode_step", "default"),
-        "cascade_options": _options_name(options),
-        "kv_gib": caches[-1].nbytes / 2**30,
-        "new_tokens": out[:, ids.shape[1] :],
-    }
-
-
-def run_sdpa(model, ids, mask, new_tokens, compiled=False):
-    """generate() with sdpa; ``compiled``: transformers' static cache, which generate() compiles (CUDA graphs)."""
-    model.set_attn_implementation("sdpa")
-    gen = dict(do_sample=False, pad_token_id=0)
-    if compiled:
-        gen["cache_implementation"] = "static"
-    reset_memory()
-    t_first, _ = wall_time(lambda: model.generate(ids, attention_mask=mask, max_new_tokens=1, **gen))
-    t_all, out = wall_time(
-        lambda: model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **gen)
-    )
-    return {
-        **step_timings(t_first, t_all, new_tokens),
-        "new_tokens": out[:, ids.shape[1] :],
-    }
-
-
-def run_hf_prefix_reuse(model, ids, mask, new_tokens, prefix: int, once: bool = False, **sampling):
-    """transformers' documented prefix reuse: prefill the shared prefix once into a DynamicCache, copy it,
-    ``batch_repeat_interleave(B)``, then ``generate(past_key_values=...)`` (the prefix is stored once per row)."""
-    import copy
-
-    from transformers import DynamicCache
-
-    model.set_attn_implementation("sdpa")
-    gen = dict(sampling or dict(do_sample=False), pad_token_id=0)
-    reset_memory()
-
-    def recipe(n):
-        with torch.no_grad():
-            cache = DynamicCache(config=model.config)
-            model(ids[:1, :prefix], past_key_values=cache, use_cache=True)
-        cache = copy.deepcopy(cache)
-        cache.batch_repeat_interleave(ids.shape[0])
-        out = model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=n, min_new_tokens=n,
-                             **gen)
-        return out, cache
-
-    if once:
-        t_all, _ = wall_time(lambda: recipe(new_tokens))
-        return {"total_s": t_all}
-    t_first, _ = wall_time(lambda: recipe(1))
-    t_all, (out, cache) = wall_time(lambda: recipe(new_tokens))
-    return {
-        **step_timings(t_first, t_all, new_tokens),
-        "kv_gib": dynamic_cache_nbytes(cache) / 2**30,
-        "new_tokens": out[:, ids.shape[1] :],
-    }
-
-
-def run_generate_batch(model, ids, mask, new_tokens):
-    from transformers import GenerationConfig
-
-    model.set_attn_implementation("sdpa")
-    reset_memory()
-    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
-    t_all, _ = wall_time(lambda: model.generate_batch(inputs=ids.tolist(), generation_config=config))
-    model.set_attn_implementation("sdpa")
-    return {"total_s": t_all, "peak_gib": peak_gib()}
-
-
-def bf16_logits_gate(model, generate_kwargs: dict) -> dict:
-    """The verification that gates timing: the first generated position's logits of one generate() call with sdpa,
-    with transformers' eager attention and with hf_cascade (bf16 model).
-
-    Passes (``check_ok``) when cascade is no further from sdpa than eager is: the relative L2 norm of the logit
-    difference over all rows, the project's bf16 bar (exactness itself is tested in fp32, where the tokens are
-    identical). ``generate_kwargs`` is the call (ids, mask, ``max_new_tokens=1``, ``output_logits=True``, ...);
-    hf_cascade's is the default one-argument call with sharing forced (no cost model). Logits: [rows, vocab] fp32.
-    """
-    logits = {}
-    for impl in ("sdpa", "eager"):
-        model.set_attn_implementation(impl)
-        logits[impl] = model.generate(**generate_kwargs).logits[0].float()
-    model.set_attn_implementation("cascade")
-    logits["cascade"] = model.generate(**generate_kwargs, custom_generate=hf_cascade.generate,
-                                       cascade_options=dict(cost_model=None)).logits[0].float()
-    want = logits["sdpa"]
-    rel = {k: ((logits[k] - want).norm() / want.norm()).item() for k in ("eager", "cascade")}
-    return {
-        "first_logits_max_abs_diff": (logits["cascade"] - want).abs().max().item(),
-        "eager_first_logits_max_abs_diff": (logits["eager"] - want).abs().max().item(),
-        "first_logits_scale": want.abs().max().item(),
-        "first_logits_rel_diff": rel["cascade"],
-        "eager_first_logits_rel_diff": rel["eager"],
-        "first_token_match": bool((logits["cascade"].argmax(-1) == want.argmax(-1)).all()),
-        "eager_first_token_match": bool((logits["eager"].argmax(-1) == want.argmax(-1)).all()),
-        "check_ok": rel["cascade"] <= rel["eager"],
-    }
-
-
-def gate(check: dict, what: str) -> None:
-    """Stop before any timing when the check failed (the record is written first)."""
-    print(f"check ({what}):", check, flush=True)
-    if not check["check_ok"]:
-        raise SystemExit(
-            f"{what}: hf_cascade's first logits are further from sdpa than transformers' eager is (relative "
-            f"difference {check['first_logits_rel_diff']:.3g} against {check['eager_first_logits_rel_diff']:.3g}); "
-            "not timing a wrong answer.")
-
-
-def first_logits_check(model, ids, mask, batch_rows: int = 4) -> dict:
-    """Shared workload: the first ``batch_rows`` rows, greedy."""
-    return bf16_logits_gate(model, dict(input_ids=ids[:batch_rows], attention_mask=mask[:batch_rows], max_new_tokens=1,
-                                        do_sample=False, output_logits=True, return_dict_in_generate=True,
-                                        pad_token_id=0))
-
-
-SAMPLING_WORKLOADS = {
-    # name: (prompts, shared system tokens, own tokens per prompt, samples per prompt, new tokens)
-    "nsamples": (1, 0, 4096, 32, 64),
-    "grpo": (16, 256, 512, 8, 128),
-}
-
-
-def make_sampling_batch(name: str, vocab: int):
-    prompts, shared, own, _, _ = SAMPLING_WORKLOADS[name]
-    g = torch.Generator().manual_seed(len(name))
-    system = torch.randint(3, vocab, (shared,), generator=g)
-    rows = torch.randint(3, vocab, (prompts, own), generator=g)
-    ids = torch.cat([system.expand(prompts, -1), rows], dim=1).cuda()
-    return ids, torch.ones_like(ids)
-
-
-def dynamic_cache_nbytes(cache) -> int:
-    return sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
-
-
-def run_sampling(model, peer: str, ids, mask, samples: int, new_tokens: int) -> dict:
-    """The user's own generate() call with num_return_sequences; cascade = the same call + custom_generate;
-    hf_prefix_reuse = transformers' recipe: the rows' common prefix prefilled once into a DynamicCache, repeated
-    for every sample row, then generate() on the repeated rows (each prompt's own tokens prefilled per sample)."""
-    if peer == "hf_prefix_reuse":
-        rows = ids.repeat_interleave(samples, dim=0)
-        prefix = min(common_prefix_length(rows), rows.shape[1] - 1)
-        torch.manual_seed(0)
-        record = run_hf_prefix_reuse(model, rows, torch.ones_like(rows), new_tokens, prefix=prefix,
-                                     do_sample=True, top_k=50)
-        record.pop("new_tokens", None)
-        record["tokens_per_s"] = rows.shape[0] * new_tokens / record["total_s"]
-        return record
-    model.set_attn_implementation("cascade" if peer == "cascade" else "sdpa")
-    caches = []
-    extra = dict(custom_generate=hf_cascade.generate, cascade_caches=caches) if peer == "cascade" else {}
-    gen = dict(do_sample=True, top_k=50, num_return_sequences=samples, pad_token_id=0, return_dict_in_generate=True)
-    record = {}
-    if peer == "cascade":  # the default path compiles the decode step on first use: once, untimed, same shapes
-        reset_memory()
-        record["first_call_s"], record["first_call_compile_s"], _ = timed_with_compile_breakdown(
-            lambda: model.generate(
-                ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **gen, **extra
-            )
-        )
-        caches.clear()
-    reset_memory()
-    torch.manual_seed(0)
-    t_first, _ = wall_time(lambda: model.generate(ids, attention_mask=mask, max_new_tokens=1, **gen, **extra))
-    caches.clear()
-    reset_memory()
-    torch.manual_seed(0)
-    t_all, out = wall_time(lambda: model.generate(
-        ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **gen, **extra
-    ))
-    kv = caches[-1].nbytes if caches else dynamic_cache_nbytes(out.past_key_values)
-    record.update({
-        **step_timings(t_first, t_all, new_tokens),
-        "kv_gib": kv / 2**30,
-        "tokens_per_s": out.sequences.shape[0] * new_tokens / t_all,
-    })
-    if caches:
-        record["prefix_tree"] = caches[-1].prefix_tree.describe()
-        record["compiled"] = caches[-1].is_compileable
-    del out
-    return record
-
-
-def sampling_logits_check(model, ids, mask, samples: int) -> dict:
-    """Sampling workloads: the first 2 prompts x min(samples, 4) rows (``top_k=1``: raw logits, greedy)."""
-    return bf16_logits_gate(model, dict(input_ids=ids[:2], attention_mask=mask[:2], max_new_tokens=1, do_sample=True,
-                                        top_k=1, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
-                                        num_return_sequences=min(samples, 4)))
 
 
 def main_sampling(args, writer, model) -> None:
@@ -373,7 +81,7 @@ def main_sampling(args, writer, model) -> None:
             except torch.OutOfMemoryError:
                 pass
         results = {}
-        for peer in ("sdpa", "hf_prefix_reuse", "cascade"):
+        for peer in args.sampling_peers:
             record = {"bench": "generate_sampling", "peer": peer, **workload}
             try:
                 record.update(median_run(lambda: run_sampling(model, peer, ids, mask, samples, new_tokens),
@@ -382,9 +90,11 @@ def main_sampling(args, writer, model) -> None:
                 results[peer] = record
             except torch.OutOfMemoryError:
                 record["status"] = "out of memory"
+            except PeerFailed as err:
+                record.update(err.record)
             reset_memory()
             if peer == "cascade" and "cascade" in results:
-                for other in ("sdpa", "hf_prefix_reuse"):
+                for other in ("sdpa", "hf_prefix_reuse", *CB_PEERS):
                     if other in results:
                         record[f"speedup_vs_{other}"] = results[other]["total_s"] / record["total_s"]
             writer.write(record)
@@ -394,7 +104,7 @@ def main_sampling(args, writer, model) -> None:
           f"{'vs sdpa':>7} {'vs reuse':>8}")
     for r in rows:
         f = lambda k, fmt: format(r[k], fmt) if isinstance(r.get(k), (int, float)) else "-"  # noqa: E731
-        print(f"{r['workload']:>9} {r['peer']:>15} {f('total_s', '8.2f')} {f('decode_ms_per_step', '8.1f')} "
+        print(f"{r['workload']:>9} {r['peer'][-15:]:>15} {f('total_s', '8.2f')} {f('decode_ms_per_step', '8.1f')} "
               f"{f('kv_gib', '7.2f')} {f('kv_over_unique', '9.2f')} {f('speedup_vs_sdpa', '7.2f')} "
               f"{f('speedup_vs_hf_prefix_reuse', '8.2f')}")
 
@@ -411,44 +121,6 @@ LAYOUT_STREAM = [
     ([(1, 1024), (4, 1024), (16, 256)], 64),
     ([(1, 4096), (2, 2048)], 64),
 ]
-
-
-def make_tree_batch(levels, own: int, rows: int, vocab: int, seed: int):
-    g = torch.Generator().manual_seed(seed)
-    segments = [[torch.randint(3, vocab, (tokens,), generator=g) for _ in range(groups)] for groups, tokens in levels]
-    batch = []
-    for r in range(rows):
-        parts = [segments[l][r * groups // rows] for l, (groups, _) in enumerate(levels)]
-        batch.append(torch.cat(parts + [torch.randint(3, vocab, (own,), generator=g)]))
-    ids = torch.stack(batch).cuda()
-    return ids, torch.ones_like(ids)
-
-
-def common_prefix_length(ids) -> int:
-    same = (ids == ids[:1]).all(dim=0)
-    return int(same.long().cumprod(0).sum())
-
-
-def sdpa_in_parts(model, ids, mask, new_tokens: int) -> tuple[float, int]:
-    """generate() with sdpa as a capable user runs a batch that does not fit: the whole batch, else halves, quarters
-    (one after the other). Returns (seconds of the run that fitted, number of parts); a failed try is not timed."""
-    parts = 1
-    while True:
-        try:
-            size = -(-ids.shape[0] // parts)
-            t = 0.0
-            for i in range(0, ids.shape[0], size):
-                seconds, _ = wall_time(lambda: model.generate(
-                    ids[i : i + size], attention_mask=mask[i : i + size], max_new_tokens=new_tokens,
-                    min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
-                ))
-                t += seconds
-            return t, parts
-        except torch.OutOfMemoryError:
-            if parts >= ids.shape[0]:
-                raise
-            parts *= 2
-            reset_memory()
 
 
 def main_stream(args, writer, model) -> None:
@@ -478,6 +150,8 @@ def _stream_pass(args, writer, model, batches, stream_pass: int, counters) -> No
                 elif peer == "hf_prefix_reuse":
                     prefix = common_prefix_length(ids)
                     t = run_hf_prefix_reuse(model, ids, mask, args.new_tokens, prefix=prefix, once=True)["total_s"]
+                elif peer in CB_PEERS:  # its own pool and manager per batch, as generate_batch makes them
+                    t = run_generate_batch(model, ids, mask, args.new_tokens, CB_PEERS[peer])["total_s"]
                 else:
                     model.set_attn_implementation("cascade")
                     before = builds.snapshot()
@@ -494,6 +168,9 @@ def _stream_pass(args, writer, model, batches, stream_pass: int, counters) -> No
                 per_batch.append(t)
             except torch.OutOfMemoryError:
                 status = "out of memory"
+                break
+            except PeerFailed as err:
+                status = err.record["status"]
                 break
             finally:
                 reset_memory()
@@ -523,7 +200,7 @@ def _stream_pass(args, writer, model, batches, stream_pass: int, counters) -> No
         writer.write(record)
         print({k: v for k, v in record.items() if k != "layouts"}, flush=True)
     for ours in CASCADE_GENERATE_PEERS:
-        for peer in ("sdpa", "hf_prefix_reuse"):
+        for peer in ("sdpa", "hf_prefix_reuse", *CB_PEERS):
             if totals.get(peer) and totals.get(ours):
                 print(f"layout stream (pass {stream_pass}): {ours} {totals[ours]:.1f} s, {peer} {totals[peer]:.1f} s "
                       f"({totals[peer] / totals[ours]:.2f}x)")
@@ -554,11 +231,70 @@ def stream_process_per_peer(args, argv: list[str]) -> None:
               if r.get("bench") == "generate_layout_stream" and r.get("status") == "ok"}
     for stream_pass in range(args.stream_passes):
         for ours in CASCADE_GENERATE_PEERS:
-            for peer in ("sdpa", "hf_prefix_reuse"):
+            for peer in ("sdpa", "hf_prefix_reuse", *CB_PEERS):
                 a, b = totals.get((ours, stream_pass)), totals.get((peer, stream_pass))
                 if a and b:
                     print(f"layout stream, a process per peer (pass {stream_pass}): {ours} {a:.1f} s, {peer} "
                           f"{b:.1f} s ({b / a:.2f}x)")
+
+
+def _time_peers(args, writer, model, runners, ids, mask, base: dict, out_of_memory: set, rows: list) -> None:
+    """Every peer of ``args.peers`` on one batch (a warm-up call first where the peer compiles or builds a pool),
+    each record written as it is done; greedy tokens compared with sdpa's."""
+    from torch._dynamo.utils import counters as dynamo_counters
+
+    tokens = {}
+    for peer in args.peers:
+        record = {**base, "peer": peer}
+        if peer in out_of_memory:
+            record["status"] = "skipped: out of memory at a smaller batch"
+        else:
+            try:
+                if peer.endswith("_compiled") or peer in CASCADE_GENERATE_PEERS or peer in CB_PEERS:
+                    # compile + capture for this batch size, untimed (cascade_generate: its default path compiles
+                    # once per model and batch size; after a --workload stream run of this size, nothing;
+                    # generate_batch: its first call in the process)
+                    record["warmup_s"], record["warmup_compile_s"], _ = timed_with_compile_breakdown(
+                        lambda: runners[peer](model, ids, mask, args.new_tokens)
+                    )
+                    reset_memory()
+                result = median_run(lambda: runners[peer](model, ids, mask, args.new_tokens), args.repeats)
+                new = result.pop("new_tokens", None)
+                if new is not None:
+                    tokens[peer] = new
+                record.update(result, status="ok")
+                record["tokens_per_s"] = ids.shape[0] * args.new_tokens / result["total_s"]
+                record["dynamo_unique_graphs_so_far"] = dynamo_counters["stats"]["unique_graphs"]
+            except torch.OutOfMemoryError:
+                record["status"] = "out of memory"
+                out_of_memory.add(peer)
+            except PeerFailed as err:
+                record.update(err.record)
+                if "out of memory" in err.record.get("status", ""):
+                    out_of_memory.add(peer)
+            except Exception as err:  # a peer failing must not hide the others' numbers
+                record["status"] = f"error: {type(err).__name__}: {str(err)[:300]}"
+        reset_memory()
+        # sdpa's record: the peers before it; a peer after sdpa: its own record (greedy_tokens_equal_sdpa_frac)
+        others = [o for o in tokens if o != "sdpa"] if peer == "sdpa" else [peer] if "sdpa" in tokens else []
+        for other in others:
+            if other in tokens and tokens[other].shape == tokens["sdpa"].shape:
+                key = f"greedy_tokens_equal_{other if peer == 'sdpa' else 'sdpa'}_frac"
+                record[key] = (tokens[other] == tokens["sdpa"]).float().mean().item()
+        writer.write(record)
+        rows.append(record)
+        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in record.items()}, flush=True)
+
+
+def main_tree(args, writer, model, runners, out_of_memory: set, rows: list) -> None:
+    """The tree workload (``generate_peers.TREE_*``): 64 rows, 1,024 tokens shared by all, 4 documents of 2,048
+    tokens each shared by 16, 64 own tokens, greedy; transformers' recipe reuses the common 1,024 tokens."""
+    ids, mask = make_tree_batch(TREE_LEVELS, TREE_OWN, TREE_ROWS, model.config.vocab_size, TREE_SEED)
+    prefix = common_prefix_length(ids)
+    runners = {**runners, "hf_prefix_reuse": lambda *a: run_hf_prefix_reuse(*a, prefix=prefix)}
+    base = {"bench": "generate_tree", "workload": "tree", "batch": TREE_ROWS, "levels": TREE_LEVELS, "own": TREE_OWN,
+            "layers": args.layers, "new_tokens": args.new_tokens, "common_prefix": prefix}
+    _time_peers(args, writer, model, runners, ids, mask, base, out_of_memory, rows)
 
 
 def main(argv=None):
@@ -573,18 +309,21 @@ def main(argv=None):
     parser.add_argument(
         "--peers", nargs="+",
         default=["cascade_compiled", "cascade", "cascade_generate", "hf_prefix_reuse", "sdpa_compiled", "sdpa",
-                 "generate_batch"],
+                 "generate_batch_defaults", "generate_batch_best"],
         help="*_compiled: generate()'s auto-compile (torch.compile, CUDA graphs) with a fixed-size cache; each "
-        "compiled peer, and cascade_generate (the default path, which compiles on CUDA), runs once untimed per "
-        "batch size first (compilation and graph capture, reported as warmup_s)",
+        "compiled peer, cascade_generate (the default path, which compiles on CUDA) and generate_batch_*, runs once "
+        "untimed per batch size first (compilation and graph capture, reported as warmup_s)",
     )
     parser.add_argument("--skip-after-oom", action="store_true", default=True)
     parser.add_argument(
-        "--workload", nargs="+", default=["shared"], choices=["shared", "stream", *SAMPLING_WORKLOADS],
-        help="shared: B rows sharing --prefix (the grid above); nsamples / grpo: sampling workloads (docstring)",
+        "--workload", nargs="+", default=["shared"], choices=["shared", "tree", "stream", *SAMPLING_WORKLOADS],
+        help="shared: B rows sharing --prefix (the grid above); tree: 64 rows, a two-level tree (--peers); nsamples "
+        "/ grpo: sampling workloads (docstring)",
     )
+    parser.add_argument("--sampling-peers", nargs="+", default=["sdpa", "hf_prefix_reuse", "cascade"],
+                        choices=["sdpa", "hf_prefix_reuse", "cascade", *CB_PEERS], help="peers of nsamples / grpo")
     parser.add_argument("--stream-peers", nargs="+", default=["cascade_generate", "hf_prefix_reuse", "sdpa"],
-                        choices=[*CASCADE_GENERATE_PEERS, "hf_prefix_reuse", "sdpa"],
+                        choices=[*CASCADE_GENERATE_PEERS, "hf_prefix_reuse", "sdpa", *CB_PEERS],
                         help="peers of --workload stream")
     parser.add_argument("--stream-passes", type=int, default=1,
                         help="--workload stream: run the stream this many times in one process (pass 0 is cold)")
@@ -607,7 +346,7 @@ def main(argv=None):
         "sdpa": run_sdpa,
         "sdpa_compiled": lambda *a: run_sdpa(*a, compiled=True),
         "hf_prefix_reuse": lambda *a: run_hf_prefix_reuse(*a, prefix=args.prefix),
-        "generate_batch": run_generate_batch,
+        **{peer: functools.partial(run_generate_batch, config=config) for peer, config in CB_PEERS.items()},
     }
     unknown = set(args.peers) - set(runners)
     if unknown:
@@ -622,12 +361,14 @@ def main(argv=None):
     if "stream" in args.workload:
         main_stream(args, writer, model)
     if "shared" not in args.workload:
-        return
+        args.batches = []  # the tree alone: no shared-prefix grid
+        if "tree" not in args.workload:
+            return
     vocab = model.config.vocab_size
     workload = dict(layers=args.layers, prefix=args.prefix, suffix=args.suffix, new_tokens=args.new_tokens)
     # Warm-up with the timed shapes (Triton specialises kernels on integer arguments: ==1, %16), so that no
     # kernel compilation or library heuristic lands inside a timed run.
-    ids, mask = make_batch(min(args.batches), args.prefix, args.suffix, vocab)
+    ids, mask = make_batch(min(args.batches or [4]), args.prefix, args.suffix, vocab)
     for peer in ("cascade", "sdpa"):
         if peer in args.peers:
             try:
@@ -639,47 +380,13 @@ def main(argv=None):
     writer.write({"bench": "generate_check", **workload, **check})
     gate(check, "shared")
 
-    from torch._dynamo.utils import counters as dynamo_counters
-
-    out_of_memory = set()
-    rows = []
+    out_of_memory, rows = set(), []
     for batch in args.batches:
         ids, mask = make_batch(batch, args.prefix, args.suffix, vocab)
-        tokens = {}
-        for peer in args.peers:
-            record = {"bench": "generate", "peer": peer, "batch": batch, **workload}
-            if peer in out_of_memory:
-                record["status"] = "skipped: out of memory at a smaller batch"
-            else:
-                try:
-                    if peer.endswith("_compiled") or peer in CASCADE_GENERATE_PEERS:
-                        # compile + capture for this batch size, untimed (cascade_generate: its default path compiles
-                        # once per model and batch size; after a --workload stream run of this size, nothing)
-                        record["warmup_s"], record["warmup_compile_s"], _ = timed_with_compile_breakdown(
-                            lambda: runners[peer](model, ids, mask, args.new_tokens)
-                        )
-                        reset_memory()
-                    result = median_run(lambda: runners[peer](model, ids, mask, args.new_tokens), args.repeats)
-                    new = result.pop("new_tokens", None)
-                    if new is not None:
-                        tokens[peer] = new
-                    record.update(result, status="ok")
-                    record["tokens_per_s"] = batch * args.new_tokens / result["total_s"]
-                    record["dynamo_unique_graphs_so_far"] = dynamo_counters["stats"]["unique_graphs"]
-                except torch.OutOfMemoryError:
-                    record["status"] = "out of memory"
-                    out_of_memory.add(peer)
-                except Exception as err:  # a peer failing must not hide the others' numbers
-                    record["status"] = f"error: {type(err).__name__}: {str(err)[:300]}"
-            reset_memory()
-            if peer == "sdpa" and "sdpa" in tokens:
-                for other in ("cascade", "cascade_compiled", *CASCADE_GENERATE_PEERS, "sdpa_compiled", "hf_prefix_reuse"):
-                    if other in tokens and other != peer:
-                        record[f"greedy_tokens_equal_{other}_frac"] = (tokens[other] == tokens[peer]).float().mean().item()
-            writer.write(record)
-            rows.append(record)
-            print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in record.items()}, flush=True)
-
+        base = {"bench": "generate", "batch": batch, **workload}
+        _time_peers(args, writer, model, runners, ids, mask, base, out_of_memory, rows)
+    if "tree" in args.workload:
+        main_tree(args, writer, model, runners, set(), rows)
     print(f"\n{'peer':>17} {'B':>4} {'total s':>8} {'prefill s':>9} {'ms/step':>8} {'tok/s':>8} {'peak GiB':>8}  status")
     for r in rows:
         f = lambda k, fmt: format(r[k], fmt) if isinstance(r.get(k), (int, float)) else "-"  # noqa: E731

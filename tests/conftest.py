@@ -42,7 +42,8 @@ def smollm2():
 # windowed models: ~430 s of the ~530 s suite on 2 CPU cores. Marked `slow`: the Quick start's test command
 # (-m "not gpu and not slow") leaves them out; the full suite (-m "not gpu", CI's) runs them.
 SLOW_FILES = frozenset({
-    "test_bench_windows_smoke.py", "test_builtin_kernels.py", "test_captured_step.py", "test_compiled_generate.py",
+    "test_bench_peers_smoke.py", "test_bench_windows_smoke.py", "test_builtin_kernels.py", "test_captured_step.py",
+    "test_compiled_generate.py",
     "test_eval_harness.py", "test_import.py", "test_kernel_compile.py", "test_kernel_variants.py",
     "test_parallel_capacity.py", "test_parallel_compiled.py", "test_parallel_generate.py",
     "test_parallel_primitives.py", "test_parallel_recorded_step.py", "test_silent_edges_4_jobs.py",
