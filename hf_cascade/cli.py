@@ -139,9 +139,12 @@ def collect_info() -> dict:
     else:
         parallel = ("context parallelism: blocks by hf_cascade's PyTorch reference on the CPU (gloo); "
                     "context_parallel_inputs(..., kernels='fused') uses PyTorch's flash kernel for CPU")
+    from hf_cascade.tier_build import describe
+
     return {
         "versions": versions,
         "decode_path": decode,
+        "background_builds": describe() if gpus else "none without a CUDA GPU (" + describe() + ")",
         "context_parallel_path": parallel,
         "cuda": torch.version.cuda,
         "gpus": gpus,
@@ -184,6 +187,7 @@ def cmd_info(args) -> int:
     lines.append(f"attention    'cascade' registered with transformers: {registered}")
     lines.append(f"kernel path  {info['kernel_path']}")
     lines.append(f"decode path  {info['decode_path']}")
+    lines.append(f"background   {info['background_builds']}")
     lines.append(f"parallel     {info['context_parallel_path']}")
     if info["triton_interpret"]:
         lines.append("             TRITON_INTERPRET=1: ops forced to backend='triton' run on Triton's CPU interpreter")

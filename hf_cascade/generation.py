@@ -35,10 +35,11 @@ from transformers.utils import logging
 from hf_cascade.attention import IN_CASCADE_GENERATE, check_model_uses_cascade
 from hf_cascade.cache import CascadeCache
 from hf_cascade.cpu_threads import ContentionProbe, cpu_decode_threads
+from hf_cascade.decode.compiled_layers import new_shapes
 from hf_cascade.decode.sampling import sample
 from hf_cascade.decode.step_buffers import step_buffers
 from hf_cascade.options import CascadeOptions
-from hf_cascade.tiers import choose_tier, record_call
+from hf_cascade.tiers import choose_tier, record_call, shape_policy
 from hf_cascade.transformers_compat import CACHE_KWARG
 
 logger = logging.get_logger(__name__)
@@ -181,6 +182,7 @@ def generate(
             decode_step = "layers" if tier.compiled else "graphs"
     elif method_name == "_sample" and decode_step == "auto":
         decode_step = "layers"
+    shapes = None if tier is None else shape_policy(model, tier, compile_choice)  # shapes new to the compiled tier
     if input_ids.device.type == "cuda":
         from hf_cascade.ops._backend import prepare_triton
 
@@ -218,7 +220,7 @@ def generate(
         plan_ids, plan_mask = input_ids, attention_mask
         if real_rows is not None:
             plan_ids, plan_mask = (_add_rows(t, bucket, rows) for t in (input_ids, attention_mask))
-        with probe:  # on CPU: a busy CPU found before the prefill runs it single-threaded; it is measured too
+        with probe, new_shapes(shapes):  # on CPU: a busy CPU found before the prefill runs it single-threaded
             cache, planned_ids, attention_mask = plan_cascade_batch(
                 model, plan_ids, plan_mask, prefix_cache=user_cache, max_new_tokens=max_new_tokens,
                 fixed_buffers=fixed, bucket_buffers=fixed, compile_layers=prefill_compiled(fixed),
@@ -244,9 +246,9 @@ def generate(
         cascade_caches.append(cache)
     if user_cache is not None or cache.max_suffix_length is None or max_new_tokens <= 1:
         out = _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs,
-                   threads=probe.decode_threads())
+                   threads=probe.decode_threads(), shapes=shapes)
         if tier is not None and cache is not user_cache:
-            record_call(model, tier, time.perf_counter() - started)
+            record_call(model, tier, time.perf_counter() - started, shapes)
         return out if real_rows is None else _first_rows(out, real_rows, input_ids.shape[0])
     # Fixed buffers in a cache of our own, and decode steps to run: take them from the model's StepBuffers, so that
     # a call with the same shapes as an earlier one replays its CUDA graphs instead of recording them again; give
@@ -255,16 +257,17 @@ def generate(
     cache.use_step_buffers(buffers)
     try:
         out = _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs,
-                   threads=probe.decode_threads())
+                   threads=probe.decode_threads(), shapes=shapes)
     finally:
         buffers.keep(cache.step_buffer_tensors())
     if tier is not None:
-        record_call(model, tier, time.perf_counter() - started)
-        if not tier.compiled and compile_choice == "auto" and compiles and method_name == "_sample":
+        record_call(model, tier, time.perf_counter() - started, shapes)
+        missed = shapes is not None and shapes.misses > 0  # ran layers uncompiled: compile them in the background
+        if (not tier.compiled or missed) and compile_choice == "auto" and compiles and method_name == "_sample":
             from hf_cascade.tier_build import build_in_background
 
             build_in_background(generate, model, handed_in[0], generation_config, handed_in[1], cascade_options,
-                                buckets, cache.nbytes)
+                                buckets, cache.nbytes, layout=(input_ids.shape[0], cache.num_levels))
     return out if real_rows is None else _first_rows(out, real_rows, input_ids.shape[0])
 
 
@@ -363,12 +366,14 @@ def _offloaded(model) -> bool:
 
 
 def _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs,
-         threads: int | None = None):
+         threads: int | None = None, shapes=None):
     """Run generate()'s decoding method; ``threads``: the cascade call's CPU thread policy for its rows' first
-    forward and decode steps (:mod:`hf_cascade.cpu_threads`; None: torch's setting, as generate()'s own paths)."""
+    forward and decode steps (:mod:`hf_cascade.cpu_threads`; None: torch's setting, as generate()'s own paths);
+    ``shapes``: what its compiled layers do with shapes new to them (:func:`hf_cascade.tiers.shape_policy`)."""
     token = IN_CASCADE_GENERATE.set(True)
     try:
-        with _layout_independent_shapes(model_kwargs.get(CACHE_KWARG)), cpu_decode_threads(input_ids.device, threads):
+        with _layout_independent_shapes(model_kwargs.get(CACHE_KWARG)), cpu_decode_threads(input_ids.device, threads), \
+                new_shapes(shapes):
             return decode(
                 model, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
                 generation_config=generation_config, **model_kwargs,

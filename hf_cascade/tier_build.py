@@ -40,8 +40,19 @@ cost). A child that fails is an error in :func:`hf_cascade.tiers.tier_report` an
 by the ski rental alone, with the cold costs. The thread is a daemon; an
 interpreter that exits while it builds does not wait for it, and the child ends with it (:func:`_leave_with_parent`).
 
+**Shapes new to the compiled tier.** Once the compiled tier is ready, a call whose shapes its compiled layers were
+not made for runs those layers uncompiled (:func:`hf_cascade.tiers.shape_policy`); after it, the thread runs the same
+build call on that call's rows in this process (no child: the compile caches are warm, and a child would compile the
+decode step for the batch size as a constant where this process compiles it symbolic), which compiles what was
+missing (dynamo recompiles the layer; the batch becomes symbolic after a second size, so later sizes need nothing).
+The calls meanwhile run the Triton tier (the build holds the compiled layers' lock while it compiles); the call
+after it runs the compiled tier. At most :data:`MAX_VARIANT_BUILDS` per model, each layout ``(rows, levels)`` once;
+only where a thread may compile (:func:`variant_builds_possible`); elsewhere the per-shape ski rental of
+:mod:`hf_cascade.tiers` decides when a call compiles them itself. Each start is logged (``logger.info``).
+
 Where this does not start: ``compile="now"`` / ``"never"``, beam search, CPU, a user's own cache, a call without
-decode steps, or :data:`ENABLED` set False (the benchmarks compare the policies).
+decode steps, :data:`ENABLED` set False (the benchmarks compare the policies), or the environment variable
+``HF_CASCADE_BACKGROUND`` set to ``off`` (also ``0``, ``false``, ``no``; :func:`background_builds_on`).
 """
 
 from __future__ import annotations
@@ -55,12 +66,13 @@ import time
 import torch
 from transformers.utils import logging
 
+from hf_cascade._env import background_off
 from hf_cascade.transformers_compat import CACHE_KWARG
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["BUILD_STEPS", "ENABLED", "MODE", "build_in_background", "threads_may_compile", "wait_for_all_builds",
-           "wait_for_build"]
+__all__ = ["BUILD_STEPS", "ENABLED", "MAX_VARIANT_BUILDS", "MODE", "background_builds_on", "build_in_background",
+           "describe", "threads_may_compile", "variant_builds_possible", "wait_for_all_builds", "wait_for_build"]
 
 ENABLED = True
 # Decode steps of the build call: the first compiles the layers for the decode step, the next runs them again (a
@@ -79,11 +91,47 @@ PREWARM_LAYERS = 2
 BUILD_SWITCH_INTERVAL_S: float | None = 1e-4
 PREWARM_TIMEOUT_S = 900
 _THREAD_NAME = "hf_cascade-compiled-tier"
+# Builds of shapes new to a ready compiled tier, per model (a handful is what a stream needs: the batch becomes
+# symbolic after the second batch size; a bound on a model whose shapes keep missing).
+MAX_VARIANT_BUILDS = 8
+
+
+def background_builds_on() -> bool:
+    """Whether background builds may start: :data:`ENABLED`, and ``HF_CASCADE_BACKGROUND`` is not ``off``."""
+    return ENABLED and not background_off()
+
+
+def variant_builds_possible(state) -> bool:
+    """Whether a thread may compile shapes new to ``state``'s ready compiled tier (module docstring): background
+    builds on, a mode that compiles in this process, a torch whose threads may compile and that can run compiled
+    layers without compiling new shapes, no failed build, fewer than :data:`MAX_VARIANT_BUILDS` so far. Call with
+    ``state.lock`` held."""
+    from hf_cascade.decode.compiled_layers import skipping_new_shapes_supported
+
+    return (background_builds_on() and MODE in ("child+thread", "thread") and threads_may_compile()
+            and skipping_new_shapes_supported() and state.build_error is None
+            and len(state.variant_builds) < MAX_VARIANT_BUILDS)
+
+
+def describe() -> str:
+    """One line on the background builds of this process (``python -m hf_cascade info``)."""
+    rental = "calls of shapes new to the compiled tier run them uncompiled until the time lost pays for compiling them"
+    if not background_builds_on():
+        return f"off (HF_CASCADE_BACKGROUND=off or tier_build.ENABLED False): calls move up by the ski rental; {rental}"
+    if MODE != "child" and threads_may_compile():
+        return ("on (HF_CASCADE_BACKGROUND=off turns it off): a child process fills the compile caches, a thread "
+                "compiles the decoder layers; then calls of shapes new to them run them uncompiled while a thread "
+                "compiles them")
+    why = "tier_build.MODE 'child'" if MODE == "child" else "this torch's compile flag is process-wide"
+    return (f"on (HF_CASCADE_BACKGROUND=off turns it off): a child process fills the compile caches ({why}: no "
+            f"thread compiles), the call that moves up compiles; {rental}")
 
 
 def build_in_background(run, model, input_ids: torch.Tensor, generation_config, model_kwargs: dict,
-                        cascade_options: dict | None, batch_buckets: bool, cache_nbytes: int) -> bool:
-    """Start building ``model``'s compiled tier on a background thread, from the rows of the call that just ran.
+                        cascade_options: dict | None, batch_buckets: bool, cache_nbytes: int,
+                        layout: tuple | None = None) -> bool:
+    """Start building ``model``'s compiled tier on a background thread, from the rows of the call that just ran (or,
+    where the tier is ready, the shapes of that call it was not compiled for: ``layout``).
 
     Args:
         run: ``hf_cascade.generate`` (the build call runs it; passed in, as this module is imported by it).
@@ -94,18 +142,18 @@ def build_in_background(run, model, input_ids: torch.Tensor, generation_config, 
         cascade_options: the user's ``cascade_options`` (the build adds ``compile="now"`` and ``batch_buckets``).
         batch_buckets: whether the call added rows up to a batch bucket (the build does the same).
         cache_nbytes: bytes of the call's KV (the memory check).
+        layout: ``(rows, prefix levels)`` of the call, for a build of shapes new to a ready compiled tier (each
+            layout is built once).
     Returns:
         Whether a build started (False: one is running or done or failed for this model, or it would not fit).
     """
     from hf_cascade.tiers import building_state
 
-    if not ENABLED or input_ids.device.type != "cuda":
+    if not background_builds_on() or input_ids.device.type != "cuda":
         return False
     state = building_state(model)
     with state.lock:
-        if state.ready["compiled"] or state.building is not None or state.build_error is not None:
-            return False
-        step = _next_build_step(model, state)
+        step = _plan_build(model, state, layout)
         if step is None:
             return False
         prewarm, compile_here = step
@@ -113,9 +161,17 @@ def build_in_background(run, model, input_ids: torch.Tensor, generation_config, 
         free, total = torch.cuda.mem_get_info(device)
         free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
         if free < max(MIN_FREE_FRACTION * total, CACHE_MULTIPLE * cache_nbytes):
-            state.thread_builds = False  # no room beside the calls: the ski rental compiles in the foreground
+            if not state.ready["compiled"]:
+                state.thread_builds = False  # no room beside the calls: the ski rental compiles in the foreground
             return False
-        state.thread_builds = MODE != "child" and threads_may_compile()
+        if state.ready["compiled"]:
+            state.variant_builds.append(layout)
+            state.shapes_regret = 0.0  # the build compiles what the calls missed (tiers.shape_policy)
+            logger.info(f"hf_cascade: a call of {layout[0]} rows and {layout[1]} prefix levels ran decoder layers "
+                        "uncompiled (shapes new to their compiled code); a background thread compiles them now "
+                        "(the calls run the Triton tier until it ends; HF_CASCADE_BACKGROUND=off: no thread).")
+        else:
+            state.thread_builds = MODE != "child" and threads_may_compile()
         config = copy.deepcopy(generation_config)
         for name, value in (("do_sample", False), ("num_beams", 1), ("return_dict_in_generate", False),
                             ("output_scores", False), ("output_logits", False)):
@@ -142,6 +198,20 @@ def threads_may_compile() -> bool:
     code (hf_cascade's static-step masks, the Triton op instead of the built-in kernels; transformers' own checks).
     There the background build only fills the caches (``MODE`` ``"child"``)."""
     return not hasattr(torch.compiler, "_compile_session_context")
+
+
+def _plan_build(model, state, layout: tuple | None) -> tuple[bool, bool] | None:
+    """What a build started now would do (``(prewarm, compile_here)``, see :func:`_next_build_step`), or None (none
+    now): before the compiled tier is ready, the steps that get it ready; once it is, a build in this process of a
+    layout (``(rows, levels)``) not built before, where :func:`variant_builds_possible`. Call with ``state.lock``
+    held."""
+    if state.building is not None or state.build_error is not None:
+        return None
+    if not state.ready["compiled"]:
+        return _next_build_step(model, state)
+    if layout is None or layout in state.variant_builds or not variant_builds_possible(state):
+        return None
+    return False, True
 
 
 def _next_build_step(model, state) -> tuple[bool, bool] | None:

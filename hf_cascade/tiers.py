@@ -36,8 +36,18 @@ from warm caches costs (:data:`WARM_COMPILE_COST_S`, or what a process recorded)
 compiles the layers beside the calls, and the call after it runs the compiled tier. The calls never compile the
 layers themselves then; the ski rental above alone decides where no background build runs.
 
-``compile="now"`` runs the compiled tier from the first call (the old default: the first call compiles);
-``compile="never"`` never compiles the layers (Triton kernels when ready, by the same rule).
+**Shapes new to the compiled tier** (:func:`shape_policy`): once the compiled tier is ready, a call whose shapes the
+compiled layers were not compiled for (the decode step's graph is specialised to the batch size until a second one
+makes it symbolic; a prefill forward of a new kind) does not compile them: those layer calls run uncompiled
+(:class:`~hf_cascade.decode.compiled_layers.NewShapes`), and after the call a thread compiles them from the same rows
+(:mod:`hf_cascade.tier_build`); until that build ends the calls run the Triton tier, then the compiled tier again.
+The same ski rental covers what no thread builds (``HF_CASCADE_BACKGROUND=off``, ``tier_build.ENABLED`` False, a
+torch whose compile flag is process-wide, a failed build, no room on the GPU, a layout still missing after its
+build): a call that ran layers uncompiled adds what compiling would have saved it to a regret (a build that starts
+clears it), and once the regret reaches :data:`NEW_SHAPES_COST_S` the next call compiles what it needs itself.
+
+``compile="now"`` runs the compiled tier from the first call (the old default: the first call compiles; so do calls
+of new shapes); ``compile="never"`` never compiles the layers (Triton kernels when ready, by the same rule).
 """
 
 from __future__ import annotations
@@ -54,9 +64,11 @@ import warnings
 import torch
 
 from hf_cascade._env import cache_root, is_off
+from hf_cascade.decode.compiled_layers import NewShapes
 from hf_cascade.decode.step_buffers import model_state
 
-__all__ = ["COMPILE_CHOICES", "SAVED_FRACTION", "Tier", "choose_tier", "note_caches_warm", "record_call", "tier_report"]
+__all__ = ["COMPILE_CHOICES", "NEW_SHAPES_COST_S", "SAVED_FRACTION", "Tier", "choose_tier", "note_caches_warm",
+           "record_call", "shape_policy", "tier_report"]
 
 COMPILE_CHOICES = ("auto", "now", "never")
 
@@ -95,6 +107,11 @@ TRITON_KEY_COST_S = 0.4
 # 10.0 s against 0.64 s after (imports of the compile stack ~5 s, dynamo's tracing 3.6 s:
 # benchmarks/results/probe_warm_compile.jsonl), and the call it stalled 7.1-8.9 s (first_call.jsonl).
 WARM_COMPILE_COST_S = 8.0
+# Compiling the layers again for shapes new to a process that has the compiled tier (the decode step's graph for a
+# second batch size, with the batch symbolic): the stream's first 7-row batch after 32-row ones took 4.7 s against
+# 0.8 s with empty caches, 2.1 s against 0.8 s with warm ones (results/first_call.jsonl, compiled-now peer, H100,
+# Llama-3-8B shape); 7-8 s in issue 48's sequence.
+NEW_SHAPES_COST_S = 4.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +150,11 @@ class _ModelTiers:
         # never compile them in the foreground
         self.thread_builds = False
         self.triton_first_s: float | None = None  # this process's first Triton call, on built kernels
+        # shapes new to the compiled tier (shape_policy): calls that ran some layers uncompiled, what they lost where
+        # no thread builds (the per-shape ski rental), and the layouts (rows, levels) a thread compiled since
+        self.missed_calls = 0
+        self.shapes_regret = 0.0
+        self.variant_builds: list[tuple] = []
 
 
 def _state(model) -> _ModelTiers:
@@ -157,7 +179,9 @@ def choose_tier(model, compile: str = "auto") -> Tier:
         if compile == "now":
             return _TIERS["compiled"]
         if state.ready["compiled"] and compile == "auto":
-            return _TIERS["compiled"]
+            # A thread compiles shapes new to the compiled tier (tier_build): the calls leave the compiled layers to
+            # it until it ends (they would wait for it), on the Triton kernels it does not build.
+            return _TIERS["triton" if state.building is not None else "compiled"]
         # While the compiled tier builds in the background (hf_cascade.tier_build: it builds the Triton kernels
         # too), the calls do not build anything themselves: they would wait for what the build is making.
         building = state.building is not None and compile == "auto"
@@ -174,13 +198,32 @@ def choose_tier(model, compile: str = "auto") -> Tier:
         return _TIERS["compiled" if compiled else "triton"]
 
 
-def record_call(model, tier: Tier, seconds: float) -> None:
+def shape_policy(model, tier: Tier, compile: str = "auto") -> NewShapes | None:
+    """What the compiled layers of the next call on ``tier`` do with shapes they were not compiled for (see the
+    module docstring), or None (compile them in the call: not the compiled tier, ``compile`` not ``"auto"``, a
+    background build's own call, or the call that moves up to the compiled tier)."""
+    if not tier.compiled or compile != "auto" or IN_BUILD.active:
+        return None
+    state = _state(model)
+    with state.lock:
+        if not state.ready["compiled"]:
+            return None
+        return NewShapes(compile=state.shapes_regret >= NEW_SHAPES_COST_S)
+
+
+def record_call(model, tier: Tier, seconds: float, shapes: NewShapes | None = None) -> None:
     """After a call of ``model`` on ``tier`` that took ``seconds``: the tiers it ran are ready; the tiers above it
     gain regret; a tier that became ready now is written to the record (with the call's seconds, an upper bound
-    of what getting it ready cost)."""
+    of what getting it ready cost). ``shapes``: the call's :func:`shape_policy` (a call that ran layers uncompiled
+    adds to the per-shape regret; one that could compile them clears it)."""
     state = _state(model)
     with state.lock:
         state.calls.append((("background " if IN_BUILD.active else "") + tier.name, round(seconds, 3)))
+        if shapes is not None and shapes.compile:
+            state.shapes_regret = 0.0
+        elif shapes is not None and shapes.misses:
+            state.missed_calls += 1
+            state.shapes_regret += SAVED_FRACTION["compiled"] * seconds
         record = _load_record(model, state)
         changed = False
         if not tier.builtin_kernels:
@@ -226,15 +269,19 @@ def note_caches_warm(model) -> None:
 
 def tier_report(model) -> dict:
     """``{"calls": [(tier, seconds), ...], "ready": {...}, "regret_s": {...}, "record": path, "background_build":
-    {"running", "seconds", "error", "prewarm", "caches_filled"}}`` for ``model`` in this process (benchmarks print
-    it)."""
+    {"running", "seconds", "error", "prewarm", "caches_filled"}, "new_shapes": {"missed_calls", "regret_s",
+    "variant_builds"}}`` for ``model`` in this process (benchmarks print it). ``new_shapes``: calls of the compiled
+    tier that ran layers uncompiled (shapes new to it), the per-shape regret, and the layouts ``(rows, levels)`` a
+    thread compiled afterwards."""
     state = _state(model)
     with state.lock:
         return {"calls": list(state.calls), "ready": dict(state.ready),
                 "regret_s": {k: round(v, 3) for k, v in state.regret.items()}, "record": state.record_path,
                 "background_build": {"running": state.building is not None, "seconds": state.build_s,
                                      "error": state.build_error, "prewarm": state.build_prewarm,
-                                     "caches_filled": state.caches_filled}}
+                                     "caches_filled": state.caches_filled},
+                "new_shapes": {"missed_calls": state.missed_calls, "regret_s": round(state.shapes_regret, 3),
+                               "variant_builds": list(state.variant_builds)}}
 
 
 def caches_warm(model, state: _ModelTiers) -> bool:

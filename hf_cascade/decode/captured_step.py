@@ -23,7 +23,9 @@ stream), and recorded at the next step with that key.
 
 With ``compile_layers`` (``decode_step="layers"``, the default) the model's decoder layers run compiled while a
 step is run once and recorded (:mod:`hf_cascade.decode.compiled_layers`): they compile at that first run, once per model,
-and the recorded graph holds their fused kernels.
+and the recorded graph holds their fused kernels. Where the call says not to compile shapes that are new to them
+(``compiled_layers.NewShapes``) and its first step found no compiled code for its shapes, the call's steps record
+the eager layers instead.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from collections import OrderedDict
 import torch
 from transformers.utils import logging
 
-from hf_cascade.decode.compiled_layers import compiled_layers
+from hf_cascade.decode.compiled_layers import NEW_SHAPES, compiled_layers
 from hf_cascade.decode.step_buffers import model_state
 from hf_cascade.transformers_compat import CACHE_KWARG
 
@@ -224,9 +226,16 @@ class CapturedDecodeStep:
         recording). If compiling fails, this model's steps record the eager layers from now on; the cache's written
         lengths are restored first, so the step runs again from the same state."""
         lengths = [t.clone() for t in self.cache.suffix_lengths()]
+        policy = NEW_SHAPES.get()
+        misses = 0 if policy is None else policy.misses
         try:
             with compiled_layers(self.model, self.cache):
-                return self.model(**inputs)
+                out = self.model(**inputs)
+            if policy is not None and policy.misses > misses:
+                # No compiled code fit this call's shapes and none was compiled (compiled_layers.NewShapes): its
+                # steps record the eager layers, under a key that says so (not replayed once the shapes compile).
+                self.compile_layers, self._cache_key = False, None
+            return out
         except Exception as err:  # noqa: BLE001 (any compiler error: the eager layers compute the same step)
             for saved, current in zip(lengths, self.cache.suffix_lengths()):
                 current.copy_(saved)

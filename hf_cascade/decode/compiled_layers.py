@@ -26,6 +26,15 @@ other sizes stay constants), not recorded: one graph for the forwards of one row
 and one for those of several rows (always given a mask: ``PREFILL_BATCH_MASKS``), for every layout. Measured (H100,
 same shape): 0.66 s per call against 0.70 s with the eager prefill; the stream of layouts traces 3 graphs in all
 (decode step included) in its first batch, ~3 s with warm caches (759e149).
+
+Shapes the compiled code was not made for (:class:`NewShapes`). The decode step's graph is compiled for the first
+batch size it sees (its other sizes are constants or marked dynamic); the first other batch size fails its guards
+and dynamo compiles the layer again, with the batch symbolic (automatic dynamic): seconds in the call's own thread.
+Where ``hf_cascade.generate`` runs the compiled tier once it is built (:func:`hf_cascade.tiers.shape_policy`), it
+sets a :class:`NewShapes` with ``compile=False``: the layers then run under torch's ``"eager_on_recompile"`` stance
+(compiled code where its guards pass, the layer's own code where none does, nothing compiled) and count the layer
+calls that ran uncompiled, so that the call can leave the compiling to a background build
+(:mod:`hf_cascade.tier_build`).
 """
 
 from __future__ import annotations
@@ -42,8 +51,9 @@ from hf_cascade.decode.step_buffers import model_state
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["compiled_forward", "compiled_layers", "compiled_prefills", "decoder_layers", "layer_compilations",
-           "layer_step_cache", "note_layer_written", "outside_layer_graphs"]
+__all__ = ["NEW_SHAPES", "NewShapes", "compiled_forward", "compiled_layers", "compiled_prefills", "decoder_layers",
+           "layer_compilations", "layer_step_cache", "new_shapes", "note_layer_written", "outside_layer_graphs",
+           "skipping_new_shapes_supported"]
 
 
 class _Tracing:
@@ -60,6 +70,56 @@ _TRACING = _Tracing()
 PREFILL_BATCH_MASKS: contextvars.ContextVar[bool] = contextvars.ContextVar("hf_cascade_prefill_masks", default=False)
 _ACTIVE_LOCK = threading.RLock()
 _STEP = threading.local()  # .cache / .calls: the cache and compiled layer calls of the step running on this thread
+
+
+class NewShapes:
+    """What the compiled layers of one call do with shapes their compiled code was not made for (see the module
+    docstring): ``compile`` True compiles them in the call (torch's default); False runs those layer calls uncompiled
+    and counts them in ``misses``."""
+
+    __slots__ = ("compile", "misses")
+
+    def __init__(self, compile: bool):
+        self.compile = compile
+        self.misses = 0
+
+    def __repr__(self) -> str:
+        return f"NewShapes(compile={self.compile}, misses={self.misses})"
+
+
+# The NewShapes of the generate() call running in this context (None: compile, as torch.compile does).
+NEW_SHAPES: contextvars.ContextVar[NewShapes | None] = contextvars.ContextVar("hf_cascade_new_shapes", default=None)
+
+
+@contextlib.contextmanager
+def new_shapes(policy: NewShapes | None):
+    """The compiled layers run inside follow ``policy`` (None: leave the context's as it is)."""
+    if policy is None:
+        yield
+        return
+    token = NEW_SHAPES.set(policy)
+    try:
+        yield
+    finally:
+        NEW_SHAPES.reset(token)
+
+
+def skipping_new_shapes_supported() -> bool:
+    """Whether this torch can run compiled code where it fits and nothing new (``torch.compiler.set_stance``)."""
+    return hasattr(torch.compiler, "set_stance")
+
+
+def _stance_for_new_shapes():
+    """torch's ``"eager_on_recompile"`` stance where the context's :class:`NewShapes` says not to compile, else
+    nothing. The stance is process-wide: set only under ``_ACTIVE_LOCK``, which every compiled-layer forward of
+    hf_cascade (a background build's too) holds."""
+    policy = NEW_SHAPES.get()
+    if policy is None or policy.compile or not skipping_new_shapes_supported():
+        return contextlib.nullcontext()
+    try:
+        return torch.compiler.set_stance("eager_on_recompile")
+    except RuntimeError:  # another thread is inside a compilation (torch's flag is process-wide): compile as before
+        return contextlib.nullcontext()
 
 
 def layer_step_cache():
@@ -189,7 +249,7 @@ def compiled_layers(model: torch.nn.Module, cache, dynamic: bool = False):
             calls = state.calls
             state.entered += 1
     with _ACTIVE_LOCK, torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True), _layer_index_symbolic(), \
-            _recompile_limit():
+            _recompile_limit(), _stance_for_new_shapes():
         previous = [layer._compiled_call_impl for layer in layers], _TRACING.active, layer_step_cache()
         previous_written, previous_calls = getattr(_STEP, "written", None), getattr(_STEP, "calls", None)
         for index, layer in enumerate(layers):  # (entered again: all restored on the way out)
@@ -219,7 +279,15 @@ class _ThreadCompiledCall:
     def __call__(self, *args, **kwargs):
         calls = getattr(_STEP, "calls", None)
         if calls is not None:
-            return calls[self.index](*args, **kwargs)
+            policy = NEW_SHAPES.get()
+            if policy is None or policy.compile:
+                return calls[self.index](*args, **kwargs)
+            written = _STEP.written
+            before = len(written)
+            out = calls[self.index](*args, **kwargs)
+            if len(written) == before:  # the layer's attention op did not run: dynamo ran its own code (no graph fit)
+                policy.misses += 1
+            return out
         if self.previous is not None:
             return self.previous(*args, **kwargs)
         return self.layer._call_impl(*args, **kwargs)

@@ -1,0 +1,238 @@
+"""Shapes new to a ready compiled tier (issue 48, item 2): the call runs them uncompiled and a background thread
+compiles them, instead of the call waiting for the compiler.
+
+CPU: the mechanism of ``hf_cascade.decode.compiled_layers.NewShapes`` with real compiled layers (inductor, as
+test_captured_step.py runs them), and the decisions of ``hf_cascade.tiers`` / ``hf_cascade.tier_build`` on a model's
+tier state (as test_builtin_kernels.py tests the ski rental). The CUDA path end to end: tests/test_gpu_generate.py and
+benchmarks/bench_stall.py.
+"""
+
+import contextlib
+import threading
+
+import pytest
+import torch
+
+import hf_cascade
+from hf_cascade.decode.compiled_layers import NewShapes, compiled_layers, new_shapes
+from hf_cascade.transformers_compat import CACHE_KWARG
+
+from test_captured_step import _in_decode_steps
+from test_generate import model_pair, pad_batch, tree_prompts
+
+
+# ------------------------------------------------------------------------------------------------- the mechanism
+def _layers_compiled(model):
+    def enter(inputs):
+        return compiled_layers(model, inputs[CACHE_KWARG])
+
+    enter.takes_inputs = True
+    return enter
+
+
+@contextlib.contextmanager
+def _fresh_dynamo():
+    try:
+        yield
+    finally:
+        torch._dynamo.reset()
+
+
+def test_new_batch_size_runs_uncompiled_exactly_and_compiles_nothing():
+    """decode_step="layers" as it runs each step (hooks, as test_captured_step does): the layers compiled for a
+    6-row batch; a 12-row batch under NewShapes(compile=False) compiles nothing, counts its
+    uncompiled layer calls and gives the reference's fp32 tokens; a batch of the compiled shapes runs compiled
+    under the same policy (no miss); once a call may compile, the new batch size compiles (the batch then
+    symbolic) and later sizes run compiled."""
+    from torch._dynamo.utils import counters
+
+    from hf_cascade.decode.captured_step import static_step_mode
+
+    # dynamo's code cache and its automatic-dynamic state are per code object (every layer's is Module._call_impl),
+    # shared with the models of other tests: start (and leave) as a new process would, on sizes of this test only
+    torch._dynamo.reset()
+    ref, cas = model_pair("llama", num_hidden_layers=3, intermediate_size=96)
+    gen = dict(max_new_tokens=4, min_new_tokens=4, pad_token_id=0, do_sample=False)
+    options = dict(min_shared_tokens=2, cost_model=None, fixed_buffers=True, cpu_decode_threads=None)
+
+    def call(rows, seed, policy):
+        ids, mask = pad_batch(tree_prompts([(1, 12), (2, 6)], 4, rows=rows, seed=seed))
+        frames = counters["frames"]["ok"]
+        with new_shapes(policy):
+            got = cas.generate(ids, attention_mask=mask, custom_generate=hf_cascade.generate, disable_compile=True,
+                               cascade_options=options, **gen)
+        assert torch.equal(got, ref.generate(ids, attention_mask=mask, **gen)), (rows, seed, policy)
+        return counters["frames"]["ok"] - frames
+
+    with _in_decode_steps(cas, static_step_mode, _layers_compiled(cas)), _fresh_dynamo():
+        assert call(6, 1, None) >= 1  # the first compile (no policy: torch's default)
+        skip = NewShapes(compile=False)
+        assert call(12, 2, skip) == 0 and skip.misses == 3 * (gen["max_new_tokens"] - 1), skip  # every layer, step
+        fits = NewShapes(compile=False)
+        assert call(6, 3, fits) == 0 and fits.misses == 0, fits  # 6 rows again: the compiled code fits
+        assert call(12, 4, NewShapes(compile=True)) >= 1  # the call may compile: the batch becomes symbolic
+        later = NewShapes(compile=False)
+        assert call(20, 5, later) == 0 and call(12, 6, later) == 0 and later.misses == 0, later
+
+
+# --------------------------------------------------------------------------------------------------- the policy
+@pytest.fixture
+def tiny():
+    from hf_cascade.decode.step_buffers import _BY_MODEL
+    from hf_cascade.model_zoo import tiny_model
+    from hf_cascade.tiers import _ModelTiers
+
+    model = tiny_model("llama", "cascade", seed=0)
+    _BY_MODEL.get(model, {}).pop(_ModelTiers, None)
+    return model
+
+
+@pytest.fixture
+def threads_compile(monkeypatch):
+    """A torch whose threads may compile (2.11, the device's): background builds of new shapes are possible."""
+    from hf_cascade import tier_build
+
+    monkeypatch.setattr(tier_build, "ENABLED", True)
+    monkeypatch.delenv("HF_CASCADE_BACKGROUND", raising=False)
+    monkeypatch.setattr(tier_build, "threads_may_compile", lambda: True)
+
+
+def _compiled_ready(model):
+    from hf_cascade import tiers
+
+    tiers.record_call(model, tiers._TIERS["compiled"], 5.0)  # a compiled call: the tier is ready
+    return tiers._state(model)
+
+
+def test_shape_policy_before_and_after_the_compiled_tier_is_ready(tiny, threads_compile):
+    """No policy (compile in the call, as before) off the compiled tier, for compile="now", for the call that moves
+    up to it and for a background build's own call; once the tier is ready, compile=False."""
+    from hf_cascade import tiers
+
+    compiled, triton = tiers._TIERS["compiled"], tiers._TIERS["triton"]
+    assert tiers.shape_policy(tiny, compiled) is None  # the call that moves up compiles
+    state = _compiled_ready(tiny)
+    assert tiers.shape_policy(tiny, triton) is None
+    assert tiers.shape_policy(tiny, compiled, "now") is None
+    policy = tiers.shape_policy(tiny, compiled)
+    assert isinstance(policy, NewShapes) and policy.compile is False and policy.misses == 0
+    tiers.IN_BUILD.active = True
+    try:
+        assert tiers.shape_policy(tiny, compiled) is None  # the build compiles what the calls missed
+    finally:
+        tiers.IN_BUILD.active = False
+    assert state.shapes_regret == 0.0 and tiers.tier_report(tiny)["new_shapes"] == {
+        "missed_calls": 0, "regret_s": 0.0, "variant_builds": []}
+
+
+def test_unseen_layout_runs_now_builds_in_the_background_then_compiled(tiny, threads_compile, monkeypatch):
+    """After moving up: a call that missed (ran layers uncompiled) plans a build of its layout in this process (no
+    child); while it runs the calls take the Triton tier (the build holds the compiled layers), after it the
+    compiled tier; a layout is built once, at most MAX_VARIANT_BUILDS per model; a started build clears the regret."""
+    from hf_cascade import tier_build, tiers
+
+    state = _compiled_ready(tiny)
+    compiled = tiers._TIERS["compiled"]
+    missed = tiers.shape_policy(tiny, compiled)
+    missed.misses = 96  # what the compiled layers counted in the call
+    tiers.record_call(tiny, compiled, 1.5, missed)
+    assert state.missed_calls == 1 and state.shapes_regret == pytest.approx(0.3)
+    with state.lock:
+        assert tier_build._plan_build(tiny, state, (64, 2)) == (False, True)  # in this process, no child
+        assert tier_build._plan_build(tiny, state, None) is None  # a ready tier builds layouts only
+    ran = []
+    monkeypatch.setattr(tier_build, "_build_call", lambda *a: ran.append(a[2].shape))
+    with state.lock:  # what build_in_background does on CUDA once the memory check passed
+        state.variant_builds.append((64, 2))
+        state.shapes_regret = 0.0
+        state.building, state.build_started = threading.current_thread(), 0.0
+    assert tiers.choose_tier(tiny).name == "triton"  # beside the build
+    assert tiers.choose_tier(tiny, "now").name == "compiled"  # the user's explicit choice is kept
+    ids = torch.zeros(64, 3, dtype=torch.long)
+    tier_build._build(None, tiny, state, ids, None, {}, {}, None, False, True)
+    assert ran == [ids.shape] and state.building is None and state.build_error is None
+    assert tiers.choose_tier(tiny).name == "compiled"
+    with state.lock:
+        assert tier_build._plan_build(tiny, state, (64, 2)) is None  # built once
+        assert tier_build._plan_build(tiny, state, (128, 1)) == (False, True)
+        state.variant_builds.extend((rows, 1) for rows in range(tier_build.MAX_VARIANT_BUILDS))
+        assert tier_build._plan_build(tiny, state, (128, 1)) is None  # the bound
+    assert tiers.tier_report(tiny)["new_shapes"]["variant_builds"][0] == (64, 2)
+
+
+def test_without_a_thread_new_shapes_compile_when_the_time_lost_pays(tiny, threads_compile, monkeypatch):
+    """HF_CASCADE_BACKGROUND=off (also ENABLED False, MODE "child", a torch whose compile flag is process-wide, a
+    failed build): no build of new shapes; the calls that missed add what compiling would have saved them, and once
+    that reaches NEW_SHAPES_COST_S the next call may compile (a ski rental per shape); that call clears the regret."""
+    from hf_cascade import tier_build, tiers
+
+    state = _compiled_ready(tiny)
+    compiled = tiers._TIERS["compiled"]
+    with state.lock:
+        assert tier_build.variant_builds_possible(state)
+    for setting in [("env", "off"), ("ENABLED", False), ("MODE", "child"), ("threads_may_compile", lambda: False)]:
+        with monkeypatch.context() as patch, state.lock:
+            if setting[0] == "env":
+                patch.setenv("HF_CASCADE_BACKGROUND", "OFF")
+            else:
+                patch.setattr(tier_build, *setting)
+            assert not tier_build.variant_builds_possible(state) and tier_build._plan_build(tiny, state, (8, 1)) is None
+            assert "off" in tier_build.describe() or "no thread compiles" in tier_build.describe()
+    monkeypatch.setenv("HF_CASCADE_BACKGROUND", "0")
+    assert not tier_build.background_builds_on()
+    calls = 0
+    while True:
+        policy = tiers.shape_policy(tiny, compiled)
+        if policy.compile:
+            break
+        policy.misses = 3
+        tiers.record_call(tiny, compiled, 2.5, policy)  # each missed call: 0.2 x 2.5 s
+        calls += 1
+    assert calls == tiers.NEW_SHAPES_COST_S / (tiers.SAVED_FRACTION["compiled"] * 2.5) == 8
+    tiers.record_call(tiny, compiled, 9.0, policy)  # the call that compiled them
+    assert state.shapes_regret == 0.0 and tiers.shape_policy(tiny, compiled).compile is False
+    no_miss = tiers.shape_policy(tiny, compiled)
+    tiers.record_call(tiny, compiled, 2.0, no_miss)  # a call whose shapes fit adds nothing
+    assert state.shapes_regret == 0.0 and state.missed_calls == calls
+    with state.lock:  # a failed build: no thread builds again
+        monkeypatch.delenv("HF_CASCADE_BACKGROUND")
+        assert tier_build.variant_builds_possible(state)
+        state.build_error = "RuntimeError: boom"
+        assert not tier_build.variant_builds_possible(state)
+
+
+def test_info_names_the_background_builds_and_their_switch(capsys, monkeypatch):
+    from hf_cascade.cli import main
+
+    assert main(["info"]) == 0
+    assert "HF_CASCADE_BACKGROUND=off" in capsys.readouterr().out
+    monkeypatch.setenv("HF_CASCADE_BACKGROUND", "off")
+    assert main(["info"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("background"))
+    assert "off (HF_CASCADE_BACKGROUND=off" in line
+
+
+def test_recorded_step_that_missed_records_the_eager_layers_under_their_own_key():
+    """CapturedDecodeStep's first step of a call (run once before it is recorded) under NewShapes(compile=False),
+    shapes no compiled code fits: the layers run uncompiled (not a compile failure: the model keeps its compiled
+    layers for later calls), and the call's steps record the eager layers under a key that says so, so that a later
+    call of these shapes, once compiled, does not replay this graph."""
+    from hf_cascade.decode.captured_step import CapturedDecodeStep, _model_graphs, static_step_mode
+    from test_captured_step import _call
+
+    _, cas = model_pair("llama", num_hidden_layers=3, intermediate_size=80)  # sizes no other test compiles
+    ids, mask = pad_batch(tree_prompts([(1, 20), (2, 6)], 5, rows=7, seed=85))
+    cache = _call(cas, ids, mask)
+    step = CapturedDecodeStep(cas, cache, compile_layers=True)
+    rows, width = ids.shape[0], ids.shape[1] + 4  # the next step of the call: 4 tokens generated
+    inputs = dict(input_ids=torch.full((rows, 1), 3), position_ids=mask.sum(1, keepdim=True) + 3,
+                  attention_mask=torch.cat([mask, torch.ones(rows, 4, dtype=mask.dtype)], 1)[:, :width],
+                  use_cache=True, return_dict=True, **{CACHE_KWARG: cache})
+    key = step._key(inputs)[0]
+    policy = NewShapes(compile=False)
+    cache.begin_static_step()
+    with new_shapes(policy), static_step_mode():
+        out = step._run_with_compiled_layers(inputs)
+    assert policy.misses == 3 and torch.isfinite(out.logits).all()
+    assert step.compile_layers is False and step._cache_key is None and step._key(inputs)[0] != key
+    assert not _model_graphs(cas).layers_failed
