@@ -196,8 +196,13 @@ def threads_may_compile() -> bool:
     a whole compile session (``torch.compiler.is_compiling()`` True in every thread; torch 2.13 has it, as
     ``torch.compiler._compile_session_context``): the calls beside it would take the code paths meant for traced
     code (hf_cascade's static-step masks, the Triton op instead of the built-in kernels; transformers' own checks).
-    There the background build only fills the caches (``MODE`` ``"child"``)."""
-    return not hasattr(torch.compiler, "_compile_session_context")
+    There the background build only fills the caches (``MODE`` ``"child"``).
+
+    Nowhere, for now: a compile that misses the caches traces with ``make_fx``, whose tracer replaces
+    ``torch.nn.Module.__call__`` for the whole process while it runs, so a layer called on the serving thread meanwhile
+    is taken for part of the traced graph and the user's call fails (``NameError: module is not installed as a
+    submodule``: H100, torch 2.11, ``benchmarks/results/stall_thread_race.log``, 2026-11-28)."""
+    return False
 
 
 def _plan_build(model, state, layout: tuple | None) -> tuple[bool, bool] | None:
