@@ -92,6 +92,72 @@ def headline_table(records: list[dict], shas: bool = False) -> str:
     return "\n".join(lines)
 
 
+CB_WORKLOADS = [  # (workload in peers_gpu.jsonl, label)
+    ("shared", "32 rows sharing 4,096 tokens + 64 own, 64 new (greedy)"),
+    ("nsamples", "1 prompt of 4,096 tokens x 32 samples, 64 new (sampling)"),
+    ("tree", "64 rows: 1,024 shared by all, 4 documents of 2,048 shared by 16 each"),
+    ("grpo", "16 prompts (256 shared + 512 own) x 8 samples, 128 new (sampling)"),
+]
+
+
+def cb_table(records: list[dict], shas: bool = False) -> str:
+    """hf_cascade against transformers' continuous batching (``generate_batch``, block sharing on: its defaults and
+    its guide's fast settings), with sdpa and the prefix-reuse recipe: per workload the newest run of
+    ``bench_peers_gpu.py`` (all peers in one process). hf_cascade runs its default options with the background
+    build off (its first tier); a call is the warm call, the first call in brackets where it was timed apart."""
+    lines = ["| one run, all peers in it | sdpa | prefix-reuse recipe | `generate_batch` defaults | `generate_batch` "
+             "CUDA graphs + async | hf_cascade | vs best `generate_batch` | KV GiB: `generate_batch` in use (pool) "
+             "→ hf_cascade |", "|---|---|---|---|---|---|---|---|"]
+    for workload, label in CB_WORKLOADS:
+        peers: dict = {}
+        for r in records:
+            if r.get("workload") == workload and r.get("status") == "ok" and not r.get("tiny") and "peer" in r:
+                if peers and r["git_sha"] != next(iter(peers.values()))["git_sha"]:
+                    peers = {}
+                peers[r["peer"]] = r
+        need = ("sdpa", "hf_prefix_reuse", "generate_batch_defaults", "generate_batch_best", "cascade_generate")
+        if not all(k in peers for k in need):
+            continue
+        s, h, d, b, c = (peers[k] for k in need)
+
+        def call(r):
+            first = r.get("first_call_s")
+            return f"{r['total_s']:.2f} s" + (f" ({first:.1f})" if first and r.get("calls", 2) > 1 else "")
+
+        best = min(d["total_s"], b["total_s"])
+        sha = f" (`{c['git_sha'][:7]}`)" if shas else ""
+        lines.append(f"| {label}{sha} | {call(s)} | {call(h)} | {call(d)} | {call(b)} | **{call(c)}** | "
+                     f"**{best / c['total_s']:.1f}x** | {d['kv_used_peak_gib']:.2f} ({d['kv_pool_gib']:.1f}) → "
+                     f"{c['kv_gib']:.2f} |")
+    return "\n".join(lines)
+
+
+def stall_table(records: list[dict]) -> str:
+    """The newest GPU run of bench_stall.py: one process, workloads one after another, then a stream of layouts."""
+    runs_ = [r for r in records if not r.get("tiny") and r.get("device") == "cuda"]
+    if not runs_:
+        return ""
+    sha = runs_[-1]["git_sha"]
+    run = {r["phase"]: r for r in runs_ if r["git_sha"] == sha}
+    summary = run.get("summary", {})
+    lines = [f"{runs_[-1]['gpu']}, torch {runs_[-1]['torch']}, git `{sha[:7]}`, Llama-3-8B shape, bf16, default options, "
+             "one process, empty compile caches at the start. Each workload's calls in order (seconds, tier):", ""]
+    for phase in ("samples32", "tree64", "prompts16x8"):
+        if phase in run:
+            calls = run[phase]["calls"]
+            shown = ", ".join(f"{c['s']:.2f} {c['tier']}" for c in calls[:6])
+            lines.append(f"* `{phase}` ({run[phase]['rows']} rows, {len(calls)} calls): {shown}"
+                         + (", ..." if len(calls) > 6 else ""))
+    if summary:
+        lines += ["", f"First call over steady: " + ", ".join(f"{k} {v:.2f}x" for k, v in
+                                                             summary.get("first_over_steady", {}).items())
+                  + f". Stream of {len(run.get('stream', {}).get('calls', []))} calls of varied layouts: whole "
+                  f"stream {summary.get('stream_total_over_steady', 0):.2f}x the sum of the layouts' steady times, "
+                  f"{summary.get('stream_calls_over_2x', 0)} calls over 2x their steady time (worst "
+                  f"{summary.get('stream_max_over_steady', 0):.1f}x)."]
+    return "\n".join(lines)
+
+
 def history_table(records: list[dict], bench: str, workload: str | None, batch: int | None) -> str:
     lines = [
         "| commit | date | GPU | torch / transformers | hf_cascade (one argument): call / ms per step / KV "
@@ -153,6 +219,11 @@ def generated() -> str:
     ]
     for bench, workload, batch, label in WORKLOADS:
         parts += ["", f"### {label}", "", history_table(gen, bench, workload, batch)]
+    parts += ["", "## Against transformers' continuous batching (`benchmarks/results/peers_gpu.jsonl`)", "",
+              cb_table(load("peers_gpu.jsonl"), shas=True)]
+    stall = stall_table(load("stall.jsonl"))
+    if stall:
+        parts += ["", "## New layouts in a warm process (`benchmarks/results/stall.jsonl`)", "", stall]
     parts += ["", "## One decode step of attention (`benchmarks/results/kernels.jsonl`)", "",
               kernels_table(load("kernels.jsonl"))]
     scoring = scoring_table(load("scoring_gpu.jsonl"))
@@ -239,10 +310,14 @@ def rendered_doc() -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--headline", action="store_true", help="print the README's headline table and exit")
+    parser.add_argument("--cb", action="store_true", help="print the README's continuous-batching table and exit")
     parser.add_argument("--check", action="store_true", help="exit 1 if docs/benchmarks.md is out of date")
     args = parser.parse_args(argv)
     if args.headline:
         print(headline_table(load("generate.jsonl")))
+        return 0
+    if args.cb:
+        print(cb_table(load("peers_gpu.jsonl")))
         return 0
     text = rendered_doc()
     if args.check:

@@ -146,6 +146,9 @@ def test_headline_table_is_the_results_files():
     make_docs = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(make_docs)
     assert table == make_docs.headline_table(make_docs.load("generate.jsonl"))
+    cb = re.search(r"<!-- cb: .*? -->\n(.*?)\n<!-- /cb -->", text, flags=re.S).group(1)
+    assert cb == make_docs.cb_table(make_docs.load("peers_gpu.jsonl"))
+    assert cb.count("\n") >= 3  # the header, the rule and at least two workloads
 
 
 def test_readme_links_exist():
