@@ -24,11 +24,9 @@ to every row; only where the rows share leading columns), ``cascade`` (``custom_
 default options: the tiers, the compiled tier built in the background), ``cascade_no_background`` (the same with
 the background build off: the ski rental alone), ``cascade_compiled_now`` (the compiled tier from the first call:
 ``cascade_options={"compile": "now"}``, the old default), and ``cascade_exit_during_build`` (one default call, then
-the process exits while the background build runs: its exit code and how long the exit took), and
-other policies of ``hf_cascade.tier_build``: ``cascade_foreground_finish`` (``MODE="child"``: the child fills the
-caches, then the ski rental compiles in the foreground) and ``cascade_no_prewarm`` (``MODE="thread"``: the thread
-alone), and ``cascade_switch_as_is`` (the default with the GIL switch interval left at Python's 5 ms while the thread
-compiles: ``tier_build.BUILD_SWITCH_INTERVAL_S = None``).
+the process exits while the background build runs: its exit code and how long the exit took). (Earlier results also
+hold ``cascade_foreground_finish``, ``cascade_no_prewarm`` and ``cascade_switch_as_is``: policies of a thread that
+compiled in the process, removed since: ``hf_cascade.tier_build``'s docstring says why.)
 
 Python bytecode: by default every peer runs with the installed packages' bytecode compiled ahead into a cache
 folder (``--bytecode compiled``), as ``pip install`` leaves a machine; the device machine's image ships none and
@@ -54,8 +52,7 @@ import traceback  # noqa: E402
 
 PEER_OPTIONS = {"sdpa": None, "sdpa_static": None, "hf_prefix_reuse": None, "cascade": {},
                 "cascade_no_background": {}, "cascade_compiled_now": {"compile": "now"},
-                "cascade_exit_during_build": {}, "cascade_no_prewarm": {}, "cascade_foreground_finish": {},
-                "cascade_switch_as_is": {}}
+                "cascade_exit_during_build": {}}
 WORKLOADS = ("shared32", "chat48", "stream")
 ODD_BATCHES = (7, 13, 20, 48)
 
@@ -89,14 +86,6 @@ def _child(args) -> dict:
         from hf_cascade import tier_build
 
         tier_build.ENABLED = False
-    if peer in ("cascade_no_prewarm", "cascade_foreground_finish"):  # other policies of the background build
-        from hf_cascade import tier_build
-
-        tier_build.MODE = "thread" if peer == "cascade_no_prewarm" else "child"
-    if peer == "cascade_switch_as_is":  # the build leaves Python's GIL switch interval (5 ms) as it is
-        from hf_cascade import tier_build
-
-        tier_build.BUILD_SWITCH_INTERVAL_S = None
 
     def generate(ids, mask, new_tokens, **extra):
         return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
@@ -351,7 +340,7 @@ def main(argv=None):
                     folder += "-again"
                 if peer == "hf_prefix_reuse" and workload == "chat48":
                     continue  # left-padded ragged rows share no leading columns: the recipe has nothing to reuse
-                if peer in ("cascade_exit_during_build", "cascade_no_prewarm") and (
+                if peer == "cascade_exit_during_build" and (
                         state == "warm" or workload == "stream"):
                     continue
                 if peer in ("sdpa_static", "hf_prefix_reuse") and workload == "stream":
@@ -360,8 +349,7 @@ def main(argv=None):
                        "--state", state, "--calls", str(args.calls), "--sdpa-calls", str(args.sdpa_calls),
                        "--cascade-seconds", str(args.cascade_seconds)] + (["--sample-stalls"] if args.sample_stalls else [])
                 fill = None
-                if state == "warm" and peer in ("cascade", "cascade_no_background", "cascade_foreground_finish",
-                                                "cascade_switch_as_is"):  # warm = after `hf_cascade warmup` filled the caches
+                if state == "warm" and peer in ("cascade", "cascade_no_background"):  # warm: after `hf_cascade warmup`
                     done = subprocess.run([*cmd, "--fill"], env=fresh_cache_env(folder), capture_output=True, text=True)
                     fill = child_result(done.stdout) or f"error: {done.stderr[-800:]}"
                 built_before = _triton_kernels(folder)

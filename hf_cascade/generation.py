@@ -13,6 +13,8 @@ share (a system prompt), and each prompt's own tokens, which its samples or beam
 once (:func:`~hf_cascade.inputs.plan_cascade_batch`). The rows keep their width and columns, so outputs are as wide
 as the input plus the new tokens. Then transformers' own decoding method for the mode (``_sample`` for greedy and
 sampling, ``_beam_search`` for beam search and beam sampling) runs on the cascade cache.
+Every decision of the call is made once, before any work, by :func:`hf_cascade.run_plan.resolve` (a frozen
+:class:`~hf_cascade.run_plan.RunPlan`); :func:`run` executes it.
 
 Where sharing does not pay (the cost model on CUDA rejects every segment), where the user passed a cache that is
 not an hf_cascade cache, or for modes other than greedy/sampling/beams, the decoding method runs exactly as
@@ -39,7 +41,8 @@ from hf_cascade.decode.compiled_layers import new_shapes
 from hf_cascade.decode.sampling import sample
 from hf_cascade.decode.step_buffers import step_buffers
 from hf_cascade.options import CascadeOptions
-from hf_cascade.tiers import choose_tier, record_call, shape_policy
+from hf_cascade.run_plan import Request, RunPlan, resolve
+from hf_cascade.tiers import record_call
 from hf_cascade.transformers_compat import CACHE_KWARG
 
 logger = logging.get_logger(__name__)
@@ -111,14 +114,27 @@ def generate(
     Returns:
         What generate() returns for the mode (a ``[B * n, L + new]`` tensor, or a ``GenerateOutput``).
     """
-    from transformers.generation.utils import GENERATION_MODES_MAPPING
-
     options = CascadeOptions.from_user(cascade_options)
     if cascade_caches is not None and not isinstance(cascade_caches, list):
         raise ValueError(
             f"`cascade_caches` must be None or a list (the CascadeCache built for the call is appended to it); got "
             f"{type(cascade_caches).__name__} {cascade_caches!r}. Pass `cascade_caches=[]`."
         )
+    request = _read_request(model, input_ids, generation_config, model_kwargs, sys._getframe(1))
+    started = time.perf_counter()
+    plan = resolve(model, options, request)
+    if plan.why_not_shared is not None:
+        warnings.warn(
+            f"hf_cascade.generate: {plan.why_not_shared} cannot be served with shared prefixes; this call runs "
+            "generate()'s own decoding (exact, no sharing).", stacklevel=2,
+        )
+    return run(model, plan, request, logits_processor, stopping_criteria, cascade_caches, started)
+
+
+def _read_request(model, input_ids, generation_config, model_kwargs: dict, caller) -> Request:
+    """The call as generate() handed it (``caller``: generate()'s frame), refusing what the hook cannot run."""
+    from transformers.generation.utils import GENERATION_MODES_MAPPING
+
     check_model_uses_cascade(model, "model")
     _refuse_autocast(input_ids.device.type)
     method_name = GENERATION_MODES_MAPPING.get(generation_config.get_generation_mode())
@@ -128,7 +144,7 @@ def generate(
             f"asks for {generation_config.get_generation_mode().name.lower()}. Call generate() without "
             "`custom_generate` for it."
         )
-    streamer = _arguments_the_hook_drops(sys._getframe(1), method_name)
+    streamer = _arguments_the_hook_drops(caller, method_name)
     if streamer is not None:  # generate() put the prompt into it; the decoding loop streams the rest and ends it
         model_kwargs["streamer"] = streamer
     if generation_config.return_dict_in_generate and generation_config.output_attentions:
@@ -137,138 +153,97 @@ def generate(
             "generate() would return none. For the weights, load the model with attn_implementation='eager' and call "
             "generate() without `custom_generate=hf_cascade.generate`."
         )
-    decode = getattr(type(model), method_name)
-    handed_in = input_ids, dict(model_kwargs)  # what a background build of the compiled tier runs again
     user_cache = model_kwargs.get(CACHE_KWARG)
-    real_rows = None  # set when rows are added up to a batch bucket (cut from the output)
     if not getattr(user_cache, "_is_user_defined", False):
-        user_cache = None  # the empty DynamicCache generate() made: replaced by the cascade cache below
-    if (user_cache is not None and not isinstance(user_cache, CascadeCache)) or (
-        model_kwargs.get("inputs_embeds") is not None and user_cache is None
-    ) or generation_config.use_cache is False:
-        # The user's own cache, prompts given as embeddings (no token ids to find sharing in), or no cache at all:
-        # generate()'s own.
-        return _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
+        user_cache = None  # the empty DynamicCache generate() made: replaced by the cascade cache
+    return Request(input_ids, generation_config, dict(model_kwargs), method_name, streamer, user_cache)
 
-    reason = _unshareable_request(input_ids, generation_config, model_kwargs)
-    if reason is not None:
-        if user_cache is not None:
-            raise ValueError(
-                f"hf_cascade.generate cannot serve {reason} with the CascadeCache passed to it: its prefix KV were "
-                "computed for the shared rows' own positions and its rows feed only their suffix columns. Leave the "
-                "option out, or call generate() with no CascadeCache (and no `custom_generate`)."
-            )
-        warnings.warn(
-            f"hf_cascade.generate: {reason} cannot be served with shared prefixes; this call runs generate()'s own "
-            "decoding (exact, no sharing).", stacklevel=2,
-        )
-        return _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
 
-    defer, decode_step, compile_prefill = options.defer_stop_check, options.decode_step, options.compile_prefill
-    threads_policy = options.cpu_decode_threads
-    compiles = _compiles_decode(model, input_ids, generation_config, method_name)
-    if compiles and threads_policy == "auto":
-        # A compiled step guards on torch's thread count (dynamo's global state): a count chosen per call by the
-        # load would compile the step again whenever the load changes. Compiled CPU steps keep torch's setting.
-        threads_policy = None
-    probe = ContentionProbe(input_ids.device, threads_policy)
-    started = time.perf_counter()
-    tier = None  # on CUDA with the default decode step: the engine tiers.choose_tier picks (no compiler stall)
-    compile_choice = options.compile
-    if input_ids.device.type == "cuda" and decode_step == "auto" and compile_prefill is None:
-        tier = choose_tier(model, compile_choice if compiles else ("never" if compile_choice == "auto" else
-                                                                   compile_choice))
-        if method_name == "_sample":
-            decode_step = "layers" if tier.compiled else "graphs"
-    elif method_name == "_sample" and decode_step == "auto":
-        decode_step = "layers"
-    shapes = None if tier is None else shape_policy(model, tier, compile_choice)  # shapes new to the compiled tier
-    if input_ids.device.type == "cuda":
+def run(model, plan: RunPlan, request: Request, logits_processor, stopping_criteria, cascade_caches: list | None,
+        started: float):
+    """Execute ``plan`` (:func:`~hf_cascade.run_plan.resolve`) for ``request``: generate()'s own decoding, or the
+    cascade cache planned (or the user's), the decoding method on it, the tier's call recorded (``started``: when
+    the call began) and the background build started where the plan says."""
+    own = (model, request.input_ids, logits_processor, stopping_criteria, request.generation_config,
+           dict(request.model_kwargs))
+    if plan.own:
+        return _run(getattr(type(model), plan.method_name), *own)
+    probe = ContentionProbe(request.input_ids.device, plan.threads)
+    if request.input_ids.device.type == "cuda":
         from hf_cascade.ops._backend import prepare_triton
 
         # Triton's cache shared with torch.compile, its key hashed in the background: on the built-in tier too, so
         # that the hashing (0.4 s on the H100) overlaps this call and not the first Triton-tier call after it.
         prepare_triton()
+    planned = _cascade_inputs(model, plan, request, probe, stopping_criteria)
+    if planned is None:  # nothing worth sharing: generate()'s own cache and rows, untouched
+        return _run(getattr(type(model), plan.method_name), *own)
+    cache, input_ids, model_kwargs, stopping_criteria = planned
+    user_cache, tier = request.user_cache, plan.tier
+    decode = getattr(type(model), plan.method_name)
+    if plan.method_name == "_sample":  # transformers' loop, without a wait for the GPU at every step
+        decode = functools.partial(sample, defer_stop_check=plan.options.defer_stop_check,
+                                   decode_step=plan.decode_step,
+                                   compile_prefill=plan.prefill_compiled(cache.max_suffix_length is not None))
+    if cache is not user_cache:
+        cache.pad_levels = plan.pad_levels  # recorded steps (CUDA) launch for the tree's real levels only
+    if cascade_caches is not None:
+        cascade_caches.append(cache)
+    args = (decode, model, input_ids, logits_processor, stopping_criteria, request.generation_config, model_kwargs)
+    steps_on_buffers = user_cache is None and cache.max_suffix_length is not None and plan.max_new_tokens > 1
+    if not steps_on_buffers:
+        out = _run(*args, threads=probe.decode_threads(), shapes=plan.shapes)
+    else:
+        # Fixed buffers in a cache of our own, and decode steps to run: take them from the model's StepBuffers, so
+        # that a call with the same shapes as an earlier one replays its CUDA graphs instead of recording them again;
+        # give them back after. (A call of one new token runs no decode step: it neither takes nor replaces the set.)
+        buffers = step_buffers(model)
+        cache.use_step_buffers(buffers)
+        try:
+            out = _run(*args, threads=probe.decode_threads(), shapes=plan.shapes)
+        finally:
+            buffers.keep(cache.step_buffer_tensors())
+    if tier is not None and cache is not user_cache:
+        record_call(model, tier, time.perf_counter() - started, plan.shapes)
+    if steps_on_buffers and plan.background_build:
+        from hf_cascade.tier_build import build_in_background
 
-    def prefill_compiled(fixed: bool) -> bool:  # by default with the compiled decode step: its prefill graph alongside
-        if compile_prefill is not None:
-            return compile_prefill
-        return bool(fixed and decode_step == "layers" and compiles and not _offloaded(model))
+        build_in_background(model, request.input_ids, request.generation_config, request.model_kwargs,
+                            plan.options.user_dict(), plan.batch_buckets, cache.nbytes)
+    return out if plan.bucket is None else _first_rows(out, request.input_ids.shape[0], input_ids.shape[0])
 
-    buckets = options.batch_buckets
-    if buckets is None:
-        buckets = not generation_config.do_sample
-    if streamer is not None:  # the streamer must see the user's rows only
-        buckets = False
+
+def _cascade_inputs(model, plan: RunPlan, request: Request, probe, stopping_criteria):
+    """``(cache, input_ids, model_kwargs, stopping_criteria)`` of the cascade call: the user's planned CascadeCache
+    as it is, else the rows planned into a new one (prefilled: rows added up to ``plan.bucket``, and a criterion
+    that marks them finished), or None where nothing is worth sharing."""
+    input_ids, model_kwargs, user_cache = request.input_ids, dict(request.model_kwargs), request.user_cache
     attention_mask = model_kwargs.get("attention_mask")
     if attention_mask is None:  # transformers >= 5.18 drops an all-ones mask
         attention_mask = torch.ones_like(input_ids)
-    max_new_tokens = generation_config.max_length - input_ids.shape[1]
     if isinstance(user_cache, CascadeCache) and user_cache.rows_verified:
-        # Already planned for these rows (shared_prefix_inputs): check the room it has before any work.
-        cache = user_cache
-        _check_capacity(cache, input_ids.shape[1], max_new_tokens)
+        cache = user_cache  # already planned for these rows (shared_prefix_inputs); its room checked by resolve
     else:
-        from hf_cascade.inputs import batch_bucket, plan_cascade_batch
+        from hf_cascade.inputs import plan_cascade_batch
 
-        fixed = options.fixed_buffers
-        if fixed is None:  # compiled decode by default where transformers compiles it (CUDA, greedy/sampling)
-            fixed = compiles or (user_cache is not None and user_cache.max_suffix_length is not None)
-        rows, bucket = input_ids.shape[0], batch_bucket(input_ids.shape[0])
-        if fixed and compiles and buckets and user_cache is None and bucket > rows:
-            real_rows = rows
+        rows, fixed = input_ids.shape[0], plan.fixed_buffers
         plan_ids, plan_mask = input_ids, attention_mask
-        if real_rows is not None:
-            plan_ids, plan_mask = (_add_rows(t, bucket, rows) for t in (input_ids, attention_mask))
-        with probe, new_shapes(shapes):  # on CPU: a busy CPU found before the prefill runs it single-threaded
-            cache, planned_ids, attention_mask = plan_cascade_batch(
-                model, plan_ids, plan_mask, prefix_cache=user_cache, max_new_tokens=max_new_tokens,
-                fixed_buffers=fixed, bucket_buffers=fixed, compile_layers=prefill_compiled(fixed),
-                builtin_kernels=tier is not None and tier.builtin_kernels, **options.planning(),
+        if plan.bucket is not None:
+            plan_ids, plan_mask = (_add_rows(t, plan.bucket, rows) for t in (input_ids, attention_mask))
+        with probe, new_shapes(plan.shapes):  # on CPU: a busy CPU found before the prefill runs it single-threaded
+            cache, input_ids, attention_mask = plan_cascade_batch(
+                model, plan_ids, plan_mask, prefix_cache=user_cache, max_new_tokens=plan.max_new_tokens,
+                fixed_buffers=fixed, bucket_buffers=fixed, compile_layers=plan.prefill_compiled(fixed),
+                builtin_kernels=plan.tier is not None and plan.tier.builtin_kernels, **plan.options.planning(),
             )
-        if cache is None:  # nothing worth sharing: generate()'s own cache and rows, untouched
-            return _run(getattr(type(model), method_name), model, input_ids, logits_processor, stopping_criteria,
-                        generation_config, model_kwargs)
-        if real_rows is not None:
-            model_kwargs = {k: _add_rows(v, bucket, rows) for k, v in model_kwargs.items()}
-            stopping_criteria = _with_added_rows_done(stopping_criteria, real_rows)
-        input_ids = planned_ids
+        if cache is None:
+            return None
+        if plan.bucket is not None:
+            model_kwargs = {k: _add_rows(v, plan.bucket, rows) for k, v in model_kwargs.items()}
+            stopping_criteria = _with_added_rows_done(stopping_criteria, rows)
         model_kwargs["attention_mask"] = attention_mask
     model_kwargs[CACHE_KWARG] = cache
-    if method_name == "_sample":  # transformers' loop, without a wait for the GPU at every step
-        decode = functools.partial(sample, defer_stop_check=defer, decode_step=decode_step,
-                                   compile_prefill=prefill_compiled(cache.max_suffix_length is not None))
-    if cache is not user_cache:
-        # Padding levels let one compiled graph serve trees of 1-4 levels; a recorded step (CUDA) is recorded per
-        # tree and launches for its real levels only.
-        cache.pad_levels = decode_step not in ("layers", "graphs") or input_ids.device.type != "cuda"
-    if cascade_caches is not None:
-        cascade_caches.append(cache)
-    if user_cache is not None or cache.max_suffix_length is None or max_new_tokens <= 1:
-        out = _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs,
-                   threads=probe.decode_threads(), shapes=shapes)
-        if tier is not None and cache is not user_cache:
-            record_call(model, tier, time.perf_counter() - started, shapes)
-        return out if real_rows is None else _first_rows(out, real_rows, input_ids.shape[0])
-    # Fixed buffers in a cache of our own, and decode steps to run: take them from the model's StepBuffers, so that
-    # a call with the same shapes as an earlier one replays its CUDA graphs instead of recording them again; give
-    # them back after. (A call of one new token runs no decode step: it neither takes nor replaces the kept set.)
-    buffers = step_buffers(model)
-    cache.use_step_buffers(buffers)
-    try:
-        out = _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs,
-                   threads=probe.decode_threads(), shapes=shapes)
-    finally:
-        buffers.keep(cache.step_buffer_tensors())
-    if tier is not None:
-        record_call(model, tier, time.perf_counter() - started, shapes)
-        missed = shapes is not None and shapes.misses > 0  # ran layers uncompiled: compile them in the background
-        if (not tier.compiled or missed) and compile_choice == "auto" and compiles and method_name == "_sample":
-            from hf_cascade.tier_build import build_in_background
-
-            build_in_background(generate, model, handed_in[0], generation_config, handed_in[1], cascade_options,
-                                buckets, cache.nbytes, layout=(input_ids.shape[0], cache.num_levels))
-    return out if real_rows is None else _first_rows(out, real_rows, input_ids.shape[0])
+    return cache, input_ids, model_kwargs, stopping_criteria
 
 
 def _arguments_the_hook_drops(caller, method_name: str):
@@ -344,27 +319,6 @@ def _first_rows(value, rows: int, total: int):
     return value
 
 
-def _compiles_decode(model, input_ids, generation_config, method_name: str) -> bool:
-    """Whether transformers' decoding loop will compile the step for a compileable cache: its own criteria
-    (``_sample`` only, not ``disable_compile``, CUDA unless the compile config says all devices)."""
-    if method_name != "_sample" or getattr(generation_config, "disable_compile", False):
-        return False
-    if generation_config.use_cache is False:
-        return False
-    quantizer = getattr(model, "hf_quantizer", None)
-    if quantizer is not None and not getattr(quantizer, "is_compileable", False):
-        return False
-    compile_config = getattr(generation_config, "compile_config", None)
-    all_devices = bool(getattr(compile_config, "_compile_all_devices", False))
-    return model.device.type == "cuda" or all_devices
-
-
-def _offloaded(model) -> bool:
-    """Part of the model offloaded to the CPU or disk (transformers does not compile such a model's step)."""
-    devices = set(getattr(model, "hf_device_map", {}).values())
-    return "disk" in devices or ("cpu" in devices and len(devices) > 1)
-
-
 def _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs,
          threads: int | None = None, shapes=None):
     """Run generate()'s decoding method; ``threads``: the cascade call's CPU thread policy for its rows' first
@@ -394,42 +348,3 @@ def _layout_independent_shapes(cache):
     from torch.fx.experimental import _config as shape_config
 
     return shape_config.patch(use_duck_shape=False)
-
-
-def _unshareable_request(input_ids: torch.Tensor, generation_config, model_kwargs: dict) -> str | None:
-    """What in this call a cascade cache cannot give exactly as generate() does, described for a message, or None.
-
-    * ``position_ids`` other than the attention mask's running count (what generate() computes when none are
-      given): the shared prefix KV are computed once, at the positions 0..P-1 every sharing row has.
-    * ``output_hidden_states`` in a dict output: generate() feeds a cascade cache only each row's suffix columns,
-      so the prefill's hidden states would be narrower than the prompt (sdpa's cover every prompt column).
-    """
-    position_ids = model_kwargs.get("position_ids")
-    if position_ids is not None:
-        mask = model_kwargs.get("attention_mask")
-        if mask is None:
-            mask = torch.ones_like(input_ids)
-        if position_ids.dim() != 2 or position_ids.shape[-1] != mask.shape[-1]:
-            return f"`position_ids` of shape {tuple(position_ids.shape)}"
-        real = mask.bool()
-        counted = mask.long().cumsum(-1) - 1
-        if not torch.equal(torch.where(real, position_ids.expand_as(counted), 0), torch.where(real, counted, 0)):
-            return ("`position_ids` other than the attention mask's running count (`attention_mask.cumsum(-1) - 1`, "
-                    "what generate() uses when none are given)")
-    if generation_config.return_dict_in_generate and generation_config.output_hidden_states:
-        return "`output_hidden_states=True` (the hidden states of every prompt column, as sdpa gives)"
-    return None
-
-
-def _check_capacity(cache: CascadeCache, width: int, max_new_tokens: int) -> None:
-    """Fixed buffers must hold the rows' suffix columns plus every new token: refuse before the prefill."""
-    if cache.max_suffix_length is None:
-        return
-    needed = width - cache.prefix_length + max_new_tokens - 1  # the last new token is never fed back
-    if needed > cache.max_suffix_length:
-        raise ValueError(
-            f"This CascadeCache's fixed buffers hold {cache.max_suffix_length} suffix tokens per row, and this "
-            f"generate() needs {needed} ({width - cache.prefix_length} prompt columns after the prefix + "
-            f"max_new_tokens={max_new_tokens}). Build it with `shared_prefix_inputs(..., max_new_tokens="
-            f"{max_new_tokens})` (or a larger `max_suffix_length`), or lower `max_new_tokens`."
-        )

@@ -60,6 +60,11 @@ class CascadeOptions:
             _check(name, value)
         return cls(**cascade_options)
 
+    def user_dict(self) -> dict:
+        """The options that differ from the defaults, as a user's ``cascade_options`` (a background build's call)."""
+        return {field.name: getattr(self, field.name) for field in dataclasses.fields(self)
+                if getattr(self, field.name) != field.default}
+
     def planning(self) -> dict:
         """The keyword arguments of :func:`~hf_cascade.inputs.plan_cascade_batch` that plan the prefix tree."""
         return {"min_shared_tokens": self.min_shared_tokens, "min_rows": self.min_rows,

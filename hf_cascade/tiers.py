@@ -31,20 +31,16 @@ tier ahead (for images and CI) and writes the records.
 
 **In the background** (:mod:`hf_cascade.tier_build`): after the first call that could use the compiled tier, where
 the compile caches are cold, a child process runs that call's rows on the model cut to two layers and fills them
-while the calls go on below (they build nothing themselves meanwhile); then, once the regret reaches what compiling
-from warm caches costs (:data:`WARM_COMPILE_COST_S`, or what a process recorded), a thread of this process
-compiles the layers beside the calls, and the call after it runs the compiled tier. The calls never compile the
-layers themselves then; the ski rental above alone decides where no background build runs.
+while the calls go on below (they build nothing themselves meanwhile); then the expected cost is what compiling
+from warm caches costs (:data:`WARM_COMPILE_COST_S`, or what a process recorded), and the call that moves up
+compiles the layers from the warm caches.
 
 **Shapes new to the compiled tier** (:func:`shape_policy`): once the compiled tier is ready, a call whose shapes the
 compiled layers were not compiled for (the decode step's graph is specialised to the batch size until a second one
 makes it symbolic; a prefill forward of a new kind) does not compile them: those layer calls run uncompiled
-(:class:`~hf_cascade.decode.compiled_layers.NewShapes`), and after the call a thread compiles them from the same rows
-(:mod:`hf_cascade.tier_build`); until that build ends the calls run the Triton tier, then the compiled tier again.
-The same ski rental covers what no thread builds (``HF_CASCADE_BACKGROUND=off``, ``tier_build.ENABLED`` False, a
-torch whose compile flag is process-wide, a failed build, no room on the GPU, a layout still missing after its
-build): a call that ran layers uncompiled adds what compiling would have saved it to a regret (a build that starts
-clears it), and once the regret reaches :data:`NEW_SHAPES_COST_S` the next call compiles what it needs itself.
+(:class:`~hf_cascade.decode.compiled_layers.NewShapes`). A ski rental per shape: such a call adds what compiling
+would have saved it to a regret, and once the regret reaches :data:`NEW_SHAPES_COST_S` the next call compiles what
+it needs itself (and clears the regret).
 
 ``compile="now"`` runs the compiled tier from the first call (the old default: the first call compiles; so do calls
 of new shapes); ``compile="never"`` never compiles the layers (Triton kernels when ready, by the same rule).
@@ -73,11 +69,6 @@ __all__ = ["COMPILE_CHOICES", "NEW_SHAPES_COST_S", "SAVED_FRACTION", "Tier", "ch
 COMPILE_CHOICES = ("auto", "now", "never")
 
 
-class _InBuild(threading.local):
-    active = False  # set on the thread of a background build (hf_cascade.tier_build): its call is not a user's
-
-
-IN_BUILD = _InBuild()
 # What each tier saves over the one below it, as a fraction of a call's seconds there (Llama-3-8B shape, H100,
 # benchmarks/results/first_call.jsonl: a stream of 12 layouts ran 1.0-2.5 s per batch on the built-in tier and
 # 0.65-1.1 s compiled, about half; a decode step 10.3 -> 8.1 ms with the layers compiled, and a step's attention
@@ -146,15 +137,11 @@ class _ModelTiers:
         self.build_s: float | None = None
         self.build_prewarm: dict | None = None  # the child process that filled the compile caches first
         self.caches_filled = False  # a child filled the compile caches for this model's calls (tier_build)
-        # a thread of this process compiles the layers once the regret pays for it (tier_build): the calls then
-        # never compile them in the foreground
-        self.thread_builds = False
         self.triton_first_s: float | None = None  # this process's first Triton call, on built kernels
-        # shapes new to the compiled tier (shape_policy): calls that ran some layers uncompiled, what they lost where
-        # no thread builds (the per-shape ski rental), and the layouts (rows, levels) a thread compiled since
+        # shapes new to the compiled tier (shape_policy): calls that ran some layers uncompiled, what they lost (the
+        # per-shape ski rental)
         self.missed_calls = 0
         self.shapes_regret = 0.0
-        self.variant_builds: list[tuple] = []
 
 
 def _state(model) -> _ModelTiers:
@@ -179,9 +166,7 @@ def choose_tier(model, compile: str = "auto") -> Tier:
         if compile == "now":
             return _TIERS["compiled"]
         if state.ready["compiled"] and compile == "auto":
-            # A thread compiles shapes new to the compiled tier (tier_build): the calls leave the compiled layers to
-            # it until it ends (they would wait for it), on the Triton kernels it does not build.
-            return _TIERS["triton" if state.building is not None else "compiled"]
+            return _TIERS["compiled"]
         # While the compiled tier builds in the background (hf_cascade.tier_build: it builds the Triton kernels
         # too), the calls do not build anything themselves: they would wait for what the build is making.
         building = state.building is not None and compile == "auto"
@@ -193,16 +178,15 @@ def choose_tier(model, compile: str = "auto") -> Tier:
         if compile == "never":
             return _TIERS["triton"]
         compiled = state.ready["compiled"] or (
-            state.regret["compiled"] >= _compiled_cost(record, state.caches_filled) and not building
-            and not state.thread_builds)
+            state.regret["compiled"] >= _compiled_cost(record, state.caches_filled) and not building)
         return _TIERS["compiled" if compiled else "triton"]
 
 
 def shape_policy(model, tier: Tier, compile: str = "auto") -> NewShapes | None:
     """What the compiled layers of the next call on ``tier`` do with shapes they were not compiled for (see the
-    module docstring), or None (compile them in the call: not the compiled tier, ``compile`` not ``"auto"``, a
-    background build's own call, or the call that moves up to the compiled tier)."""
-    if not tier.compiled or compile != "auto" or IN_BUILD.active:
+    module docstring), or None (compile them in the call: not the compiled tier, ``compile`` not ``"auto"``, or the
+    call that moves up to the compiled tier)."""
+    if not tier.compiled or compile != "auto":
         return None
     state = _state(model)
     with state.lock:
@@ -218,7 +202,7 @@ def record_call(model, tier: Tier, seconds: float, shapes: NewShapes | None = No
     adds to the per-shape regret; one that could compile them clears it)."""
     state = _state(model)
     with state.lock:
-        state.calls.append((("background " if IN_BUILD.active else "") + tier.name, round(seconds, 3)))
+        state.calls.append((tier.name, round(seconds, 3)))
         if shapes is not None and shapes.compile:
             state.shapes_regret = 0.0
         elif shapes is not None and shapes.misses:
@@ -269,10 +253,9 @@ def note_caches_warm(model) -> None:
 
 def tier_report(model) -> dict:
     """``{"calls": [(tier, seconds), ...], "ready": {...}, "regret_s": {...}, "record": path, "background_build":
-    {"running", "seconds", "error", "prewarm", "caches_filled"}, "new_shapes": {"missed_calls", "regret_s",
-    "variant_builds"}}`` for ``model`` in this process (benchmarks print it). ``new_shapes``: calls of the compiled
-    tier that ran layers uncompiled (shapes new to it), the per-shape regret, and the layouts ``(rows, levels)`` a
-    thread compiled afterwards."""
+    {"running", "seconds", "error", "prewarm", "caches_filled"}, "new_shapes": {"missed_calls", "regret_s"}}`` for
+    ``model`` in this process (benchmarks print it). ``new_shapes``: calls of the compiled tier that ran layers
+    uncompiled (shapes new to it), and the per-shape regret."""
     state = _state(model)
     with state.lock:
         return {"calls": list(state.calls), "ready": dict(state.ready),
@@ -280,8 +263,7 @@ def tier_report(model) -> dict:
                 "background_build": {"running": state.building is not None, "seconds": state.build_s,
                                      "error": state.build_error, "prewarm": state.build_prewarm,
                                      "caches_filled": state.caches_filled},
-                "new_shapes": {"missed_calls": state.missed_calls, "regret_s": round(state.shapes_regret, 3),
-                               "variant_builds": list(state.variant_builds)}}
+                "new_shapes": {"missed_calls": state.missed_calls, "regret_s": round(state.shapes_regret, 3)}}
 
 
 def caches_warm(model, state: _ModelTiers) -> bool:
@@ -289,12 +271,6 @@ def caches_warm(model, state: _ModelTiers) -> bool:
     says so) or a child of this one filled them. Call with ``state.lock`` held."""
     record = _load_record(model, state)
     return bool(record.get("caches_warm") or record.get("compiled_call_s") or state.caches_filled)
-
-
-def expected_compile_cost(model, state: _ModelTiers) -> float:
-    """Seconds the compiled tier is expected to cost this process (see :func:`_compiled_cost`). Call with
-    ``state.lock`` held."""
-    return _compiled_cost(_load_record(model, state), state.caches_filled)
 
 
 def triton_key_ready() -> bool:

@@ -165,7 +165,7 @@ def test_ski_rental_moves_up_when_regret_reaches_cost(records, tiny_llama_pair):
     # a third process: what the second paid is expected (its first Triton call, on built kernels, 23 s more than
     # its second)
     _fresh_process(model)
-    assert tiers.expected_compile_cost(model, tiers._state(model)) == 6.5
+    assert tiers._compiled_cost(tiers._load_record(model, tiers._state(model))) == 6.5
     assert tiers._triton_cost(tiers._state(model).record, True) == 23.0
     tiers.record_call(model, tiers._TIERS["builtin"], 4.0)  # regret 1 s: would have moved up before it was recorded
     assert tiers.choose_tier(model).name == "builtin"
@@ -175,9 +175,8 @@ def test_ski_rental_moves_up_when_regret_reaches_cost(records, tiny_llama_pair):
 
 
 def test_calls_build_nothing_while_the_background_build_runs(records, tiny_llama_pair):
-    """While hf_cascade.tier_build builds the compiled tier (a thread is set on the state), the calls stay on the
-    tier they have whatever their regret (they would wait for what the build makes); a finished build's compiled
-    tier is taken at once; the build's own call is marked in the report."""
+    """While hf_cascade.tier_build fills the compile caches (a thread is set on the state), the calls stay on the
+    tier they have whatever their regret (they would wait for what the build makes); once it ends they move up."""
     import threading
 
     from hf_cascade import tiers
@@ -190,14 +189,8 @@ def test_calls_build_nothing_while_the_background_build_runs(records, tiny_llama
         state.regret[name] = 1e6
     assert tiers.choose_tier(model).name == "builtin"
     assert tiers.choose_tier(model, "now").name == "compiled"  # the user's explicit choice is kept
-    tiers.IN_BUILD.active = True
-    try:
-        tiers.record_call(model, tiers._TIERS["compiled"], 9.0)
-    finally:
-        tiers.IN_BUILD.active = False
     state.building = None
     assert tiers.choose_tier(model).name == "compiled"
-    assert tiers.tier_report(model)["calls"] == [("background compiled", 9.0)]
     assert tiers.tier_report(model)["background_build"] == {"running": False, "seconds": None, "error": None,
                                                              "prewarm": None, "caches_filled": False}
 
@@ -263,8 +256,7 @@ def test_warmup_command_runs_on_cpu(capsys):
 @pytest.mark.parametrize("child_returncode", [0, 1])
 def test_background_child_fills_the_caches_then_the_ski_rental_moves_up(records, tiny_llama_pair, monkeypatch,
                                                                          child_returncode):
-    """MODE "child": the background thread only runs the child process; once it has filled the
-    caches, the compiled tier's expected cost is WARM_COMPILE_COST_S (not the cold default), so the ski rental moves
+    """The background thread only runs the child process; once it has filled the caches, the compiled tier's expected cost is WARM_COMPILE_COST_S (not the cold default), so the ski rental moves
     the next call up once the regret reaches it (the call compiles in the foreground, from warm caches); a child
     that fails is an error in the report, a warning, and the cold cost; nothing is compiled in this process by the
     thread either way."""
@@ -274,7 +266,6 @@ def test_background_child_fills_the_caches_then_the_ski_rental_moves_up(records,
 
     model = tiny_llama_pair[0]
     _fresh_process(model)
-    monkeypatch.setattr(tier_build, "MODE", "child")
     ran = []
     monkeypatch.setattr(tier_build, "_prewarm_in_child", lambda *a: {"seconds": 1.0, "returncode": child_returncode,
                                                                       "error": None if child_returncode == 0 else "boom"})
@@ -283,7 +274,7 @@ def test_background_child_fills_the_caches_then_the_ski_rental_moves_up(records,
     state.building, state.build_started = threading.current_thread(), 0.0
     state.regret["triton"], state.regret["compiled"] = 2.6, tiers.WARM_COMPILE_COST_S + 0.1
     assert tiers.choose_tier(model).name == "builtin"  # the child runs: no call builds anything
-    tier_build._build(None, model, state, torch.zeros(2, 3, dtype=torch.long), None, {}, {}, None, True, False)
+    tier_build._build(model, state, torch.zeros(2, 3, dtype=torch.long), None, {}, {}, None)
     assert ran == []
     report = tiers.tier_report(model)["background_build"]
     assert report["running"] is False and report["caches_filled"] is (child_returncode == 0)
@@ -297,44 +288,31 @@ def test_background_child_fills_the_caches_then_the_ski_rental_moves_up(records,
         assert tiers.choose_tier(model).name == "builtin"  # the cold costs: 8 s for Triton
 
 
-def test_background_build_steps_wait_for_the_regret_once_the_caches_are_warm(records, tiny_llama_pair, monkeypatch):
-    """The default MODE ("child+thread"): cold caches -> the child first (nothing compiled here); warm caches (filled,
-    or a record) -> the thread compiles in this process only once the regret reaches the warm cost, and until then
-    the calls do not compile in the foreground either (thread_builds); MODE "child" leaves warm caches to the ski
-    rental; MODE "thread" compiles here at once; where torch's compile flag is process-wide, no mode compiles in a
-    thread."""
+def test_background_build_starts_only_where_the_caches_are_cold(records, tiny_llama_pair):
+    """A build (the child) starts where the compile caches are cold and none runs, failed or is done; warm caches
+    (filled, or a record after `warmup`) leave the calls to the ski rental with the warm cost."""
     from hf_cascade import tier_build, tiers
 
     model = tiny_llama_pair[0]
     _fresh_process(model)
     state = tiers._state(model)
-    assert tier_build.MODE == "child+thread"
-    monkeypatch.setattr(tier_build, "threads_may_compile", lambda: True)  # as on torch 2.11
-    assert tier_build._next_build_step(model, state) == (True, False)
-    state.caches_filled = True
-    state.regret["triton"] = state.regret["compiled"] = tiers.WARM_COMPILE_COST_S - 0.5
-    assert tier_build._next_build_step(model, state) is None and state.thread_builds
-    state.regret["compiled"] = 1e6
-    assert tiers.choose_tier(model).name == "triton"  # never compiled in the foreground: the thread will
-    assert tier_build._next_build_step(model, state) == (False, True)
-    monkeypatch.setattr(tier_build, "MODE", "child")
-    assert tier_build._next_build_step(model, state) is None
-    monkeypatch.setattr(tier_build, "MODE", "thread")
-    assert tier_build._next_build_step(model, state) == (False, True)
-    # a torch whose compile flag is process-wide (torch.compiler.is_compiling() True in every thread): as "child"
-    monkeypatch.setattr(tier_build, "threads_may_compile", lambda: False)
-    for mode in ("thread", "child+thread"):
-        monkeypatch.setattr(tier_build, "MODE", mode)
-        assert tier_build._next_build_step(model, state) is None
-    monkeypatch.setattr(tier_build, "MODE", "both")
-    with pytest.raises(ValueError, match="MODE"):
-        tier_build._next_build_step(model, state)
+    assert tier_build._plan_build(model, state)
+    for name, value in (("building", object()), ("build_error", "boom")):
+        setattr(state, name, value)
+        assert not tier_build._plan_build(model, state)
+        setattr(state, name, None)
+    state.ready["compiled"] = True
+    assert not tier_build._plan_build(model, state)
+    state.ready["compiled"], state.caches_filled = False, True
+    assert not tier_build._plan_build(model, state)
+    assert tiers._compiled_cost(tiers._load_record(model, state), True) == tiers.WARM_COMPILE_COST_S
     # a new process after `warmup`: the record says the caches are warm, the warm cost is expected
     _fresh_process(model)
     tiers.note_caches_warm(model)
     _fresh_process(model)
     state = tiers._state(model)
-    assert tiers.caches_warm(model, state) and tiers.expected_compile_cost(model, state) == tiers.WARM_COMPILE_COST_S
+    assert tiers.caches_warm(model, state) and not tier_build._plan_build(model, state)
+    assert tiers._compiled_cost(tiers._load_record(model, state)) == tiers.WARM_COMPILE_COST_S
 
 
 def test_background_child_ends_with_the_process_that_started_it(tmp_path):
@@ -397,28 +375,6 @@ def test_background_build_child_process_runs_the_call_on_a_cut_model(tiny_llama_
                                            {"cost_model": None, "compile": "now", "batch_buckets": True}, None)
     assert outcome["returncode"] == 0, outcome
     assert model.config.num_hidden_layers == layers
-
-
-def test_build_gil_switch_interval_is_set_while_builds_compile_and_restored():
-    """While a build compiles in this process the GIL switch interval is short (the serving thread gets the GIL
-    back after each torch op without waiting 5 ms); overlapping builds keep it short until the last one ends; None
-    leaves it as it is."""
-    import sys
-
-    from hf_cascade import tier_build
-
-    before = sys.getswitchinterval()
-    with tier_build._gil_switch(1e-4):
-        assert sys.getswitchinterval() == pytest.approx(1e-4)
-        with tier_build._gil_switch(1e-4):
-            assert sys.getswitchinterval() == pytest.approx(1e-4)
-        assert sys.getswitchinterval() == pytest.approx(1e-4)  # the first build still compiles
-    assert sys.getswitchinterval() == before
-    with tier_build._gil_switch(None):
-        assert sys.getswitchinterval() == before
-    with pytest.raises(RuntimeError, match="boom"), tier_build._gil_switch(1e-4):
-        raise RuntimeError("boom")
-    assert sys.getswitchinterval() == before
 
 
 def test_warmup_writes_the_bytecode_of_imported_modules(tmp_path):

@@ -433,23 +433,17 @@ def test_gpu_first_calls_compile_nothing_and_move_up_exactly(family, monkeypatch
 
 
 @pytest.mark.background_build
-@pytest.mark.parametrize("family, do_sample, mode", [("llama", False, "child+thread"), ("llama", True, "child+thread"),
-                                                     ("gemma2", False, "child+thread"), ("gemma2", True, "child+thread"),
-                                                     ("llama", False, "child")])
-def test_gpu_compiled_tier_built_in_the_background(family, do_sample, mode, monkeypatch):
+@pytest.mark.parametrize("family, do_sample", [("llama", False), ("llama", True), ("gemma2", False),
+                                               ("gemma2", True)])
+def test_gpu_compiled_tier_built_in_the_background(family, do_sample, monkeypatch):
     """The default policy: after the first call (built-in tier), a child process runs that call's rows on the model
-    cut to two layers, filling the compile caches; once the regret pays for compiling from them, a call starts a
-    thread of this process that runs the rows again with the layers compiled (hf_cascade.tier_build); the calls
-    meanwhile stay below the compiled tier with the reference's fp32 tokens (seeded samples too: the build is greedy,
-    it draws no random numbers; the thread's compiled layers are its own), and the calls after the build run the
-    compiled tier, for this layout and another one. MODE "child": no thread compiles; once the caches are filled the
-    calls that move up compile in the foreground from them."""
-    from hf_cascade import tier_build, tiers
+    cut to two layers, filling the compile caches (hf_cascade.tier_build); the calls meanwhile stay below the
+    compiled tier with the reference's fp32 tokens (seeded samples too), and once the regret pays for compiling from
+    the warm caches the call that moves up compiles in the foreground; the calls after it run the compiled tier, for
+    this layout and another one."""
+    from hf_cascade import tiers
     from hf_cascade.tier_build import wait_for_build
 
-    monkeypatch.setattr(tier_build, "MODE", mode)
-    if not tier_build.threads_may_compile():
-        mode = "child"  # this torch's compile flag is process-wide: the build only fills the caches
     ref = tiny_model(family, reference_attention(family), device="cuda", num_hidden_layers=3)
     cas = tiny_model(family, "cascade", device="cuda", num_hidden_layers=3)
     gen = dict(max_new_tokens=7, min_new_tokens=7, pad_token_id=0, do_sample=do_sample)
@@ -480,18 +474,11 @@ def test_gpu_compiled_tier_built_in_the_background(family, do_sample, mode, monk
     assert report["background_build"]["prewarm"]["returncode"] == 0, report
     for name in ("WARM_COMPILE_COST_S", "RECORDED_TRITON_COST_S"):  # tiny calls: any regret pays for warm caches
         monkeypatch.setattr(tiers, name, 0.0)
-    if mode == "child+thread":  # the next call (not compiled in the foreground) starts the thread's compile
-        report = check(first, "the call that starts the compile in the thread")
-        foreground = [name for name, _ in report["calls"] if not name.startswith("background")]
-        assert foreground[-1] != "compiled", report  # (the thread may be done already: check waits for sdpa too)
-        assert report["background_build"]["running"] or report["ready"]["compiled"], report
-        assert wait_for_build(cas, timeout=600), tiers.tier_report(cas)
     for rows, what in ((first, "first layout, compiled"), (second, "second layout, compiled")):
         report = check(rows, what)
         assert report["calls"][-1][0] == "compiled", report
     names = [name for name, _ in report["calls"]]
-    assert names.count("background compiled") == (mode == "child+thread"), names
-    assert set(names[1:-2]) <= {"builtin", "triton", "background compiled"}, names
+    assert set(names[1:-2]) <= {"builtin", "triton"}, names
 
 
 def test_gpu_builtin_kernels_bf16_close_to_sdpa():

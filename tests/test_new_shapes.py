@@ -1,9 +1,9 @@
-"""Shapes new to a ready compiled tier (issue 48, item 2): the call runs them uncompiled and a background thread
-compiles them, instead of the call waiting for the compiler.
+"""Shapes new to a ready compiled tier (issue 48, item 2): the call runs them uncompiled instead of waiting for the
+compiler, until the time lost pays for compiling them in a call (a ski rental per shape).
 
 CPU: the mechanism of ``hf_cascade.decode.compiled_layers.NewShapes`` with real compiled layers (inductor, as
-test_captured_step.py runs them), and the decisions of ``hf_cascade.tiers`` / ``hf_cascade.tier_build`` on a model's
-tier state (as test_builtin_kernels.py tests the ski rental). The CUDA path end to end: tests/test_gpu_generate.py and
+test_captured_step.py runs them), and the decisions of ``hf_cascade.tiers`` on a model's tier state (as
+test_builtin_kernels.py tests the ski rental). The CUDA path end to end: tests/test_gpu_generate.py and
 benchmarks/bench_stall.py.
 """
 
@@ -87,16 +87,6 @@ def tiny():
     return model
 
 
-@pytest.fixture
-def threads_compile(monkeypatch):
-    """A torch whose threads may compile (2.11, the device's): background builds of new shapes are possible."""
-    from hf_cascade import tier_build
-
-    monkeypatch.setattr(tier_build, "ENABLED", True)
-    monkeypatch.delenv("HF_CASCADE_BACKGROUND", raising=False)
-    monkeypatch.setattr(tier_build, "threads_may_compile", lambda: True)
-
-
 def _compiled_ready(model):
     from hf_cascade import tiers
 
@@ -104,9 +94,9 @@ def _compiled_ready(model):
     return tiers._state(model)
 
 
-def test_shape_policy_before_and_after_the_compiled_tier_is_ready(tiny, threads_compile):
-    """No policy (compile in the call, as before) off the compiled tier, for compile="now", for the call that moves
-    up to it and for a background build's own call; once the tier is ready, compile=False."""
+def test_shape_policy_before_and_after_the_compiled_tier_is_ready(tiny):
+    """No policy (compile in the call, as before) off the compiled tier, for compile="now" and for the call that
+    moves up to it; once the tier is ready, compile=False."""
     from hf_cascade import tiers
 
     compiled, triton = tiers._TIERS["compiled"], tiers._TIERS["triton"]
@@ -116,70 +106,27 @@ def test_shape_policy_before_and_after_the_compiled_tier_is_ready(tiny, threads_
     assert tiers.shape_policy(tiny, compiled, "now") is None
     policy = tiers.shape_policy(tiny, compiled)
     assert isinstance(policy, NewShapes) and policy.compile is False and policy.misses == 0
-    tiers.IN_BUILD.active = True
-    try:
-        assert tiers.shape_policy(tiny, compiled) is None  # the build compiles what the calls missed
-    finally:
-        tiers.IN_BUILD.active = False
-    assert state.shapes_regret == 0.0 and tiers.tier_report(tiny)["new_shapes"] == {
-        "missed_calls": 0, "regret_s": 0.0, "variant_builds": []}
+    assert state.shapes_regret == 0.0 and tiers.tier_report(tiny)["new_shapes"] == {"missed_calls": 0, "regret_s": 0.0}
 
 
-def test_unseen_layout_runs_now_builds_in_the_background_then_compiled(tiny, threads_compile, monkeypatch):
-    """After moving up: a call that missed (ran layers uncompiled) plans a build of its layout in this process (no
-    child); while it runs the calls take the Triton tier (the build holds the compiled layers), after it the
-    compiled tier; a layout is built once, at most MAX_VARIANT_BUILDS per model; a started build clears the regret."""
+def test_new_shapes_compile_when_the_time_lost_pays(tiny, monkeypatch):
+    """Background builds on or off alike: the calls that missed add what compiling would have saved them, and once
+    that reaches NEW_SHAPES_COST_S the next call may compile (a ski rental per shape); that call clears the regret.
+    A ready compiled tier is taken even while a build runs (none compiles shapes)."""
     from hf_cascade import tier_build, tiers
 
     state = _compiled_ready(tiny)
     compiled = tiers._TIERS["compiled"]
-    missed = tiers.shape_policy(tiny, compiled)
-    missed.misses = 96  # what the compiled layers counted in the call
-    tiers.record_call(tiny, compiled, 1.5, missed)
-    assert state.missed_calls == 1 and state.shapes_regret == pytest.approx(0.3)
-    with state.lock:
-        assert tier_build._plan_build(tiny, state, (64, 2)) == (False, True)  # in this process, no child
-        assert tier_build._plan_build(tiny, state, None) is None  # a ready tier builds layouts only
-    ran = []
-    monkeypatch.setattr(tier_build, "_build_call", lambda *a: ran.append(a[2].shape))
-    with state.lock:  # what build_in_background does on CUDA once the memory check passed
-        state.variant_builds.append((64, 2))
-        state.shapes_regret = 0.0
-        state.building, state.build_started = threading.current_thread(), 0.0
-    assert tiers.choose_tier(tiny).name == "triton"  # beside the build
-    assert tiers.choose_tier(tiny, "now").name == "compiled"  # the user's explicit choice is kept
-    ids = torch.zeros(64, 3, dtype=torch.long)
-    tier_build._build(None, tiny, state, ids, None, {}, {}, None, False, True)
-    assert ran == [ids.shape] and state.building is None and state.build_error is None
-    assert tiers.choose_tier(tiny).name == "compiled"
-    with state.lock:
-        assert tier_build._plan_build(tiny, state, (64, 2)) is None  # built once
-        assert tier_build._plan_build(tiny, state, (128, 1)) == (False, True)
-        state.variant_builds.extend((rows, 1) for rows in range(tier_build.MAX_VARIANT_BUILDS))
-        assert tier_build._plan_build(tiny, state, (128, 1)) is None  # the bound
-    assert tiers.tier_report(tiny)["new_shapes"]["variant_builds"][0] == (64, 2)
-
-
-def test_without_a_thread_new_shapes_compile_when_the_time_lost_pays(tiny, threads_compile, monkeypatch):
-    """HF_CASCADE_BACKGROUND=off (also ENABLED False, MODE "child", a torch whose compile flag is process-wide, a
-    failed build): no build of new shapes; the calls that missed add what compiling would have saved them, and once
-    that reaches NEW_SHAPES_COST_S the next call may compile (a ski rental per shape); that call clears the regret."""
-    from hf_cascade import tier_build, tiers
-
-    state = _compiled_ready(tiny)
-    compiled = tiers._TIERS["compiled"]
-    with state.lock:
-        assert tier_build.variant_builds_possible(state)
-    for setting in [("env", "off"), ("ENABLED", False), ("MODE", "child"), ("threads_may_compile", lambda: False)]:
-        with monkeypatch.context() as patch, state.lock:
-            if setting[0] == "env":
-                patch.setenv("HF_CASCADE_BACKGROUND", "OFF")
-            else:
-                patch.setattr(tier_build, *setting)
-            assert not tier_build.variant_builds_possible(state) and tier_build._plan_build(tiny, state, (8, 1)) is None
-            assert "off" in tier_build.describe() or "no thread compiles" in tier_build.describe()
+    monkeypatch.delenv("HF_CASCADE_BACKGROUND", raising=False)
+    monkeypatch.setattr(tier_build, "ENABLED", True)
+    assert "no thread compiles" in tier_build.describe()
     monkeypatch.setenv("HF_CASCADE_BACKGROUND", "0")
-    assert not tier_build.background_builds_on()
+    assert not tier_build.background_builds_on() and "off" in tier_build.describe()
+    state.building = threading.current_thread()
+    try:
+        assert tiers.choose_tier(tiny).name == "compiled"
+    finally:
+        state.building = None
     calls = 0
     while True:
         policy = tiers.shape_policy(tiny, compiled)
@@ -194,11 +141,6 @@ def test_without_a_thread_new_shapes_compile_when_the_time_lost_pays(tiny, threa
     no_miss = tiers.shape_policy(tiny, compiled)
     tiers.record_call(tiny, compiled, 2.0, no_miss)  # a call whose shapes fit adds nothing
     assert state.shapes_regret == 0.0 and state.missed_calls == calls
-    with state.lock:  # a failed build: no thread builds again
-        monkeypatch.delenv("HF_CASCADE_BACKGROUND")
-        assert tier_build.variant_builds_possible(state)
-        state.build_error = "RuntimeError: boom"
-        assert not tier_build.variant_builds_possible(state)
 
 
 def test_info_names_the_background_builds_and_their_switch(capsys, monkeypatch):

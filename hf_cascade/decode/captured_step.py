@@ -104,12 +104,6 @@ def recorded_steps(model: torch.nn.Module) -> dict[str, int]:
         return {"recorded": store.recorded, "replayed": store.replayed, "kept": len(store.graphs)}
 
 
-def _in_background_build() -> bool:
-    from hf_cascade.tiers import IN_BUILD
-
-    return IN_BUILD.active
-
-
 def _tensor_key(t: torch.Tensor) -> tuple:
     return (t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
 
@@ -150,11 +144,8 @@ class CapturedDecodeStep:
         self.cache.begin_static_step()
         if entry is None:
             stream = self._recording_stream(tensors)
-            # per stream: its cuBLAS set up before a capture on it. A background build (hf_cascade.tier_build) never
-            # records: a capture marks the CUDA generator as capturing for every thread, and a call sampling beside
-            # it would fail ("Offset increment outside graph capture"); it runs the step as a first step does (the
-            # same compiled layers), and the calls record their own.
-            if (key, stream.cuda_stream) not in store.warm or _in_background_build():
+            # A key's first step runs once, before it is recorded (per stream: its cuBLAS set up before a capture).
+            if (key, stream.cuda_stream) not in store.warm:
                 return self._run_once(key, inputs, stream)
             entry = self._record(key, inputs, tensors, stream)
             if entry is None:

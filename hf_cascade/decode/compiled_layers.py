@@ -33,8 +33,8 @@ and dynamo compiles the layer again, with the batch symbolic (automatic dynamic)
 Where ``hf_cascade.generate`` runs the compiled tier once it is built (:func:`hf_cascade.tiers.shape_policy`), it
 sets a :class:`NewShapes` with ``compile=False``: the layers then run under torch's ``"eager_on_recompile"`` stance
 (compiled code where its guards pass, the layer's own code where none does, nothing compiled) and count the layer
-calls that ran uncompiled, so that the call can leave the compiling to a background build
-(:mod:`hf_cascade.tier_build`).
+calls that ran uncompiled, so that a later call compiles them once the time lost pays for it (a ski rental per
+shape).
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def skipping_new_shapes_supported() -> bool:
 def _stance_for_new_shapes():
     """torch's ``"eager_on_recompile"`` stance where the context's :class:`NewShapes` says not to compile, else
     nothing. The stance is process-wide: set only under ``_ACTIVE_LOCK``, which every compiled-layer forward of
-    hf_cascade (a background build's too) holds."""
+    hf_cascade holds."""
     policy = NEW_SHAPES.get()
     if policy is None or policy.compile or not skipping_new_shapes_supported():
         return contextlib.nullcontext()
@@ -267,9 +267,8 @@ def compiled_layers(model: torch.nn.Module, cache, dynamic: bool = False):
 
 class _ThreadCompiledCall:
     """A decoder layer's ``_compiled_call_impl`` while :func:`compiled_layers` runs: the compiled call on the thread
-    inside it, the layer's own call (or what was installed before) on every other thread. So a thread that builds
-    the compiled tier in the background (:mod:`hf_cascade.tier_build`) leaves the model as it was for the threads
-    that keep serving calls on it."""
+    inside it, the layer's own call (or what was installed before) on every other thread, so that other threads'
+    calls on the model run it as it was; counts the calls that ran uncompiled under :class:`NewShapes`."""
 
     __slots__ = ("layer", "index", "previous")
 

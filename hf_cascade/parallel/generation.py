@@ -55,7 +55,7 @@ def check_decode_step(decode_step) -> str:
 
 def _resolve_step(cache: ContextParallelCache, model, input_ids, generation_config, method_name: str) -> str | None:
     """The decode step this call runs, or None for transformers' own decoding method as generate() prepared it."""
-    from hf_cascade.generation import _compiles_decode
+    from hf_cascade.run_plan import _compiles_decode
 
     step = cache.decode_step
     if method_name != "_sample":
