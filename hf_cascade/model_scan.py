@@ -2,13 +2,13 @@
 
 Walking a model's modules is host time: ~1-2 ms for the ~450 modules of Llama-3-8B, and a generate() call walked
 them four times before its prefill could start (the prefill's temporary cache, the final cache, the cost model's
-parameter count). The results are kept per model (:func:`~hf_cascade.decode.step_buffers.model_state`, freed with the
-model) and walked again once a module or parameter is registered on any module of a model walked so far: torch's
-global registration hooks (``setattr`` / ``add_module`` / ``register_parameter``) see it, so a model whose attention
-modules or layers are replaced is scanned anew and a cache built afterwards serves the new modules. Registrations
-on other modules (a forward's ``self.layers[:n]`` builds a new ``ModuleList`` every call) leave the scans alone.
-Not seen: ``ModuleList.insert`` / ``del`` / ``pop`` (they edit ``_modules`` directly), a module's ``layer_idx``
-set to another value in place, ``param.data`` swapped for another shape.
+parameter count). The results are kept per model (its :class:`~hf_cascade.engine.Engine`, freed with the model) and
+walked again once a module or parameter is registered on any module of a model walked so far: torch's global
+registration hooks (``setattr`` / ``add_module`` / ``register_parameter``) see it, so a model whose attention
+modules or layers are replaced is scanned anew and a cache built afterwards serves the new modules. Registrations on
+other modules (a forward's ``self.layers[:n]`` builds a new ``ModuleList`` every call) leave the scans alone. Not
+seen: ``ModuleList.insert`` / ``del`` / ``pop`` (they edit ``_modules`` directly), a module's ``layer_idx`` set to
+another value in place, ``param.data`` swapped for another shape.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import weakref
 
 import torch
 
-from hf_cascade.decode.step_buffers import model_state
+from hf_cascade.engine import engine_of
 
 _generation = 0  # bumped by every module / parameter registration on a watched module (see _registered)
 _watched: weakref.WeakSet = weakref.WeakSet()  # every module of every model scanned so far
@@ -60,7 +60,7 @@ def _scan(model: torch.nn.Module) -> _ModelScan:
         _install_hooks()
     generation = _generation  # read before the walk: a registration during it leaves the scan stale, not wrong
     try:
-        scan = model_state(model, _ModelScan)
+        scan = engine_of(model).scan
     except TypeError:  # not weak-referenceable or not hashable: nothing to keep it on
         scan = _ModelScan()
     if scan.generation != generation or scan.attention_modules is None:

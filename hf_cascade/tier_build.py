@@ -95,11 +95,11 @@ def build_in_background(model, input_ids: torch.Tensor, generation_config, model
         Whether a build started (False: one is running or done or failed for this model, the compiled tier is
         ready, the caches are warm, or it would not fit).
     """
-    from hf_cascade.tiers import building_state
+    from hf_cascade.engine import engine_of
 
     if not background_builds_on() or input_ids.device.type != "cuda":
         return False
-    state = building_state(model)
+    state = engine_of(model).tiers
     with state.lock:
         if not _plan_build(model, state):
             return False
@@ -140,9 +140,9 @@ def _plan_build(model, state) -> bool:
 def wait_for_build(model, timeout: float | None = None) -> bool:
     """Wait until ``model``'s background build (if one runs) ends; True when it ended without error (the compile
     caches are filled, or the compiled tier is ready)."""
-    from hf_cascade.tiers import building_state
+    from hf_cascade.engine import engine_of
 
-    state = building_state(model)
+    state = engine_of(model).tiers
     with state.lock:
         thread = state.building
     if thread is not None:

@@ -61,10 +61,10 @@ import torch
 
 from hf_cascade._env import cache_root, is_off
 from hf_cascade.decode.compiled_layers import NewShapes
-from hf_cascade.decode.step_buffers import model_state
+from hf_cascade.engine import engine_of
 
 __all__ = ["COMPILE_CHOICES", "NEW_SHAPES_COST_S", "SAVED_FRACTION", "Tier", "choose_tier", "note_caches_warm",
-           "record_call", "shape_policy", "tier_report"]
+           "raise_regret", "record_call", "shape_policy", "tier_report"]
 
 COMPILE_CHOICES = ("auto", "now", "never")
 
@@ -145,12 +145,15 @@ class _ModelTiers:
 
 
 def _state(model) -> _ModelTiers:
-    return model_state(model, _ModelTiers)
+    return engine_of(model).tiers
 
 
-def building_state(model) -> _ModelTiers:
-    """``model``'s tier state, for :mod:`hf_cascade.tier_build` (read and write it under its ``lock``)."""
-    return _state(model)
+def raise_regret(model, tier: str, seconds: float) -> None:
+    """Raise ``model``'s regret of ``tier`` (``"triton"`` or ``"compiled"``) to at least ``seconds``: as if the calls
+    below it had lost that much (``warmup`` moves its next call up to the Triton tier so)."""
+    state = _state(model)
+    with state.lock:
+        state.regret[tier] = max(state.regret[tier], seconds)
 
 
 def choose_tier(model, compile: str = "auto") -> Tier:

@@ -122,11 +122,9 @@ def _tree_batch(shared, n: int, vocab: int, generator, levels: int = 2):
 def _move_up_to_triton(model) -> None:
     """Let the next call of ``model`` take the Triton tier (as if the calls below it had lost what building it
     costs with empty caches)."""
-    from hf_cascade.tiers import DEFAULT_COST_S, building_state
+    from hf_cascade.tiers import DEFAULT_COST_S, raise_regret
 
-    state = building_state(model)
-    with state.lock:
-        state.regret["triton"] = max(state.regret["triton"], DEFAULT_COST_S["triton"])
+    raise_regret(model, "triton", DEFAULT_COST_S["triton"])
 
 
 def _call(model, ids, new_tokens: int, compile: str = "now", attention_mask=None) -> float:
@@ -154,15 +152,12 @@ def _measure_warm_compile(model, ids, new_tokens: int, report) -> dict:
     (:func:`hf_cascade.tiers.note_caches_warm`); the first process that compiles records what it paid."""
     import torch
 
-    from hf_cascade.decode.captured_step import _ModelGraphs
-    from hf_cascade.decode.compiled_layers import _LayerCalls
-    from hf_cascade.decode.step_buffers import _BY_MODEL
+    from hf_cascade.engine import engine_of
     from hf_cascade.tiers import note_caches_warm
 
     hot = _call(model, ids, new_tokens)
     torch._dynamo.reset()
-    for cls in (_LayerCalls, _ModelGraphs):
-        _BY_MODEL.get(model, {}).pop(cls, None)
+    engine_of(model).forget("layer_calls", "graphs")
     again = _call(model, ids, new_tokens)
     cost = max(again - hot, 0.0)
     note_caches_warm(model)

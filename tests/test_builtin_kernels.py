@@ -125,10 +125,9 @@ def records(tmp_path, monkeypatch):
 
 def _fresh_process(model):
     """Forget the model's in-process tier state (as a new process would), keep the records on disk."""
-    from hf_cascade.decode.step_buffers import _BY_MODEL
-    from hf_cascade.tiers import _ModelTiers
+    from hf_cascade.engine import engine_of
 
-    _BY_MODEL.get(model, {}).pop(_ModelTiers, None)
+    engine_of(model).forget("tiers")
 
 
 def test_ski_rental_moves_up_when_regret_reaches_cost(records, tiny_llama_pair):

@@ -78,12 +78,11 @@ def test_new_batch_size_runs_uncompiled_exactly_and_compiles_nothing():
 # --------------------------------------------------------------------------------------------------- the policy
 @pytest.fixture
 def tiny():
-    from hf_cascade.decode.step_buffers import _BY_MODEL
+    from hf_cascade.engine import engine_of
     from hf_cascade.model_zoo import tiny_model
-    from hf_cascade.tiers import _ModelTiers
 
     model = tiny_model("llama", "cascade", seed=0)
-    _BY_MODEL.get(model, {}).pop(_ModelTiers, None)
+    engine_of(model).forget("tiers")
     return model
 
 

@@ -177,8 +177,8 @@ class AOTLayers:
 
 def run_prefill(args, timings, result):
     import hf_cascade
-    from hf_cascade.decode.compiled_layers import _LayerCalls, _with_symbolic_lengths, compiled_prefills
-    from hf_cascade.decode.step_buffers import model_state
+    from hf_cascade.decode.compiled_layers import _with_symbolic_lengths, compiled_prefills
+    from hf_cascade.engine import engine_of
     from hf_cascade.model_zoo import tiny_model
 
     model = tiny_model("llama", "cascade", num_hidden_layers=2)
@@ -193,7 +193,7 @@ def run_prefill(args, timings, result):
         # load: the inputs left unmarked (a loaded artifact's guards say "_has_dynamo_dim_marking is present on
         # runtime tensor but was absent at compile time" for marked inputs: the marks are not in the saved guards)
         mark = _with_symbolic_lengths if args.mode == "save" or args.mark_on_load else (lambda call: call)
-        model_state(model, _LayerCalls).dynamic_calls = [mark(aot.for_layer(layer)) for layer in model.model.layers]
+        engine_of(model).layer_calls.dynamic_calls = [mark(aot.for_layer(layer)) for layer in model.model.layers]
     for i in range(2):
         t = time.perf_counter()
         got = model.generate(ids, attention_mask=mask, custom_generate=hf_cascade.generate,

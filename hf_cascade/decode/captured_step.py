@@ -39,7 +39,7 @@ import torch
 from transformers.utils import logging
 
 from hf_cascade.decode.compiled_layers import NEW_SHAPES, compiled_layers
-from hf_cascade.decode.step_buffers import model_state
+from hf_cascade.engine import engine_of
 from hf_cascade.transformers_compat import CACHE_KWARG
 
 logger = logging.get_logger(__name__)
@@ -93,7 +93,7 @@ class _ModelGraphs:
 
 
 def _model_graphs(model: torch.nn.Module) -> _ModelGraphs:
-    return model_state(model, _ModelGraphs)
+    return engine_of(model).graphs
 
 
 def recorded_steps(model: torch.nn.Module) -> dict[str, int]:

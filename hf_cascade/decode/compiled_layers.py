@@ -47,7 +47,7 @@ import torch
 
 from transformers.utils import logging
 
-from hf_cascade.decode.step_buffers import model_state
+from hf_cascade.engine import engine_of
 
 logger = logging.get_logger(__name__)
 
@@ -159,12 +159,12 @@ class _LayerCalls:
 
 def layer_compilations(model: torch.nn.Module) -> int:
     """How many steps of ``model`` ran (or were recorded) with its decoder layers compiled, in this process."""
-    return model_state(model, _LayerCalls).entered
+    return engine_of(model).layer_calls.entered
 
 
 def compiled_prefills(model: torch.nn.Module) -> int:
     """How many prefill forwards of ``model`` ran with its decoder layers compiled (:func:`compiled_forward`)."""
-    return model_state(model, _LayerCalls).prefills
+    return engine_of(model).layer_calls.prefills
 
 
 # The layer index as dynamo names it (``L['self']._modules['self_attn'].layer_idx`` for Llama), a regex.
@@ -237,7 +237,7 @@ def compiled_layers(model: torch.nn.Module, cache, dynamic: bool = False):
     if layers is None:
         yield False
         return
-    state = model_state(model, _LayerCalls)
+    state = engine_of(model).layer_calls
     with state.lock:
         if dynamic:
             if state.dynamic_calls is None:
@@ -307,7 +307,7 @@ def compiled_forward(model: torch.nn.Module, cache, forward):
     forward. If compiling fails, the layers that already wrote this forward's KV take it back (``crop``), a
     warning says why, and the forward runs eagerly (and does from then on for this model: a compiler error stays
     one). Returns what ``forward()`` returns."""
-    state = model_state(model, _LayerCalls)
+    state = engine_of(model).layer_calls
     if state.prefill_failed or decoder_layers(model) is None:
         return forward()
     written: list[tuple[int, int]] = []

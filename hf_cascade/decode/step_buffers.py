@@ -13,10 +13,11 @@ out of the pool while a call holds it, so two concurrent calls never share one.
 from __future__ import annotations
 
 import threading
-import weakref
 from collections.abc import Iterable
 
 import torch
+
+from hf_cascade.engine import engine_of
 
 __all__ = ["StepBuffers", "step_buffers", "take_or_new"]
 
@@ -62,24 +63,9 @@ class StepBuffers:
             return sum(t.numel() * t.element_size() for ts in self._free.values() for t in ts)
 
 
-_BY_MODEL: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {state class: its instance}
-_BY_MODEL_LOCK = threading.Lock()
-
-
-def model_state(model: torch.nn.Module, cls: type):
-    """The ``cls()`` instance kept for ``model`` between generate() calls (created on first use, freed with the
-    model): its :class:`StepBuffers`, its recorded decode steps (``captured_step``)."""
-    with _BY_MODEL_LOCK:
-        states = _BY_MODEL.setdefault(model, {})
-        state = states.get(cls)
-        if state is None:
-            state = states[cls] = cls()
-        return state
-
-
 def step_buffers(model: torch.nn.Module) -> StepBuffers:
-    """The :class:`StepBuffers` of ``model`` (created on first use, freed with the model)."""
-    return model_state(model, StepBuffers)
+    """The :class:`StepBuffers` of ``model`` (its :class:`~hf_cascade.engine.Engine`'s ``step_buffers``)."""
+    return engine_of(model).step_buffers
 
 
 def take_or_new(buffers: StepBuffers | None, shape: Iterable[int], dtype: torch.dtype,
