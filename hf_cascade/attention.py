@@ -31,7 +31,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.utils import logging
 
 from hf_cascade._own_attention_tables import OWN_ATTENTION_TABLES
-from hf_cascade.decode.compiled_layers import PREFILL_BATCH_MASKS, layer_step_cache, note_layer_written, outside_layer_graphs
+from hf_cascade.decode.compiled_layers import layer_step_cache, note_layer_written, outside_layer_graphs
+from hf_cascade.decode.step_context import TRACE, current as _step
 
 logger = logging.get_logger(__name__)
 # sdpa's backends for the built-in tier: every one but cuDNN's (plain_attention)
@@ -43,16 +44,8 @@ ATTENTION_NAME = "cascade"
 # checked). Set by a cache's update(),
 # consumed (and cleared) by the attention function of the same layer, on the same thread.
 _BINDING: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("hf_cascade_binding", default=None)
-
-
-class _TracedBinding:
-    """The binding while ``torch.compile`` traces a forward (dynamo cannot trace a ContextVar). Set and read within
-    one traced frame, so the compiled graph holds the resolved cache; nothing is looked up when it runs."""
-
-    binding: tuple | None = None
-
-
-_TRACED = _TracedBinding()
+# While torch.compile traces a forward the binding is step_context.TRACE.binding instead (dynamo cannot trace a
+# ContextVar): set and read within one traced frame, so the compiled graph holds the resolved cache.
 
 
 class AttentionProvider(Protocol):
@@ -86,7 +79,7 @@ def bind_layer(
     """Called by a cache's ``update()``: the next attention call of ``layer_idx`` goes to ``cache``; it must be given
     exactly ``key`` (and ``value``, unless None) as ``update()`` returned them (see :func:`bound_provider`)."""
     if torch.compiler.is_compiling():
-        _TRACED.binding = (cache, layer_idx, key, value)
+        TRACE.binding = (cache, layer_idx, key, value)
         return
     stale = _BINDING.get()
     if stale is not None and stale[1] == layer_idx - 1 and stale[0]() is cache:
@@ -114,7 +107,7 @@ def bound_provider(
             attention for another layer): the shared prefix the cache stores apart would be silently lost.
     """
     if torch.compiler.is_compiling():
-        binding, _TRACED.binding = _TRACED.binding, None
+        binding, TRACE.binding = TRACE.binding, None
         if binding is None:
             return None
         cache, layer_idx, bound_key, bound_value = binding
@@ -308,25 +301,15 @@ def _(query, key, value, attention_mask, layer_idx, scaling, softcap):
     return query.new_empty(query.shape[0], query.shape[2], query.shape[1], value.shape[-1])
 
 
-# Set while hf_cascade.generate runs a decode (it planned the batch), so the attention does not suggest using it.
-IN_CASCADE_GENERATE: contextvars.ContextVar[bool] = contextvars.ContextVar("hf_cascade_generate", default=False)
-
-
 def _suggest_custom_generate() -> None:
     """Say once that a batched prefill on a "cascade" model ran as plain sdpa (no hf_cascade cache in play)."""
-    if torch.compiler.is_compiling() or IN_CASCADE_GENERATE.get():
+    if torch.compiler.is_compiling() or _step().in_generate:  # (in_generate: hf_cascade.generate planned it)
         return
     logger.warning_once(
         "hf_cascade: this batch ran with attn_implementation='cascade' but without an hf_cascade cache, so shared "
         "prompt prefixes were not shared (plain sdpa). Pass `custom_generate=hf_cascade.generate` to "
         "model.generate(...) or to a pipeline call to share them."
     )
-
-
-# Set by hf_cascade's decoding loop (hf_cascade.decode.sampling.sample): decode-step masks are always built.
-ALWAYS_BUILD_DECODE_MASK: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "hf_cascade_always_build_decode_mask", default=False
-)
 
 
 def cascade_mask(*args, **kwargs) -> torch.Tensor | None:
@@ -338,12 +321,13 @@ def cascade_mask(*args, **kwargs) -> torch.Tensor | None:
     In hf_cascade's decoding loop a decode step's mask (``q_length == 1``) is always built: to return None for
     "causal, no padding", sdpa's builder reads whether every padding-mask entry is 1 on the host, a host-device
     synchronisation at every step of the eager path (the compiled path builds it anyway). In a prefill forward with
-    compiled layers (``compiled_layers.PREFILL_BATCH_MASKS``) a forward of several rows always gets one too: its
+    compiled layers (``StepContext.prefill_batch_masks``) a forward of several rows always gets one too: its
     layers then run the compiled graph of the forwards that need a mask, not one more graph (a second of tracing in
     a process's first calls, Llama-3-8B layer, H100)."""
-    if kwargs.get("q_length") == 1 and ALWAYS_BUILD_DECODE_MASK.get():
+    step = _step()  # (the decode_masks of hf_cascade's decoding loop, decode.sampling.sample)
+    if kwargs.get("q_length") == 1 and step.decode_masks:
         kwargs["allow_is_causal_skip"] = False
-    if PREFILL_BATCH_MASKS.get() and kwargs.get("batch_size", 1) > 1:
+    if step.prefill_batch_masks and kwargs.get("batch_size", 1) > 1:
         kwargs["allow_is_causal_skip"] = False
     mask = sdpa_mask(*args, **kwargs)
     if isinstance(mask, torch.Tensor) and mask.dim() == 4 and not torch.compiler.is_compiling():

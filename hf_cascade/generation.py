@@ -34,12 +34,13 @@ import warnings
 import torch
 from transformers.utils import logging
 
-from hf_cascade.attention import IN_CASCADE_GENERATE, check_model_uses_cascade
+from hf_cascade.attention import check_model_uses_cascade
 from hf_cascade.cache import CascadeCache
 from hf_cascade.cpu_threads import ContentionProbe, cpu_decode_threads
 from hf_cascade.decode.compiled_layers import new_shapes
 from hf_cascade.decode.sampling import sample
 from hf_cascade.decode.step_buffers import step_buffers
+from hf_cascade.decode.step_context import step_context
 from hf_cascade.options import CascadeOptions
 from hf_cascade.run_plan import Request, RunPlan, resolve
 from hf_cascade.tiers import record_call
@@ -324,16 +325,12 @@ def _run(decode, model, input_ids, logits_processor, stopping_criteria, generati
     """Run generate()'s decoding method; ``threads``: the cascade call's CPU thread policy for its rows' first
     forward and decode steps (:mod:`hf_cascade.cpu_threads`; None: torch's setting, as generate()'s own paths);
     ``shapes``: what its compiled layers do with shapes new to them (:func:`hf_cascade.tiers.shape_policy`)."""
-    token = IN_CASCADE_GENERATE.set(True)
-    try:
-        with _layout_independent_shapes(model_kwargs.get(CACHE_KWARG)), cpu_decode_threads(input_ids.device, threads), \
-                new_shapes(shapes):
-            return decode(
-                model, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
-                generation_config=generation_config, **model_kwargs,
-            )
-    finally:
-        IN_CASCADE_GENERATE.reset(token)
+    with step_context(in_generate=True), _layout_independent_shapes(model_kwargs.get(CACHE_KWARG)), \
+            cpu_decode_threads(input_ids.device, threads), new_shapes(shapes):
+        return decode(
+            model, input_ids, logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+            generation_config=generation_config, **model_kwargs,
+        )
 
 
 def _layout_independent_shapes(cache):

@@ -207,18 +207,15 @@ def test_prefill_forwards_of_several_rows_always_get_a_mask():
     GPU a level of equal-length nodes traced a graph of its own, a second of a process's first calls). A forward
     of one row, and every forward outside the compiled prefill, keeps sdpa's None."""
     from hf_cascade.attention import cascade_mask
-    from hf_cascade.decode.compiled_layers import PREFILL_BATCH_MASKS
+    from hf_cascade.decode.step_context import step_context
 
     def mask(batch):
         return cascade_mask(batch_size=batch, q_length=5, kv_length=5, attention_mask=torch.ones(batch, 5,
                             dtype=torch.bool), allow_is_causal_skip=True, device="cpu")
 
     assert mask(4) is None and mask(1) is None
-    token = PREFILL_BATCH_MASKS.set(True)
-    try:
+    with step_context(prefill_batch_masks=True):
         built, one_row = mask(4), mask(1)
-    finally:
-        PREFILL_BATCH_MASKS.reset(token)
     assert one_row is None
     assert built.shape == (4, 1, 5, 5) and torch.equal(built[0, 0], torch.ones(5, 5, dtype=torch.bool).tril())
 

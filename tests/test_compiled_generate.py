@@ -11,7 +11,7 @@ from transformers import CompileConfig
 
 import hf_cascade
 from hf_cascade import CascadeCache
-from hf_cascade.attention import _TRACED
+from hf_cascade.decode.step_context import TRACE
 from hf_cascade.transformers_compat import CACHE_KWARG
 from test_generate import assert_logits_close, make_prompts, model_pair, pad_batch, run_pair, tree_prompts
 
@@ -74,7 +74,7 @@ def test_compiled_decode_matches_reference_without_recompiling(family):
         assert torch.equal(got[:, inputs["input_ids"].shape[1] :], want[:, ids.shape[1] :])
         frames.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     assert frames[0] >= 1 and frames[1] == frames[0], f"the second batch recompiled: {frames}"
-    assert _TRACED.binding is None  # the trace-time binding never leaks into eager runs
+    assert TRACE.binding is None  # the trace-time binding never leaks into eager runs
 
 
 def test_compiled_decode_with_inductor():

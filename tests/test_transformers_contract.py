@@ -124,16 +124,14 @@ def test_decode_step_masks_are_built_in_the_decoding_loop():
     builds the mask instead (all True here), and outside the loop it is sdpa's."""
     from transformers.masking_utils import sdpa_mask
 
-    from hf_cascade.attention import ALWAYS_BUILD_DECODE_MASK, cascade_mask
+    from hf_cascade.attention import cascade_mask
+    from hf_cascade.decode.step_context import step_context
 
     args = dict(batch_size=2, q_length=1, kv_length=5, q_offset=4, kv_offset=0, attention_mask=torch.ones(2, 5,
                 dtype=torch.bool), allow_is_causal_skip=True, device="cpu")
     assert sdpa_mask(**args) is None and cascade_mask(**args) is None
-    token = ALWAYS_BUILD_DECODE_MASK.set(True)
-    try:
+    with step_context(decode_masks=True):
         mask = cascade_mask(**args)
-    finally:
-        ALWAYS_BUILD_DECODE_MASK.reset(token)
     assert mask.shape == (2, 1, 1, 5) and bool(mask.all())
 
 

@@ -31,14 +31,14 @@ the eager layers instead.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import threading
 from collections import OrderedDict
 
 import torch
 from transformers.utils import logging
 
-from hf_cascade.decode.compiled_layers import NEW_SHAPES, compiled_layers
+from hf_cascade.decode.compiled_layers import compiled_layers
+from hf_cascade.decode.step_context import current as _step, step_context
 from hf_cascade.engine import engine_of
 from hf_cascade.transformers_compat import CACHE_KWARG
 
@@ -48,24 +48,17 @@ __all__ = ["CapturedDecodeStep", "GRAPHS_PER_MODEL", "recorded_steps", "static_s
 
 GRAPHS_PER_MODEL = 4
 
-_STATIC_STEP: contextvars.ContextVar[bool] = contextvars.ContextVar("hf_cascade_static_step", default=False)
-
-
-@contextlib.contextmanager
 def static_step_mode():
     """Run the forwards inside in the device-only path of a compiled step (what :class:`CapturedDecodeStep` does
-    while it runs a new key once and while it records). Only for a fixed-buffer cache whose prefill has run."""
-    token = _STATIC_STEP.set(True)
-    try:
-        yield
-    finally:
-        _STATIC_STEP.reset(token)
+    while it runs a new key once and while it records: ``StepContext.static_step``). Only for a fixed-buffer cache
+    whose prefill has run."""
+    return step_context(static_step=True)
 
 
 def static_step() -> bool:
     """Whether the running forward must touch device data only: inside a compiled step, or a step that
     :class:`CapturedDecodeStep` runs or records."""
-    return torch.compiler.is_compiling() or _STATIC_STEP.get()
+    return torch.compiler.is_compiling() or _step().static_step
 
 
 class _Graph:
@@ -217,7 +210,7 @@ class CapturedDecodeStep:
         recording). If compiling fails, this model's steps record the eager layers from now on; the cache's written
         lengths are restored first, so the step runs again from the same state."""
         lengths = [t.clone() for t in self.cache.suffix_lengths()]
-        policy = NEW_SHAPES.get()
+        policy = _step().new_shapes
         misses = 0 if policy is None else policy.misses
         try:
             with compiled_layers(self.model, self.cache):

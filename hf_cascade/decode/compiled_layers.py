@@ -23,7 +23,7 @@ the update and attention left out of the graphs by ``torch.compiler.disable`` be
 The prefill too (:func:`compiled_forward`): each shared segment's forward and the rows' first forward run the same
 layers compiled with the batch and length dims marked dynamic (``compiled_layers(..., dynamic=True)``; the model's
 other sizes stay constants), not recorded: one graph for the forwards of one row (a segment's one node, no mask)
-and one for those of several rows (always given a mask: ``PREFILL_BATCH_MASKS``), for every layout. Measured (H100,
+and one for those of several rows (always given a mask: ``StepContext.prefill_batch_masks``), for every layout. Measured (H100,
 same shape): 0.66 s per call against 0.70 s with the eager prefill; the stream of layouts traces 3 graphs in all
 (decode step included) in its first batch, ~3 s with warm caches (759e149).
 
@@ -40,36 +40,23 @@ shape).
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import threading
 
 import torch
 
 from transformers.utils import logging
 
+from hf_cascade.decode.step_context import TRACE, current as _step, step_context
 from hf_cascade.engine import engine_of
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["NEW_SHAPES", "NewShapes", "compiled_forward", "compiled_layers", "compiled_prefills", "decoder_layers",
+__all__ = ["NewShapes", "compiled_forward", "compiled_layers", "compiled_prefills", "decoder_layers",
            "layer_compilations", "layer_step_cache", "new_shapes", "note_layer_written", "outside_layer_graphs",
            "skipping_new_shapes_supported"]
 
 
-class _Tracing:
-    """Whether decoder layers compiled by :func:`compiled_layers` may be traced now. A plain attribute: dynamo
-    reads it while it traces (it cannot trace a ContextVar), and guards on it."""
-
-    active = False
-
-
-_TRACING = _Tracing()
-# Set while compiled_forward runs a prefill forward: a forward of several rows gets a mask tensor even where "causal,
-# no padding" could go without (see attention.cascade_mask), so that such forwards (a level of equal-length nodes)
-# run the graph of the forwards that have one (the rows' first forward), not a graph of their own.
-PREFILL_BATCH_MASKS: contextvars.ContextVar[bool] = contextvars.ContextVar("hf_cascade_prefill_masks", default=False)
-_ACTIVE_LOCK = threading.RLock()
-_STEP = threading.local()  # .cache / .calls: the cache and compiled layer calls of the step running on this thread
+_ACTIVE_LOCK = threading.RLock()  # held while compiled_layers runs (TRACE.layers and the process-wide stance)
 
 
 class NewShapes:
@@ -87,21 +74,10 @@ class NewShapes:
         return f"NewShapes(compile={self.compile}, misses={self.misses})"
 
 
-# The NewShapes of the generate() call running in this context (None: compile, as torch.compile does).
-NEW_SHAPES: contextvars.ContextVar[NewShapes | None] = contextvars.ContextVar("hf_cascade_new_shapes", default=None)
-
-
-@contextlib.contextmanager
 def new_shapes(policy: NewShapes | None):
-    """The compiled layers run inside follow ``policy`` (None: leave the context's as it is)."""
-    if policy is None:
-        yield
-        return
-    token = NEW_SHAPES.set(policy)
-    try:
-        yield
-    finally:
-        NEW_SHAPES.reset(token)
+    """The compiled layers run inside follow ``policy`` (``StepContext.new_shapes``; None: leave the context's as it
+    is)."""
+    return contextlib.nullcontext() if policy is None else step_context(new_shapes=policy)
 
 
 def skipping_new_shapes_supported() -> bool:
@@ -113,7 +89,7 @@ def _stance_for_new_shapes():
     """torch's ``"eager_on_recompile"`` stance where the context's :class:`NewShapes` says not to compile, else
     nothing. The stance is process-wide: set only under ``_ACTIVE_LOCK``, which every compiled-layer forward of
     hf_cascade holds."""
-    policy = NEW_SHAPES.get()
+    policy = _step().new_shapes
     if policy is None or policy.compile or not skipping_new_shapes_supported():
         return contextlib.nullcontext()
     try:
@@ -123,15 +99,15 @@ def _stance_for_new_shapes():
 
 
 def layer_step_cache():
-    """The cache of the step that runs with compiled layers on this thread (read by the attention op that the
+    """The cache of the step that runs with compiled layers in this context (read by the attention op that the
     layers' graph calls, when it runs), or None."""
-    return getattr(_STEP, "cache", None)
+    return _step().layer_cache
 
 
 def outside_layer_graphs() -> bool:
     """True while dynamo traces a decoder layer for :func:`compiled_layers`: hf_cascade's cache update then hands K
     and V on, and the attention calls ``hf_cascade::layer_step_attention`` (one op in the graph)."""
-    return torch.compiler.is_compiling() and _TRACING.active
+    return torch.compiler.is_compiling() and TRACE.layers
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
@@ -250,25 +226,24 @@ def compiled_layers(model: torch.nn.Module, cache, dynamic: bool = False):
             state.entered += 1
     with _ACTIVE_LOCK, torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True), _layer_index_symbolic(), \
             _recompile_limit(), _stance_for_new_shapes():
-        previous = [layer._compiled_call_impl for layer in layers], _TRACING.active, layer_step_cache()
-        previous_written, previous_calls = getattr(_STEP, "written", None), getattr(_STEP, "calls", None)
+        previous, previous_tracing = [layer._compiled_call_impl for layer in layers], TRACE.layers
         for index, layer in enumerate(layers):  # (entered again: all restored on the way out)
             if not isinstance(layer._compiled_call_impl, _ThreadCompiledCall):
                 layer._compiled_call_impl = _ThreadCompiledCall(layer, index, layer._compiled_call_impl)
-        _TRACING.active, _STEP.cache, _STEP.written, _STEP.calls = True, cache, [], calls
+        TRACE.layers = True
         try:
-            yield True
+            with step_context(layer_cache=cache, layer_written=[], layer_calls=calls):
+                yield True
         finally:
-            _TRACING.active, _STEP.cache, _STEP.written = previous[1], previous[2], previous_written
-            _STEP.calls = previous_calls
-            for layer, impl in zip(layers, previous[0]):
+            TRACE.layers = previous_tracing
+            for layer, impl in zip(layers, previous):
                 layer._compiled_call_impl = impl
 
 
 class _ThreadCompiledCall:
-    """A decoder layer's ``_compiled_call_impl`` while :func:`compiled_layers` runs: the compiled call on the thread
-    inside it, the layer's own call (or what was installed before) on every other thread, so that other threads'
-    calls on the model run it as it was; counts the calls that ran uncompiled under :class:`NewShapes`."""
+    """A decoder layer's ``_compiled_call_impl`` while :func:`compiled_layers` runs: the compiled call in the context
+    inside it, the layer's own call (or what was installed before) in every other context (other threads), so that
+    other threads' calls on the model run it as it was; counts the calls that ran uncompiled under :class:`NewShapes`."""
 
     __slots__ = ("layer", "index", "previous")
 
@@ -276,12 +251,13 @@ class _ThreadCompiledCall:
         self.layer, self.index, self.previous = layer, index, previous
 
     def __call__(self, *args, **kwargs):
-        calls = getattr(_STEP, "calls", None)
+        step = _step()
+        calls = step.layer_calls
         if calls is not None:
-            policy = NEW_SHAPES.get()
+            policy = step.new_shapes
             if policy is None or policy.compile:
                 return calls[self.index](*args, **kwargs)
-            written = _STEP.written
+            written = step.layer_written
             before = len(written)
             out = calls[self.index](*args, **kwargs)
             if len(written) == before:  # the layer's attention op did not run: dynamo ran its own code (no graph fit)
@@ -295,7 +271,7 @@ class _ThreadCompiledCall:
 def note_layer_written(layer_idx: int, tokens: int) -> None:
     """Called by the attention op of a compiled layer after it wrote ``tokens`` new columns of the layer's KV into the
     cache (so that a forward that fails part-way can take exactly those writes back, see :func:`compiled_forward`)."""
-    written = getattr(_STEP, "written", None)
+    written = _step().layer_written
     if written is not None:
         written.append((layer_idx, tokens))
 
@@ -310,23 +286,24 @@ def compiled_forward(model: torch.nn.Module, cache, forward):
     state = engine_of(model).layer_calls
     if state.prefill_failed or decoder_layers(model) is None:
         return forward()
-    written: list[tuple[int, int]] = []
-    token = PREFILL_BATCH_MASKS.set(True)
-    try:
-        with compiled_layers(model, cache, dynamic=True):
-            written = _STEP.written
-            out = forward()
-        with state.lock:
-            state.prefills += 1
-        return out
-    except Exception as err:  # noqa: BLE001 (a compiler error: the eager layers compute the same forward)
-        for layer_idx, tokens in written:
-            cache.layers[layer_idx].crop(tokens)
-        if isinstance(err, torch._dynamo.exc.TorchDynamoException):
+    # A forward of several rows gets a mask tensor even where "causal, no padding" could go without (see
+    # attention.cascade_mask), so that such forwards (a level of equal-length nodes) run the graph of the forwards
+    # that have one (the rows' first forward), not a graph of their own.
+    with step_context(prefill_batch_masks=True):
+        written: list[tuple[int, int]] = []
+        try:
+            with compiled_layers(model, cache, dynamic=True):
+                written = _step().layer_written
+                out = forward()
             with state.lock:
-                state.prefill_failed = True
-            logger.warning_once(f"hf_cascade: compiling this model's decoder layers for the prefill failed "
-                                f"({type(err).__name__}: {str(err)[:300]}); the prefill runs them eagerly.")
-        return forward()
-    finally:
-        PREFILL_BATCH_MASKS.reset(token)
+                state.prefills += 1
+            return out
+        except Exception as err:  # noqa: BLE001 (a compiler error: the eager layers compute the same forward)
+            for layer_idx, tokens in written:
+                cache.layers[layer_idx].crop(tokens)
+            if isinstance(err, torch._dynamo.exc.TorchDynamoException):
+                with state.lock:
+                    state.prefill_failed = True
+                logger.warning_once(f"hf_cascade: compiling this model's decoder layers for the prefill failed "
+                                    f"({type(err).__name__}: {str(err)[:300]}); the prefill runs them eagerly.")
+            return forward()

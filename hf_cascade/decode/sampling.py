@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from hf_cascade.attention import ALWAYS_BUILD_DECODE_MASK
 from hf_cascade.decode.compiled_layers import compiled_forward
+from hf_cascade.decode.step_context import step_context
 from hf_cascade.transformers_compat import CACHE_KWARG
 
 
@@ -124,8 +124,7 @@ def sample(
     stop = _StopFlag(input_ids.device, defer_stop_check)
     max_length = getattr(stopping_criteria, "max_length", None)
     prefill_consumed = finished = False
-    mask_token = ALWAYS_BUILD_DECODE_MASK.set(True)  # see attention.cascade_mask: no host read of the mask
-    try:
+    with step_context(decode_masks=True):  # see attention.cascade_mask: no host read of the mask
         with model._optimize_model_for_decode():
             while not finished:
                 if prefill_consumed:
@@ -160,8 +159,6 @@ def sample(
                 at_max_length = max_length is not None and input_ids.shape[1] >= max_length
                 finished = stop.update(unfinished_sequences) or at_max_length
                 del outputs
-    finally:
-        ALWAYS_BUILD_DECODE_MASK.reset(mask_token)
     cache = model_kwargs.get(CACHE_KWARG)
     if stop.extra_steps:  # the step after every row had finished: undone
         input_ids = input_ids[:, : -stop.extra_steps]
