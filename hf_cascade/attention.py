@@ -31,8 +31,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from transformers.utils import logging
 
 from hf_cascade._own_attention_tables import OWN_ATTENTION_TABLES
-from hf_cascade.decode.compiled_layers import layer_step_cache, note_layer_written, outside_layer_graphs
-from hf_cascade.decode.step_context import TRACE, current as _step
+from hf_cascade.step_context import TRACE, current as _step, layer_step_cache, note_layer_written, outside_layer_graphs
 
 logger = logging.get_logger(__name__)
 # sdpa's backends for the built-in tier: every one but cuDNN's (plain_attention)

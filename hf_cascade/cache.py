@@ -32,9 +32,8 @@ import torch
 from transformers.cache_utils import Cache
 
 from hf_cascade.attention import ATTENTION_NAME, bind_layer, check_model_uses_cascade, plain_attention
-from hf_cascade.decode.captured_step import static_step
-from hf_cascade.decode.compiled_layers import outside_layer_graphs
-from hf_cascade.decode.step_buffers import StepBuffers
+from hf_cascade.step_context import outside_layer_graphs, static_step
+from hf_cascade.step_buffers import StepBuffers
 from hf_cascade.model_scan import attention_modules
 from hf_cascade.ops._backend import host_to_device
 from hf_cascade.ops.bounded import merge_sink

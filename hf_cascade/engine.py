@@ -35,7 +35,7 @@ def _scan():
 
 
 def _step_buffers():
-    from hf_cascade.decode.step_buffers import StepBuffers
+    from hf_cascade.step_buffers import StepBuffers
 
     return StepBuffers()
 
@@ -66,7 +66,7 @@ class Engine:
         :class:`hf_cascade.model_scan._ModelScan`: the model's attention modules by layer index and its parameter
         count, walked once (again after a module is registered).
     ``step_buffers``
-        :class:`hf_cascade.decode.step_buffers.StepBuffers`: the device buffers the latest call gave back, for the
+        :class:`hf_cascade.step_buffers.StepBuffers`: the device buffers the latest call gave back, for the
         next call's compiled step to read at the same addresses.
     ``layer_calls``
         :class:`hf_cascade.decode.compiled_layers._LayerCalls`: the decoder layers' compiled calls (decode step and

@@ -39,8 +39,8 @@ from hf_cascade.cache import CascadeCache
 from hf_cascade.cpu_threads import ContentionProbe, cpu_decode_threads
 from hf_cascade.decode.compiled_layers import new_shapes
 from hf_cascade.decode.sampling import sample
-from hf_cascade.decode.step_buffers import step_buffers
-from hf_cascade.decode.step_context import step_context
+from hf_cascade.step_buffers import step_buffers
+from hf_cascade.step_context import step_context
 from hf_cascade.options import CascadeOptions
 from hf_cascade.run_plan import Request, RunPlan, resolve
 from hf_cascade.tiers import record_call

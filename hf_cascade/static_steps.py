@@ -2,7 +2,7 @@
 
 A mixin of ``CascadeCache`` (it reads the cache's levels, fixed buffers and the plan and step tensors its
 :class:`~hf_cascade.ops.cascade_wrapper.CascadeWrapper` holds): which device tensors a step reads
-in place, in which order a call takes them from the model's :class:`~hf_cascade.decode.step_buffers.StepBuffers`, what
+in place, in which order a call takes them from the model's :class:`~hf_cascade.step_buffers.StepBuffers`, what
 a recorded step is keyed on, and the prefix KV stacked into the slots a compiled step takes.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_cascade.decode.step_buffers import StepBuffers, take_or_new
+from hf_cascade.step_buffers import StepBuffers, take_or_new
 from hf_cascade.ops.cascade_wrapper import PrefixSlots, padded_level_count
 from hf_cascade.suffix_layers import StaticSuffixLayer
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from hf_cascade.decode.captured_step import static_step
-from hf_cascade.decode.step_buffers import take_or_new
+from hf_cascade.step_context import static_step
+from hf_cascade.step_buffers import take_or_new
 from hf_cascade.ops.kv_write import write_suffix_kv
 from hf_cascade.ops.reference import write_suffix_kv_ref
 

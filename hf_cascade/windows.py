@@ -27,6 +27,7 @@ from hf_cascade.ops._backend import host_to_device, resolve_backend
 from hf_cascade.ops.bounded import BOUNDED_PATHS, bounded_cascade_attention, count_path, lower_positions  # noqa: F401
 from hf_cascade.ops.cascade_attention import cascade_attention
 from hf_cascade.suffix_layers import memoized
+from hf_cascade.step_context import static_step
 
 
 def layer_window(module: torch.nn.Module, sliding_window: int | None = None) -> int | None:
@@ -222,8 +223,6 @@ def cache_bounded_attend(cache, layer_idx: int, query: Tensor, key: Tensor, valu
 
 
 def _in_static_step() -> bool:
-    from hf_cascade.decode.captured_step import static_step  # (lazy: the decode engine imports the cache)
-
     return static_step()
 
 

@@ -207,7 +207,7 @@ def test_prefill_forwards_of_several_rows_always_get_a_mask():
     GPU a level of equal-length nodes traced a graph of its own, a second of a process's first calls). A forward
     of one row, and every forward outside the compiled prefill, keeps sdpa's None."""
     from hf_cascade.attention import cascade_mask
-    from hf_cascade.decode.step_context import step_context
+    from hf_cascade.step_context import step_context
 
     def mask(batch):
         return cascade_mask(batch_size=batch, q_length=5, kv_length=5, attention_mask=torch.ones(batch, 5,

@@ -11,7 +11,7 @@ from transformers import CompileConfig
 
 import hf_cascade
 from hf_cascade import CascadeCache
-from hf_cascade.decode.step_context import TRACE
+from hf_cascade.step_context import TRACE
 from hf_cascade.transformers_compat import CACHE_KWARG
 from test_generate import assert_logits_close, make_prompts, model_pair, pad_batch, run_pair, tree_prompts
 
@@ -198,7 +198,7 @@ def test_one_argument_path_reuses_its_buffers_across_calls():
     """hf_cascade.generate takes a call's fixed buffers and prefix KV from the model's StepBuffers and keeps them
     for the next call: a call with the same shapes reads the same addresses, each tensor at the address the same
     tensor had (its CUDA graphs replay, not record again), a call with other shapes gets its own, and every call stays exact."""
-    from hf_cascade.decode.step_buffers import step_buffers
+    from hf_cascade.step_buffers import step_buffers
 
     ref, cas = model_pair("llama")
     gen = dict(max_new_tokens=MAX_NEW, pad_token_id=0, do_sample=False)
@@ -228,7 +228,7 @@ def test_one_argument_path_reuses_its_buffers_across_calls():
 
 
 def test_step_buffers_are_never_shared_by_two_holders():
-    from hf_cascade.decode.step_buffers import StepBuffers
+    from hf_cascade.step_buffers import StepBuffers
 
     pool = StepBuffers()
     a = pool.take((2, 3), torch.float32, "cpu")

@@ -125,7 +125,7 @@ def test_decode_step_masks_are_built_in_the_decoding_loop():
     from transformers.masking_utils import sdpa_mask
 
     from hf_cascade.attention import cascade_mask
-    from hf_cascade.decode.step_context import step_context
+    from hf_cascade.step_context import step_context
 
     args = dict(batch_size=2, q_length=1, kv_length=5, q_offset=4, kv_offset=0, attention_mask=torch.ones(2, 5,
                 dtype=torch.bool), allow_is_causal_skip=True, device="cpu")

@@ -113,7 +113,7 @@ def picklable_cache():
     is pickled into the guards state, and a ``CascadeCache`` holds a ``threading.Lock`` (``TypeError: cannot
     pickle '_thread.lock' object``) and weak sets. Patched here (not in hf_cascade): its state without them."""
     from hf_cascade.cache import CascadeCache
-    from hf_cascade.decode.step_buffers import StepBuffers
+    from hf_cascade.step_buffers import StepBuffers
 
     unpicklable = ("_lock", "_modules", "_step_buffers")
 

@@ -15,7 +15,7 @@ tensors (:meth:`CascadeCache.static_step_tensors`, by address, shape, stride and
 and the step's inputs (copied into the graph's own input tensors before every replay). A step whose key differs
 (another cache at other addresses, another shape, another argument) is recorded anew; the model's graphs are kept
 between generate() calls (at most :data:`GRAPHS_PER_MODEL`, the least recently used dropped), and since
-``hf_cascade.generate`` takes a call's buffers from the model's :class:`~hf_cascade.decode.step_buffers.StepBuffers`, a
+``hf_cascade.generate`` takes a call's buffers from the model's :class:`~hf_cascade.step_buffers.StepBuffers`, a
 call with the shapes of an earlier one replays its graph from the first step.
 
 A new key is first run eagerly in this mode on the recording stream (Triton kernels built, cuBLAS set up for that
@@ -38,13 +38,13 @@ import torch
 from transformers.utils import logging
 
 from hf_cascade.decode.compiled_layers import compiled_layers
-from hf_cascade.decode.step_context import current as _step, step_context
+from hf_cascade.step_context import current as _step, step_context
 from hf_cascade.engine import engine_of
 from hf_cascade.transformers_compat import CACHE_KWARG
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["CapturedDecodeStep", "GRAPHS_PER_MODEL", "recorded_steps", "static_step", "static_step_mode"]
+__all__ = ["CapturedDecodeStep", "GRAPHS_PER_MODEL", "recorded_steps", "static_step_mode"]
 
 GRAPHS_PER_MODEL = 4
 
@@ -55,10 +55,6 @@ def static_step_mode():
     return step_context(static_step=True)
 
 
-def static_step() -> bool:
-    """Whether the running forward must touch device data only: inside a compiled step, or a step that
-    :class:`CapturedDecodeStep` runs or records."""
-    return torch.compiler.is_compiling() or _step().static_step
 
 
 class _Graph:

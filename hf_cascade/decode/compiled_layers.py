@@ -46,13 +46,13 @@ import torch
 
 from transformers.utils import logging
 
-from hf_cascade.decode.step_context import TRACE, current as _step, step_context
+from hf_cascade.step_context import TRACE, current as _step, step_context
 from hf_cascade.engine import engine_of
 
 logger = logging.get_logger(__name__)
 
 __all__ = ["NewShapes", "compiled_forward", "compiled_layers", "compiled_prefills", "decoder_layers",
-           "layer_compilations", "layer_step_cache", "new_shapes", "note_layer_written", "outside_layer_graphs",
+           "layer_compilations", "new_shapes",
            "skipping_new_shapes_supported"]
 
 
@@ -98,16 +98,8 @@ def _stance_for_new_shapes():
         return contextlib.nullcontext()
 
 
-def layer_step_cache():
-    """The cache of the step that runs with compiled layers in this context (read by the attention op that the
-    layers' graph calls, when it runs), or None."""
-    return _step().layer_cache
 
 
-def outside_layer_graphs() -> bool:
-    """True while dynamo traces a decoder layer for :func:`compiled_layers`: hf_cascade's cache update then hands K
-    and V on, and the attention calls ``hf_cascade::layer_step_attention`` (one op in the graph)."""
-    return torch.compiler.is_compiling() and TRACE.layers
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
@@ -268,12 +260,6 @@ class _ThreadCompiledCall:
         return self.layer._call_impl(*args, **kwargs)
 
 
-def note_layer_written(layer_idx: int, tokens: int) -> None:
-    """Called by the attention op of a compiled layer after it wrote ``tokens`` new columns of the layer's KV into the
-    cache (so that a forward that fails part-way can take exactly those writes back, see :func:`compiled_forward`)."""
-    written = _step().layer_written
-    if written is not None:
-        written.append((layer_idx, tokens))
 
 
 def compiled_forward(model: torch.nn.Module, cache, forward):

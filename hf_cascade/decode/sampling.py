@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from hf_cascade.decode.compiled_layers import compiled_forward
-from hf_cascade.decode.step_context import step_context
+from hf_cascade.step_context import step_context
 from hf_cascade.transformers_compat import CACHE_KWARG
 
 

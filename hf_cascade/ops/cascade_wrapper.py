@@ -93,7 +93,7 @@ class CascadeWrapper:
         prefix_slots: :class:`PrefixSlots` (fixed buffers; set once per cache) or None.
         op_inputs: the op's index tensors for a one-query step on ``layout`` (:func:`step_inputs`, flat), planned
             by the first eager :meth:`run` after the slots are set, before any step is compiled or recorded; or None.
-        buffers: a :class:`~hf_cascade.decode.step_buffers.StepBuffers` the index tensors are taken from, or None.
+        buffers: a :class:`~hf_cascade.step_buffers.StepBuffers` the index tensors are taken from, or None.
         builtin: attend with PyTorch's own kernels (:mod:`~hf_cascade.ops.builtin_cascade`) outside ``torch.compile``.
     """
 
@@ -169,7 +169,7 @@ def step_inputs(plan: CascadePlan, query: Tensor, key: Tensor, prefix_keys: Sequ
 
     ``prefix_keys``: per level ``[Hkv, T_l, D]``, as the compiled step passes them: the real levels last, after
     ``len(prefix_keys) - len(plan.levels)`` padding levels (see :func:`padded_level_count`). ``buffers``: a
-    :class:`~hf_cascade.decode.step_buffers.StepBuffers`; the tensors are copies in tensors taken from it, in the
+    :class:`~hf_cascade.step_buffers.StepBuffers`; the tensors are copies in tensors taken from it, in the
     order returned (so that a later layout of the same sizes has them at the same addresses).
 
     What may change between two layouts is a size of dimension 0 of these tensors (nodes + 2, tiles), marked

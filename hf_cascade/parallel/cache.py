@@ -43,7 +43,7 @@ from transformers.cache_utils import Cache
 
 from hf_cascade.attention import bind_layer, check_model_uses_cascade
 from hf_cascade.cache import _num_layers
-from hf_cascade.decode.compiled_layers import outside_layer_graphs
+from hf_cascade.step_context import outside_layer_graphs
 from hf_cascade.model_scan import attention_modules
 from hf_cascade.ops.fused_attention import KERNEL_CHOICES
 from hf_cascade.ops.cascade_wrapper import CascadeWrapper, LevelKV

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_cascade.decode.captured_step import static_step
+from hf_cascade.step_context import static_step
 from hf_cascade.ops.fused_attention import fused_attention, use_fused_attention
 from hf_cascade.ops.merge import merge_attention_states
 from hf_cascade.ops.suffix_attention import suffix_attention

@@ -8,7 +8,8 @@ trace ``ContextVar.get`` (it breaks the graph there); code that may run while dy
 ``torch.compiler.is_compiling()`` said no, or reads :data:`TRACE`, the one plain object dynamo reads (and guards on)
 while it traces.
 
-Imports nothing from hf_cascade: every layer may import it.
+Imports nothing from hf_cascade: every layer may import it (the cache and the attention read it; the decode
+engine in :mod:`hf_cascade.decode` sets it).
 """
 
 from __future__ import annotations
@@ -17,7 +18,10 @@ import contextlib
 import contextvars
 import dataclasses
 
-__all__ = ["StepContext", "TRACE", "current", "step_context"]
+import torch
+
+__all__ = ["StepContext", "TRACE", "current", "layer_step_cache", "note_layer_written", "outside_layer_graphs",
+           "static_step", "step_context"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,3 +78,31 @@ class _Trace:
 
 
 TRACE = _Trace()
+
+
+def static_step() -> bool:
+    """Whether the running forward must touch device data only: inside a compiled step, or a step that
+    :class:`~hf_cascade.decode.captured_step.CapturedDecodeStep` runs or records (``StepContext.static_step``)."""
+    return torch.compiler.is_compiling() or _CONTEXT.get().static_step
+
+
+def outside_layer_graphs() -> bool:
+    """True while dynamo traces a decoder layer for :func:`~hf_cascade.decode.compiled_layers.compiled_layers`:
+    hf_cascade's cache update then hands K and V on, and the attention calls ``hf_cascade::layer_step_attention``
+    (one op in the graph)."""
+    return torch.compiler.is_compiling() and TRACE.layers
+
+
+def layer_step_cache():
+    """The cache of the step that runs with compiled layers in this context (read by the attention op that the
+    layers' graph calls, when it runs), or None."""
+    return _CONTEXT.get().layer_cache
+
+
+def note_layer_written(layer_idx: int, tokens: int) -> None:
+    """Called by the attention op of a compiled layer after it wrote ``tokens`` new columns of the layer's KV into the
+    cache (so that a forward that fails part-way can take exactly those writes back, see
+    :func:`~hf_cascade.decode.compiled_layers.compiled_forward`)."""
+    written = _CONTEXT.get().layer_written
+    if written is not None:
+        written.append((layer_idx, tokens))
