@@ -149,7 +149,7 @@ def stall_table(records: list[dict]) -> str:
             lines.append(f"* `{phase}` ({run[phase]['rows']} rows, {len(calls)} calls): {shown}"
                          + (", ..." if len(calls) > 6 else ""))
     if summary:
-        lines += ["", f"First call over steady: " + ", ".join(f"{k} {v:.2f}x" for k, v in
+        lines += ["", "First call over steady: " + ", ".join(f"{k} {v:.2f}x" for k, v in
                                                              summary.get("first_over_steady", {}).items())
                   + f". Stream of {len(run.get('stream', {}).get('calls', []))} calls of varied layouts: whole "
                   f"stream {summary.get('stream_total_over_steady', 0):.2f}x the sum of the layouts' steady times, "

@@ -1,23 +1,11 @@
 """benchmarks/bench_peers_gpu.py --tiny: the one device call of issue 51 on CPU (tiny fp32 models, every workload and
 peer, records written with versions and git SHA); greedy tokens of every peer equal sdpa's."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
+from _bench_run import run_benchmark
 
 
 def test_bench_peers_gpu_tiny(tmp_path):
-    output = tmp_path / "peers.jsonl"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT), "HF_CASCADE_RECORDS": str(tmp_path / "r")}
-    env.pop("OUT", None)  # (the ResultWriter mirrors records into $OUT on the device machine)
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_peers_gpu.py"), "--tiny", "--output",
-                           str(output)], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    records = [json.loads(line) for line in output.read_text().splitlines()]
+    records = run_benchmark("bench_peers_gpu.py", "--tiny", tmp_path, timeout=300, TRITON_INTERPRET="1")
     checks = {r["bench"]: r for r in records if r["workload"] == "check"}
     assert checks["cb_tokens_check"]["passed"] and checks["trl_rollout_check"]["passed"]
     peers = {(r["workload"], r["peer"]): r for r in records if r["workload"] not in ("check", "setup")}

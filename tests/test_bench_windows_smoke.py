@@ -1,24 +1,12 @@
 """benchmarks/bench_windows.py --smoke: the benchmark's plumbing on CPU (tiny Gemma 3, fp32), every peer and the
 kernel point, records written; its greedy tokens equal sdpa's."""
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
+from _bench_run import run_benchmark
 
 
 def test_bench_windows_smoke(tmp_path):
-    output = tmp_path / "windows.jsonl"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT),
-           "HF_CASCADE_RECORDS": str(tmp_path / "records")}
-    env.pop("OUT", None)  # (the ResultWriter mirrors records into $OUT on the device machine)
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_windows.py"), "--smoke", "--output",
-                           str(output)], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    records = [json.loads(line) for line in output.read_text().splitlines()]
+    records = run_benchmark("bench_windows.py", "--smoke", tmp_path, timeout=300, TRITON_INTERPRET="1",
+                            OMP_NUM_THREADS="1")
     by_bench = {}
     for r in records:
         by_bench.setdefault(r["bench"], []).append(r)
