@@ -103,6 +103,44 @@ class Budget:
         return self.left() > max(seconds, 2.0 * self.longest, 3.0)
 
 
+class CompileMeter:
+    """What each call compiled: Triton kernels built or loaded from the disk cache (``JITFunction._do_compile``: a
+    miss of Triton's in-memory cache; seconds > 0.05 is a build, below a load), dynamo's graphs, CUDA graphs
+    recorded. Where Triton is missing, only the rest."""
+
+    def __init__(self, model):
+        self.model = model
+        self.triton: list[tuple[str, float]] = []
+        try:
+            from triton.runtime.jit import JITFunction
+        except ImportError:
+            return
+        original = JITFunction._do_compile
+        meter = self
+
+        def timed(fn_self, *args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return original(fn_self, *args, **kwargs)
+            finally:
+                meter.triton.append((getattr(fn_self, "__name__", "?"), time.perf_counter() - t))
+
+        JITFunction._do_compile = timed
+
+    def mark(self) -> tuple:
+        from hf_cascade.decode.captured_step import recorded_steps
+
+        graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+        return len(self.triton), graphs, recorded_steps(self.model)["recorded"]
+
+    def since(self, mark: tuple) -> dict:
+        now = self.mark()
+        new = self.triton[mark[0]:]
+        built = [(name, round(s, 2)) for name, s in new if s > 0.05]
+        return {"triton_misses": len(new), "triton_built": len(built), "triton_s": round(sum(s for _, s in new), 2),
+                "triton_kernels": built, "dynamo_graphs": now[1] - mark[1], "cuda_graphs": now[2] - mark[2]}
+
+
 class Runner:
     """The default one-argument call of one model, timed, with what the tiers say about it."""
 
@@ -110,6 +148,7 @@ class Runner:
         self.model, self.budget, self.new_tokens = model, budget, new_tokens
         self.cuda = model.device.type == "cuda"
         self.calls = 0
+        self.meter = CompileMeter(model)
 
     def sync(self):
         if self.cuda:
@@ -123,6 +162,7 @@ class Runner:
         building = before["background_build"]["running"]
         torch.manual_seed(seed)
         self.sync()
+        mark = self.meter.mark()
         t = time.perf_counter()
         self.model.generate(ids, attention_mask=mask, max_new_tokens=self.new_tokens, do_sample=sample, **extra)
         self.sync()
@@ -133,7 +173,8 @@ class Runner:
         own = [name for name, _ in after["calls"][len(before["calls"]):] if not name.startswith("background")]
         return {"s": round(seconds, 3), "tier": None if sdpa else (own[-1] if own else "eager"),
                 "missed": after["new_shapes"]["missed_calls"] > before["new_shapes"]["missed_calls"],
-                "beside_build": building or after["background_build"]["running"], "call": self.calls}
+                "beside_build": building or after["background_build"]["running"], "call": self.calls,
+                **self.meter.since(mark)}
 
 
 def steady(calls: list[dict]) -> float:
@@ -333,10 +374,11 @@ def main(argv=None) -> int:
         calls = repeat_until(runner, batch, sample, samples, min_s, max_s, max_calls, until)
         results[name] = phase_record(name, calls, rows=batch[0].shape[0] * samples, **base)
         writer.write(results[name])
-        print(name, [(c["s"], c["tier"]) for c in calls], flush=True)
+        print(name, [(c["s"], c["tier"], c["triton_built"], c["triton_s"], c["dynamo_graphs"]) for c in calls], flush=True)
     layouts, order = stream_layouts(args.stream_layouts, args.stream_batches, seed=48, tiny=args.tiny)
     stream = run_stream(runner, layouts, order, vocab, device)
-    print("stream", [(c["layout"], c["s"], c["tier"], c["missed"]) for c in stream], flush=True)
+    print("stream", [(c["layout"], c["s"], c["tier"], c["missed"], c["triton_built"], c["triton_s"], c["dynamo_graphs"])
+                     for c in stream], flush=True)
     times = steady_per_layout(runner, layouts, stream, vocab, device)
     summary = {**base, "phase": "stream", "calls": stream, **stream_summary(stream, times, layouts)}
     summary["sdpa"] = sdpa_subset(runner, layouts, times, vocab, device, args.sdpa_layouts)
