@@ -34,7 +34,7 @@ from hf_cascade._own_attention_tables import OWN_ATTENTION_TABLES
 from hf_cascade.step_context import TRACE, current as _step, layer_step_cache, note_layer_written, outside_layer_graphs
 
 logger = logging.get_logger(__name__)
-# sdpa's backends for the built-in tier: every one but cuDNN's (plain_attention)
+# sdpa's backends outside compiled graphs: every one but cuDNN's (plain_attention)
 _SDPA_WITHOUT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 ATTENTION_NAME = "cascade"
@@ -183,8 +183,8 @@ def plain_attention(
     """Standard attention over ``key``/``value`` as given: sdpa, or an exact path (hf_cascade's suffix kernel) for
     soft-capping (Gemma 2) and attention sinks (GPT-OSS's ``s_aux``, ``sinks`` ``[Hq]``: one logit per head in the
     softmax denominator whose value is zero, merged into the state's LSE). ``backend``: as
-    :func:`~hf_cascade.ops.suffix_attention.suffix_attention`'s (``"torch"`` builds no Triton kernel, and sdpa
-    does not pick cuDNN's attention, whose first call sets up for a second).
+    :func:`~hf_cascade.ops.suffix_attention.suffix_attention`'s (``"torch"`` builds no Triton kernel). Outside a
+    compiled graph sdpa never picks cuDNN's attention (a plan per new shape; see below).
 
     Args:
         attention_mask: None (causal, bottom-right) or 4-D ``[batch, 1, q_len, kv_len]`` (bool, or additive).
@@ -192,10 +192,12 @@ def plain_attention(
         ``[batch, q_len, num_heads, head_dim]``.
     """
     if softcap is None and sinks is None:
-        # The built-in tier (a process's first calls): never cuDNN's attention, whose first call in a process sets up
-        # for 1.2 s (H100, torch 2.11: FlashAttention-2's first call 6-12 ms, 0.3 against 0.6 ms warm for a
-        # 4,096-token prefill; benchmarks/results/probe_first_sdpa.jsonl).
-        no_cudnn = backend == "torch" and query.is_cuda and not torch.compiler.is_compiling()
+        # Never cuDNN's attention outside a compiled graph: it builds an execution plan for every new shape (its first
+        # in a process 1.2 s, H100, torch 2.11: FlashAttention-2's first call 6-12 ms, 0.3 against 0.6 ms warm for a
+        # 4,096-token prefill; benchmarks/results/probe_first_sdpa.jsonl), and a generate() call brings a new key
+        # length at every decode step: a 1-row call of 64 new tokens took 6.8 s the first time, 1.6 s once its
+        # shapes had plans (results/stall.jsonl, the calls with nothing to share).
+        no_cudnn = query.is_cuda and not torch.compiler.is_compiling()
         with sdpa_kernel(_SDPA_WITHOUT_CUDNN) if no_cudnn else contextlib.nullcontext():
             out, _ = sdpa_attention_forward(
                 module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs

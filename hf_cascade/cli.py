@@ -124,7 +124,7 @@ def collect_info() -> dict:
         decode = ("recorded: generate(..., custom_generate=hf_cascade.generate) keeps suffixes in fixed buffers and "
                   "replays greedy/sampling decode steps from CUDA graphs, the decoder layers compiled once per model "
                   "(cascade_options=dict(decode_step='graphs') records the eager layers, no compilation); "
-                  "disable_compile=True opts out, beam search stays eager")
+                  "disable_compile=True compiles nothing (steps still recorded), beam search stays eager")
     else:
         decode = "eager: generate(..., custom_generate=hf_cascade.generate) decodes eagerly (compiled only on CUDA)"
     if gpus:

@@ -86,7 +86,8 @@ def generate(
         cascade_options: optional planning options, any of ``min_shared_tokens`` (default 4), ``min_rows`` (2),
             ``max_levels`` (4), ``cost_model`` ("auto": the measured cost model on CUDA; None: share everything),
             as in :func:`hf_cascade.shared_prefix_inputs`, ``fixed_buffers`` (None: on where the decode step is
-            recorded or compiled — CUDA, greedy or sampling, no ``disable_compile=True``; True / False), and
+            recorded or compiled — CUDA, greedy or sampling; ``disable_compile=True`` records, compiles nothing; True /
+            False), and
             ``batch_buckets``: where the step is recorded or compiled, add rows (copies of the last row, cut from the output,
             finished from the first step) up to a bucket size (:func:`~hf_cascade.inputs.batch_bucket`), so that
             batches of other sizes run the same compiled step. None (default): for greedy search only, where the

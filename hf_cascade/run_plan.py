@@ -98,17 +98,18 @@ def resolve(model, options: CascadeOptions, request: Request) -> RunPlan:
     if isinstance(user_cache, CascadeCache) and user_cache.rows_verified:
         _check_capacity(user_cache, input_ids.shape[1], max_new_tokens)  # before any work
     compiles = _compiles_decode(model, input_ids, config, method_name)
+    records = compiles or _compiles_decode(model, input_ids, config, method_name, recording=True)
     cuda = input_ids.device.type == "cuda"
     tier, decode_step = _tier_and_step(model, options, cuda, compiles, method_name)
     buckets = (not config.do_sample if options.batch_buckets is None else options.batch_buckets) and (
         request.streamer is None)  # the streamer must see the user's rows only
     fixed = options.fixed_buffers
-    if fixed is None:  # compiled decode by default where transformers compiles it (CUDA, greedy/sampling)
-        fixed = compiles or (user_cache is not None and user_cache.max_suffix_length is not None)
+    if fixed is None:  # compiled or recorded decode by default where transformers would compile (CUDA, greedy/sampling)
+        fixed = records or (user_cache is not None and user_cache.max_suffix_length is not None)
     from hf_cascade.inputs import batch_bucket
 
     rows, bucket = input_ids.shape[0], batch_bucket(input_ids.shape[0])
-    added = fixed and compiles and buckets and user_cache is None and bucket > rows
+    added = fixed and records and buckets and user_cache is None and bucket > rows
     # A compiled step guards on torch's thread count (dynamo's global state): a count chosen per call by the load
     # would compile the step again whenever the load changes. Compiled CPU steps keep torch's setting.
     threads = None if compiles and options.cpu_decode_threads == "auto" else options.cpu_decode_threads
@@ -136,10 +137,12 @@ def _tier_and_step(model, options: CascadeOptions, cuda: bool, compiles: bool, m
     return None, decode_step
 
 
-def _compiles_decode(model, input_ids, generation_config, method_name: str) -> bool:
+def _compiles_decode(model, input_ids, generation_config, method_name: str, recording: bool = False) -> bool:
     """Whether transformers' decoding loop will compile the step for a compileable cache: its own criteria
-    (``_sample`` only, not ``disable_compile``, CUDA unless the compile config says all devices)."""
-    if method_name != "_sample" or getattr(generation_config, "disable_compile", False):
+    (``_sample`` only, not ``disable_compile``, CUDA unless the compile config says all devices). ``recording``:
+    whether the step may be recorded into CUDA graphs instead: the same criteria on CUDA, ``disable_compile`` aside
+    (a recorded step compiles nothing; TRL passes ``disable_compile=True`` to every rollout)."""
+    if method_name != "_sample" or (getattr(generation_config, "disable_compile", False) and not recording):
         return False
     if generation_config.use_cache is False:
         return False
@@ -147,7 +150,7 @@ def _compiles_decode(model, input_ids, generation_config, method_name: str) -> b
     if quantizer is not None and not getattr(quantizer, "is_compileable", False):
         return False
     compile_config = getattr(generation_config, "compile_config", None)
-    all_devices = bool(getattr(compile_config, "_compile_all_devices", False))
+    all_devices = bool(getattr(compile_config, "_compile_all_devices", False)) and not recording
     return model.device.type == "cuda" or all_devices
 
 

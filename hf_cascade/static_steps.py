@@ -64,7 +64,7 @@ class StaticStepMixin:
                 f"This model's layers store KV of different shapes ([heads, tokens, head_dim] per layer: "
                 f"{sorted({tuple(t.shape[::2]) for t in self.levels[0].keys})} heads x head_dim); hf_cascade's fixed "
                 "buffers (compiled decode) need one shape for every layer. Pass `cascade_options=dict("
-                "fixed_buffers=False)` (or `disable_compile=True`) to generate(), or build the cache without "
+                "fixed_buffers=False)` to generate(), or build the cache without "
                 "`max_new_tokens` / `max_suffix_length`."
             )
         new = lambda shape: take_or_new(buffers, shape, first.dtype, first.device)  # noqa: E731

@@ -332,6 +332,54 @@ def test_gpu_compiled_layers_compile_once_for_a_stream_of_layouts():
     assert len(set(graphs[1:])) == 1, f"graphs compiled after the second batch: {graphs}"
 
 
+def test_gpu_compiled_layers_serve_new_batch_sizes_without_compiling():
+    """decode_step="layers" (the compiled tier's step): the batch is symbolic from the first compilation, so sampled
+    batches of 3 x 4, 5 x 4 and 9 x 4 rows (no bucket: sampling) compile the decode step once; fp32 tokens equal to
+    the reference."""
+    from torch._dynamo.utils import counters
+
+    ref = tiny_model("llama", "sdpa", device="cuda", num_hidden_layers=3)
+    cas = tiny_model("llama", "cascade", device="cuda", num_hidden_layers=3)
+    gen = dict(max_new_tokens=7, pad_token_id=0, do_sample=True, top_k=20, num_return_sequences=4)
+    graphs = []
+    for prompts in (3, 5, 9):
+        ids, mask = (t.cuda() for t in pad_batch(tree_prompts([(1, 29), (prompts, 9)], 3, rows=prompts,
+                                                              seed=140 + prompts)))
+        torch.manual_seed(prompts)
+        want = ref.generate(ids, attention_mask=mask, **gen)
+        torch.manual_seed(prompts)
+        got = cas.generate(ids, attention_mask=mask, custom_generate=hf_cascade.generate,
+                           cascade_options=_layers_options(), **gen)
+        assert torch.equal(got, want), prompts
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[-1] == graphs[0], f"a new batch size compiled the layers again: unique graphs {graphs}"
+
+
+def test_gpu_disable_compile_records_the_steps_and_compiles_nothing():
+    """``disable_compile=True`` (TRL passes it to every rollout), default options: the decode steps recorded into
+    CUDA graphs on fixed buffers, nothing compiled, fp32 tokens of a sampled n-samples batch equal to the
+    reference's."""
+    from torch._dynamo.utils import counters
+
+    from hf_cascade.decode.captured_step import recorded_steps
+
+    ref = tiny_model("qwen2", "sdpa", device="cuda")
+    cas = tiny_model("qwen2", "cascade", device="cuda")
+    gen = dict(max_new_tokens=9, pad_token_id=0, do_sample=True, top_k=0, num_return_sequences=4,
+               disable_compile=True)
+    ids, mask = (t.cuda() for t in pad_batch(make_prompts(seed=77, system=41, block=13, groups=2, per_group=2)))
+    graphs, before, caches = counters["stats"]["unique_graphs"], recorded_steps(cas), []
+    torch.manual_seed(3)
+    want = ref.generate(ids, attention_mask=mask, **gen)
+    torch.manual_seed(3)
+    got = cas.generate(ids, attention_mask=mask, custom_generate=hf_cascade.generate, cascade_caches=caches,
+                       cascade_options=dict(cost_model=None, min_shared_tokens=2), **gen)
+    assert torch.equal(got, want)
+    assert caches[0].max_suffix_length is not None, "disable_compile=True: no fixed buffers"
+    assert recorded_steps(cas)["recorded"] > before["recorded"], "disable_compile=True: no step recorded"
+    assert counters["stats"]["unique_graphs"] == graphs, "disable_compile=True compiled something"
+
+
 def test_gpu_compiled_layers_failure_loses_nothing(monkeypatch):
     """A compiler error in the middle of the first compiled step (after some layers wrote their KV): the cache's
     written lengths are restored, the step runs with the eager layers, and the tokens are exact; later steps record

@@ -38,12 +38,12 @@ def _fresh_dynamo():
         torch._dynamo.reset()
 
 
-def test_new_batch_size_runs_uncompiled_exactly_and_compiles_nothing():
+def test_new_batch_sizes_run_the_first_graph_and_other_shapes_run_uncompiled_exactly():
     """decode_step="layers" as it runs each step (hooks, as test_captured_step does): the layers compiled for a
-    6-row batch; a 12-row batch under NewShapes(compile=False) compiles nothing, counts its
-    uncompiled layer calls and gives the reference's fp32 tokens; a batch of the compiled shapes runs compiled
-    under the same policy (no miss); once a call may compile, the new batch size compiles (the batch then
-    symbolic) and later sizes run compiled."""
+    6-row batch have the batch symbolic from that first compilation, so 12- and 20-row batches under
+    NewShapes(compile=False) run them (no miss, nothing compiled) and give the reference's fp32 tokens; layers of
+    shapes that graph was not made for (a second model, another MLP width) compile nothing under the same policy,
+    count their uncompiled layer calls and are exact too; once a call may compile, it compiles them."""
     from torch._dynamo.utils import counters
 
     from hf_cascade.decode.captured_step import static_step_mode
@@ -52,27 +52,29 @@ def test_new_batch_size_runs_uncompiled_exactly_and_compiles_nothing():
     # shared with the models of other tests: start (and leave) as a new process would, on sizes of this test only
     torch._dynamo.reset()
     ref, cas = model_pair("llama", num_hidden_layers=3, intermediate_size=96)
+    ref2, cas2 = model_pair("llama", num_hidden_layers=3, intermediate_size=112)
     gen = dict(max_new_tokens=4, min_new_tokens=4, pad_token_id=0, do_sample=False)
     options = dict(min_shared_tokens=2, cost_model=None, fixed_buffers=True, cpu_decode_threads=None)
 
-    def call(rows, seed, policy):
+    def call(pair, rows, seed, policy):
+        reference, model = pair
         ids, mask = pad_batch(tree_prompts([(1, 12), (2, 6)], 4, rows=rows, seed=seed))
         frames = counters["frames"]["ok"]
         with new_shapes(policy):
-            got = cas.generate(ids, attention_mask=mask, custom_generate=hf_cascade.generate, disable_compile=True,
-                               cascade_options=options, **gen)
-        assert torch.equal(got, ref.generate(ids, attention_mask=mask, **gen)), (rows, seed, policy)
+            got = model.generate(ids, attention_mask=mask, custom_generate=hf_cascade.generate,
+                                 disable_compile=True, cascade_options=options, **gen)
+        assert torch.equal(got, reference.generate(ids, attention_mask=mask, **gen)), (rows, seed, policy)
         return counters["frames"]["ok"] - frames
 
-    with _in_decode_steps(cas, static_step_mode, _layers_compiled(cas)), _fresh_dynamo():
-        assert call(6, 1, None) >= 1  # the first compile (no policy: torch's default)
-        skip = NewShapes(compile=False)
-        assert call(12, 2, skip) == 0 and skip.misses == 3 * (gen["max_new_tokens"] - 1), skip  # every layer, step
+    with _in_decode_steps(cas, static_step_mode, _layers_compiled(cas)), \
+            _in_decode_steps(cas2, static_step_mode, _layers_compiled(cas2)), _fresh_dynamo():
+        assert call((ref, cas), 6, 1, None) >= 1  # the first compile (no policy: torch's default)
         fits = NewShapes(compile=False)
-        assert call(6, 3, fits) == 0 and fits.misses == 0, fits  # 6 rows again: the compiled code fits
-        assert call(12, 4, NewShapes(compile=True)) >= 1  # the call may compile: the batch becomes symbolic
-        later = NewShapes(compile=False)
-        assert call(20, 5, later) == 0 and call(12, 6, later) == 0 and later.misses == 0, later
+        assert call((ref, cas), 12, 2, fits) == 0 and call((ref, cas), 20, 3, fits) == 0, fits  # batch symbolic
+        assert call((ref, cas), 6, 4, fits) == 0 and fits.misses == 0, fits
+        skip = NewShapes(compile=False)
+        assert call((ref2, cas2), 6, 5, skip) == 0 and skip.misses == 3 * (gen["max_new_tokens"] - 1), skip
+        assert call((ref2, cas2), 6, 6, NewShapes(compile=True)) >= 1  # the call may compile: it compiles them
 
 
 # --------------------------------------------------------------------------------------------------- the policy

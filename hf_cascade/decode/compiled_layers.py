@@ -27,10 +27,10 @@ and one for those of several rows (always given a mask: ``StepContext.prefill_ba
 same shape): 0.66 s per call against 0.70 s with the eager prefill; the stream of layouts traces 3 graphs in all
 (decode step included) in its first batch, ~3 s with warm caches (759e149).
 
-Shapes the compiled code was not made for (:class:`NewShapes`). The decode step's graph is compiled for the first
-batch size it sees (its other sizes are constants or marked dynamic); the first other batch size fails its guards
-and dynamo compiles the layer again, with the batch symbolic (automatic dynamic): seconds in the call's own thread.
-Where ``hf_cascade.generate`` runs the compiled tier once it is built (:func:`hf_cascade.tiers.shape_policy`), it
+Shapes the compiled code was not made for (:class:`NewShapes`). The decode step's graph has the batch symbolic from
+its first compilation (its other sizes are constants or marked dynamic), so a new batch size or tree runs it as it
+is; a size it specialised (a batch of one row) or another kind of forward fails its guards, and dynamo would
+compile the layer again: seconds in the call's own thread. Where ``hf_cascade.generate`` runs the compiled tier once it is built (:func:`hf_cascade.tiers.shape_policy`), it
 sets a :class:`NewShapes` with ``compile=False``: the layers then run under torch's ``"eager_on_recompile"`` stance
 (compiled code where its guards pass, the layer's own code where none does, nothing compiled) and count the layer
 calls that ran uncompiled, so that a later call compiles them once the time lost pays for it (a ski rental per
@@ -113,7 +113,7 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
 
 class _LayerCalls:
     """A model's compiled layer calls (one ``torch.compile`` wrapper per layer; dynamo's code cache is shared):
-    ``calls`` for the decode step (shapes static), ``dynamic_calls`` for the prefill forwards (batch and length
+    ``calls`` for the decode step (the batch symbolic), ``dynamic_calls`` for the prefill forwards (batch and length
     symbolic: every layout's prefix and first forward run one graph)."""
 
     def __init__(self):
@@ -163,6 +163,13 @@ def _recompile_limit():
 # batch, the new tokens, the keys): every other size (hidden size, head dim, heads) stays a constant of the graph.
 _VARYING_DIMS = {"hidden_states": (0, 1), "position_embeddings": (0, 1), "position_ids": (0, 1),
                  "attention_mask": (0, 2, 3), "cache_position": (0,)}
+# ... in a decode step: the batch, symbolic from the first compilation, so that one graph serves every batch size and
+# tree (the layout lives in the attention op's inputs, outside the graph). Compiled for one batch size and made
+# symbolic by the first other one instead, a process that had moved up stalled 4-6 s on its first call of a new
+# batch size (H100, Llama-3-8B shape, results/stall.jsonl). The mask's key length is marked where it is built
+# (attention.cascade_mask).
+_DECODE_VARYING_DIMS = {"hidden_states": (0,), "position_embeddings": (0,), "position_ids": (0,),
+                        "attention_mask": (0,)}
 
 
 def _mark_varying(value, dims) -> None:
@@ -175,17 +182,19 @@ def _mark_varying(value, dims) -> None:
             _mark_varying(item, dims)
 
 
-def _with_symbolic_lengths(compiled):
-    """``compiled`` (a decoder layer's compiled call) with its inputs' batch and length dims marked dynamic before
-    each call: one prefill graph for every batch, length and prefix size. Not ``torch.compile(dynamic=True)``, which
-    makes every size symbolic, the module's int attributes too (the head dim, with ``allow_unspec_int_on_nn_module``):
-    its kernels then index with divisions by runtime values (the rotary kernel ran 4x slower, H100)."""
+def _with_symbolic_dims(compiled, varying: dict[str, tuple[int, ...]]):
+    """``compiled`` (a decoder layer's compiled call) with its inputs' ``varying`` dims (by keyword; the first
+    positional argument is ``hidden_states``) marked dynamic before each call: for the prefill (:data:`_VARYING_DIMS`)
+    one graph for every batch, length and prefix size; for the decode step (:data:`_DECODE_VARYING_DIMS`) one for
+    every batch size. Not ``torch.compile(dynamic=True)``, which makes every size symbolic, the module's int
+    attributes too (the head dim, with ``allow_unspec_int_on_nn_module``): its kernels then index with divisions by
+    runtime values (the rotary kernel ran 4x slower, H100)."""
 
     def call(*args, **kwargs):
         if args:
-            _mark_varying(args[0], _VARYING_DIMS["hidden_states"])
+            _mark_varying(args[0], varying["hidden_states"])
         for name, value in kwargs.items():
-            dims = _VARYING_DIMS.get(name)
+            dims = varying.get(name)
             if dims is not None:
                 _mark_varying(value, dims)
         return compiled(*args, **kwargs)
@@ -197,7 +206,8 @@ def _with_symbolic_lengths(compiled):
 def compiled_layers(model: torch.nn.Module, cache, dynamic: bool = False):
     """Run the forwards inside with ``model``'s decoder layers compiled (see the module docstring), for forwards on
     ``cache`` (the :class:`~hf_cascade.cache.CascadeCache` the attention op writes and reads). ``dynamic=False``:
-    the decode step (shapes specialised, recorded into a CUDA graph by the caller); ``dynamic=True``: the prefill
+    the decode step (the batch symbolic, other sizes specialised; recorded into a CUDA graph by the caller);
+    ``dynamic=True``: the prefill
     forwards (batch and length symbolic, one graph for every layout's lengths). Does nothing for a model without a
     ``layers`` list. One thread at a time (a second thread waits): the layers' compiled calls are set on the model's
     modules."""
@@ -209,11 +219,13 @@ def compiled_layers(model: torch.nn.Module, cache, dynamic: bool = False):
     with state.lock:
         if dynamic:
             if state.dynamic_calls is None:
-                state.dynamic_calls = [_with_symbolic_lengths(torch.compile(layer._call_impl)) for layer in layers]
+                state.dynamic_calls = [_with_symbolic_dims(torch.compile(layer._call_impl), _VARYING_DIMS)
+                                       for layer in layers]
             calls = state.dynamic_calls
         else:
             if state.calls is None:
-                state.calls = [torch.compile(layer._call_impl) for layer in layers]
+                state.calls = [_with_symbolic_dims(torch.compile(layer._call_impl), _DECODE_VARYING_DIMS)
+                               for layer in layers]
             calls = state.calls
             state.entered += 1
     with _ACTIVE_LOCK, torch._dynamo.config.patch(allow_unspec_int_on_nn_module=True), _layer_index_symbolic(), \

@@ -17,6 +17,8 @@ transformers' ``DeferredStopCheck``.
 
 from __future__ import annotations
 
+import copy
+
 
 import torch
 
@@ -221,13 +223,24 @@ def _decode_forward(model, model_kwargs: dict, generation_config, decode_step: s
     fixed_cascade = fixed and model.device.type == "cuda"
     if fixed_cascade and decode_step == "eager":
         return model.__call__
-    # Recorded where transformers would compile (its checks: not disable_compile, no offload, a compileable
-    # quantizer): what a compiled step may not do, a recorded one may not either.
-    if fixed_cascade and decode_step in ("layers", "graphs") and model._valid_auto_compile_criteria(
-            model_kwargs, generation_config):
+    # Recorded where transformers would compile (its checks: no offload, a compileable quantizer): what a compiled
+    # step may not do, a recorded one may not either. ``disable_compile=True`` (TRL passes it to every rollout) rules
+    # out compiling the layers, not recording the eager step: a CUDA graph of the step's kernels compiles nothing.
+    if fixed_cascade and decode_step in ("layers", "graphs") and _recordable(model, model_kwargs, generation_config):
         from hf_cascade.decode.captured_step import CapturedDecodeStep
 
-        return CapturedDecodeStep(model, cache, compile_layers=decode_step == "layers")
+        compile_layers = decode_step == "layers" and not generation_config.disable_compile
+        return CapturedDecodeStep(model, cache, compile_layers=compile_layers)
     if model._valid_auto_compile_criteria(model_kwargs, generation_config):
         return model.get_compiled_call(generation_config.compile_config)
     return model.__call__
+
+
+def _recordable(model, model_kwargs: dict, generation_config) -> bool:
+    """transformers' criteria for compiling the decode step (:meth:`_valid_auto_compile_criteria`: the device, a
+    compileable cache, no offload, a compileable quantizer), ``disable_compile`` aside."""
+    if not generation_config.disable_compile:
+        return model._valid_auto_compile_criteria(model_kwargs, generation_config)
+    config = copy.copy(generation_config)
+    config.disable_compile = False
+    return model._valid_auto_compile_criteria(model_kwargs, config)
