@@ -8,7 +8,11 @@ stopped after :data:`BUILD_STEPS` decode steps) in a **child process** (:mod:`hf
 of the model's config cut to :data:`PREWARM_LAYERS` decoder layers of random weights, at low CPU priority. The layers
 compile to one graph for all layers, so the cut model makes the same graphs and Triton kernels: the child fills the
 Triton and Inductor caches on disk. The thread only waits for it (the GIL is free meanwhile), and the calls meanwhile
-build nothing themselves (they would build what the child is building). Once it is done, the compiled tier's
+build nothing themselves (they would build what the child is building). The child then goes on with the batches of
+:func:`variant_grid` (batch sizes, one or two shared levels, short and long prefixes, padded or not) for at most
+:data:`GRID_BUDGET_S`: the Triton kernel variants of layouts no call has run yet, which a process that had moved up
+built in the call (3-10 s on a new layout's first call, H100, Llama-3-8B shape: results/stall.jsonl). Once the
+call's rows are done, the compiled tier's
 expected cost is what compiling from warm caches costs (:data:`~hf_cascade.tiers.WARM_COMPILE_COST_S`, or what a
 process recorded), and the ski rental of :mod:`hf_cascade.tiers` moves a call up once the calls' regret reaches it:
 that call compiles the layers in the foreground, from the warm caches. Where a record says the caches are warm, no
@@ -49,8 +53,8 @@ from hf_cascade.transformers_compat import CACHE_KWARG
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["BUILD_STEPS", "ENABLED", "background_builds_on", "build_in_background", "describe",
-           "wait_for_all_builds", "wait_for_build"]
+__all__ = ["BUILD_STEPS", "ENABLED", "GRID_BUDGET_S", "background_builds_on", "build_in_background", "describe",
+           "variant_grid", "wait_for_all_builds", "wait_for_build"]
 
 ENABLED = True
 # Decode steps of the build call: the first compiles the layers for the decode step, the next runs them again (a
@@ -60,6 +64,9 @@ MIN_FREE_FRACTION = 0.15
 CACHE_MULTIPLE = 3
 PREWARM_LAYERS = 2
 PREWARM_TIMEOUT_S = 900
+# After the call's rows, the child runs the batches of variant_grid for at most this long: the Triton kernels of
+# layouts no call has run yet (each new one ~1-3 s to build, H100), so that a later call of a new layout loads them.
+GRID_BUDGET_S = 300.0
 _THREAD_NAME = "hf_cascade-compiled-tier"
 
 
@@ -74,8 +81,8 @@ def describe() -> str:
               "the time lost pays for compiling them")
     if not background_builds_on():
         return f"off (HF_CASCADE_BACKGROUND=off or tier_build.ENABLED False): calls move up by the ski rental; {rental}"
-    return (f"on (HF_CASCADE_BACKGROUND=off turns it off): a child process fills the compile caches (no thread "
-            f"compiles); {rental}")
+    return (f"on (HF_CASCADE_BACKGROUND=off turns it off): a child process fills the compile caches for the call's "
+            f"rows, then for a grid of other layouts (no thread compiles); {rental}")
 
 
 def build_in_background(model, input_ids: torch.Tensor, generation_config, model_kwargs: dict,
@@ -179,15 +186,23 @@ def wait_for_all_builds(timeout: float | None = None) -> None:
 
 
 def _build(model, state, input_ids, generation_config, model_kwargs, options, inputs_ready) -> None:
-    """The background thread: the child process that fills the compile caches; its outcome on ``state``."""
+    """The background thread: the child process that fills the compile caches; its outcome on ``state``. The
+    caches count as filled once the child has run the call's rows (it goes on with :func:`variant_grid`)."""
     error = prewarmed = None
     filled = False
+
+    def rows_done():
+        with state.lock:
+            state.caches_filled = True
+
     try:
         stream = torch.cuda.Stream(device=input_ids.device) if input_ids.is_cuda else None
         if inputs_ready is not None:
             stream.wait_event(inputs_ready)
-        prewarmed = _prewarm_in_child(model, input_ids, generation_config, model_kwargs, options, stream)
-        filled = prewarmed["returncode"] == 0
+        grid = variant_grid(model, input_ids, generation_config) if input_ids.is_cuda else None
+        prewarmed = _prewarm_in_child(model, input_ids, generation_config, model_kwargs, options, stream,
+                                      grid=grid, on_rows_done=rows_done)
+        filled = prewarmed["returncode"] == 0 or bool(prewarmed.get("rows_done"))
         if not filled:
             error = f"the child process that fills the compile caches failed: {prewarmed['error']}"
     except Exception as err:  # noqa: BLE001 (out of memory, a spec that cannot be written: the calls go on)
@@ -204,12 +219,15 @@ def _build(model, state, input_ids, generation_config, model_kwargs, options, in
             state.build_s = round(time.perf_counter() - state.build_started, 3)
 
 
-def _prewarm_in_child(model, input_ids, generation_config, model_kwargs, options, stream) -> dict:
+def _prewarm_in_child(model, input_ids, generation_config, model_kwargs, options, stream, *, grid=None,
+                      on_rows_done=None) -> dict:
     """Run the build call in a child process on the model's config cut to :data:`PREWARM_LAYERS` layers (random
-    weights), which fills the compile caches on disk this process's build then loads from. Returns ``{"seconds",
-    "returncode", "error"}``; a child that fails is reported, not raised (the thread's build then compiles)."""
+    weights), which fills the compile caches on disk this process's build then loads from; then, where ``grid`` (a
+    list of ``(input_ids, attention_mask)``, :func:`variant_grid`) is given, the same call for each of those batches
+    (for at most :data:`GRID_BUDGET_S`). ``on_rows_done()`` runs once the call's own rows are done. Returns
+    ``{"seconds", "returncode", "error", "rows_done", "grid": {"batches", "done", "failed", "seconds"}}``; a child
+    that fails is reported, not raised (the calls then move up with the cold costs)."""
     import os
-    import subprocess
     import tempfile
 
     started = time.perf_counter()
@@ -232,20 +250,87 @@ def _prewarm_in_child(model, input_ids, generation_config, model_kwargs, options
         spec = {"model_class": type(model), "config": config, "dtype": model.dtype,
                 "device": str(input_ids.device), "input_ids": input_ids.cpu(),
                 "generation_config": generation_config, "options": options,
-                "model_kwargs": {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in model_kwargs.items()}}
+                "model_kwargs": {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in model_kwargs.items()},
+                "grid": [(ids.cpu(), mask.cpu()) for ids, mask in grid or ()], "grid_budget_s": GRID_BUDGET_S}
     with tempfile.TemporaryDirectory(prefix="hf_cascade_build_") as folder:
         path = os.path.join(folder, "spec.pt")
         try:
             torch.save(spec, path)
         except Exception as err:  # noqa: BLE001 (something in the call cannot be pickled: no child)
             return {"seconds": 0.0, "returncode": None, "error": f"{type(err).__name__}: {str(err)[:200]}"}
+        outcome = _run_child(path, os.path.join(folder, "stderr.txt"), on_rows_done)
+    return {"seconds": round(time.perf_counter() - started, 3), **outcome}
+
+
+def _run_child(spec_path: str, stderr_path: str, on_rows_done) -> dict:
+    """Start the child on ``spec_path`` and follow its report lines (``ROWS_DONE``, then one per grid batch); kill it
+    past :data:`PREWARM_TIMEOUT_S`."""
+    import os
+    import subprocess
+
+    rows_done, grid = False, {"batches": 0, "done": 0, "failed": 0, "seconds": None}
+    with open(stderr_path, "w+") as stderr:
         try:
-            done = subprocess.run([sys.executable, "-m", "hf_cascade.tier_build_child", path, str(os.getpid())],
-                                  capture_output=True, text=True, timeout=PREWARM_TIMEOUT_S)
-            code, tail = done.returncode, done.stderr[-400:] if done.returncode else None
-        except (OSError, subprocess.TimeoutExpired) as err:
-            code, tail = None, f"{type(err).__name__}: {str(err)[:200]}"
-    return {"seconds": round(time.perf_counter() - started, 3), "returncode": code, "error": tail}
+            child = subprocess.Popen([sys.executable, "-m", "hf_cascade.tier_build_child", spec_path,
+                                      str(os.getpid())], stdout=subprocess.PIPE, stderr=stderr, text=True)
+        except OSError as err:
+            return {"returncode": None, "error": f"{type(err).__name__}: {str(err)[:200]}", "rows_done": False,
+                    "grid": grid}
+        timer = threading.Timer(PREWARM_TIMEOUT_S, child.kill)
+        timer.start()
+        try:
+            for line in child.stdout:
+                kind, _, rest = line.strip().partition(" ")
+                if kind == "ROWS_DONE" and not rows_done:
+                    rows_done = True
+                    if on_rows_done is not None:
+                        on_rows_done()
+                elif kind in ("GRID_DONE", "GRID_FAILED"):
+                    grid["done" if kind == "GRID_DONE" else "failed"] += 1
+                elif kind == "GRID_END":
+                    grid["batches"], grid["seconds"] = (float(x) for x in rest.split())
+            code = child.wait()
+        finally:
+            timer.cancel()
+        stderr.seek(0)
+        tail = stderr.read()[-400:] if code else None
+    return {"returncode": code, "error": tail, "rows_done": rows_done, "grid": grid}
+
+
+# The grid's batch sizes, most common first. With the layers compiled, a decode step's kernel variants follow the
+# batch (its tiles cover rows x query heads per KV head, 16-128; the state merge's blocks follow rows x KV heads
+# against the SMs), whether the suffix pass shares the last level's launch (suffix traffic against the prefix's),
+# one level or several, a padding mask or none, and the prefill's new tokens per row (tiles of 32 or 64).
+GRID_ROWS = (24, 48, 96, 12, 160, 6, 3)
+GRID_PREFIX_TOKENS = (96, 1536)
+
+
+def variant_grid(model, input_ids: torch.Tensor, generation_config) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Batches ``(input_ids [B, L] int64, attention_mask [B, L] int64)``, left-padded, on CPU, that together launch
+    the Triton kernel variants of the layouts a stream of calls brings (see :data:`GRID_ROWS`): every batch size of
+    :data:`GRID_ROWS` x one shared level or two x a short or long shared prefix x own tokens of one length (6) or
+    ragged (1-24). Random tokens below the model's vocabulary size (or the call's largest id)."""
+    vocab = int(getattr(model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config,
+                        "vocab_size", 0) or int(input_ids.max()) + 1)
+    g = torch.Generator().manual_seed(48)
+    batches = []
+    for rows in GRID_ROWS:
+        for prefix in GRID_PREFIX_TOKENS:
+            for levels in (1, 2):
+                for ragged in (False, True):
+                    shared = [torch.randint(3, vocab, (prefix,), generator=g)]
+                    if levels == 2:
+                        shared.append(torch.randint(3, vocab, (2, 32), generator=g))
+                    own = torch.randint(1, 25, (rows,), generator=g) if ragged else torch.full((rows,), 6)
+                    parts = [torch.cat([shared[0]] + ([shared[1][r * 2 // rows]] if levels == 2 else [])
+                                       + [torch.randint(3, vocab, (int(own[r]),), generator=g)]) for r in range(rows)]
+                    width = max(p.numel() for p in parts)
+                    ids = torch.zeros(rows, width, dtype=torch.long)
+                    mask = torch.zeros(rows, width, dtype=torch.long)
+                    for r, p in enumerate(parts):
+                        ids[r, width - p.numel():], mask[r, width - p.numel():] = p, 1
+                    batches.append((ids, mask))
+    return batches
 
 
 def _leave_with_parent(parent_pid: int) -> None:

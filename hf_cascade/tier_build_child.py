@@ -1,12 +1,16 @@
 """The child process of a background build (:func:`hf_cascade.tier_build._prewarm_in_child`): build the model cut to a
-few layers from the pickled spec and run the build call once, which fills the compile caches on disk.
+few layers from the pickled spec, run the build call on the call's rows (then print ``ROWS_DONE``), then on each
+batch of the spec's grid while its time budget lasts (``GRID_DONE`` / ``GRID_FAILED`` per batch, ``GRID_END
+<batches> <seconds>``): this fills the compile caches on disk.
 
     python -m hf_cascade.tier_build_child SPEC.pt PARENT_PID
 """
 
 from __future__ import annotations
 
+import copy
 import sys
+import time
 
 import torch
 
@@ -24,10 +28,37 @@ def main(path: str, parent_pid: int = 0) -> int:
     model.eval()
     model.set_attn_implementation("cascade")
     kwargs = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in spec["model_kwargs"].items()}
-    _build_call(generate, model, spec["input_ids"].to(device), spec["generation_config"], kwargs, spec["options"])
+    ids, config = spec["input_ids"].to(device), spec["generation_config"]
+    _build_call(generate, model, ids, config, kwargs, spec["options"])
+    _synchronize(device)
+    print("ROWS_DONE", flush=True)
+    _run_grid(model, spec, config.max_length - ids.shape[1], device)
+    return 0
+
+
+def _run_grid(model, spec: dict, new_tokens: int, device: torch.device) -> None:
+    """The build call on each grid batch (greedy, the call's options and new tokens, no batch bucket), until the
+    spec's time budget is spent; a batch that fails is reported and the next one runs."""
+    started = time.perf_counter()
+    options = {**spec["options"], "batch_buckets": False}
+    kwargs = {k: v for k, v in spec["model_kwargs"].items() if not isinstance(v, torch.Tensor)}  # (use_cache, ...)
+    for ids, mask in spec.get("grid", ()):
+        if time.perf_counter() - started > spec.get("grid_budget_s", 0.0):
+            break
+        config = copy.deepcopy(spec["generation_config"])
+        config.max_length = ids.shape[1] + new_tokens
+        try:
+            _build_call(generate, model, ids.to(device), config, {**kwargs, "attention_mask": mask.to(device)}, options)
+            _synchronize(device)
+            print("GRID_DONE", flush=True)
+        except Exception as err:  # noqa: BLE001 (one batch's failure must not stop the others)
+            print(f"GRID_FAILED {type(err).__name__}: {str(err)[:200]!r}", flush=True)
+    print(f"GRID_END {len(spec.get('grid', ()))} {time.perf_counter() - started:.3f}", flush=True)
+
+
+def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return 0
 
 
 if __name__ == "__main__":

@@ -266,8 +266,8 @@ def test_background_child_fills_the_caches_then_the_ski_rental_moves_up(records,
     model = tiny_llama_pair[0]
     _fresh_process(model)
     ran = []
-    monkeypatch.setattr(tier_build, "_prewarm_in_child", lambda *a: {"seconds": 1.0, "returncode": child_returncode,
-                                                                      "error": None if child_returncode == 0 else "boom"})
+    monkeypatch.setattr(tier_build, "_prewarm_in_child", lambda *a, **k: {
+        "seconds": 1.0, "returncode": child_returncode, "error": None if child_returncode == 0 else "boom"})
     monkeypatch.setattr(tier_build, "_build_call", lambda *a: ran.append(a))
     state = tiers._state(model)
     state.building, state.build_started = threading.current_thread(), 0.0
@@ -370,10 +370,35 @@ def test_background_build_child_process_runs_the_call_on_a_cut_model(tiny_llama_
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0,
                    disable_compile=True, custom_generate=capture)
     kwargs = {k: v for k, v in captured["kwargs"].items() if k != CACHE_KWARG}
+    grid = tier_build.variant_grid(model, captured["input_ids"], captured["generation_config"])[:3]
+    grid.append((torch.full((2, 5), 10**6), torch.ones(2, 5, dtype=torch.long)))  # ids past the vocabulary: fails
+    rows_done = []
     outcome = tier_build._prewarm_in_child(model, captured["input_ids"], captured["generation_config"], kwargs,
-                                           {"cost_model": None, "compile": "now", "batch_buckets": True}, None)
-    assert outcome["returncode"] == 0, outcome
+                                           {"cost_model": None, "compile": "now", "batch_buckets": True}, None,
+                                           grid=grid, on_rows_done=lambda: rows_done.append(True))
+    assert outcome["returncode"] == 0 and outcome["rows_done"] and rows_done == [True], outcome
+    assert outcome["grid"]["done"] == 3 and outcome["grid"]["failed"] == 1 and outcome["grid"]["batches"] == 4, outcome
     assert model.config.num_hidden_layers == layers
+
+
+def test_variant_grid_batches_are_left_padded_trees_of_every_grid_size(tiny_llama_pair):
+    """The background child's grid (tier_build.variant_grid): every batch size of GRID_ROWS, one and two shared
+    levels, short and long prefixes, own tokens fixed or ragged; left-padded rows whose masks mark their tokens,
+    ids inside the vocabulary, rows of one batch sharing their first GRID_PREFIX_TOKENS tokens."""
+    from hf_cascade import tier_build
+
+    model = tiny_llama_pair[1]
+    grid = tier_build.variant_grid(model, torch.zeros(1, 4, dtype=torch.long), None)
+    assert len(grid) == len(tier_build.GRID_ROWS) * len(tier_build.GRID_PREFIX_TOKENS) * 2 * 2
+    assert {ids.shape[0] for ids, _ in grid} == set(tier_build.GRID_ROWS)
+    for ids, mask in grid:
+        assert ids.shape == mask.shape and mask[:, -1].all() and int(ids.max()) < model.config.vocab_size
+        assert (mask.cumsum(1)[:, :-1] <= mask.cumsum(1)[:, 1:]).all()  # left padding: ones run to the end
+        lengths = mask.sum(1)
+        first = [row[ids.shape[1] - int(n):] for row, n in zip(ids, lengths)]
+        shortest = min(tier_build.GRID_PREFIX_TOKENS)
+        assert all(torch.equal(f[:shortest], first[0][:shortest]) for f in first)
+    assert any(len(set(mask.sum(1).tolist())) > 1 for _, mask in grid)  # ragged batches
 
 
 def test_warmup_writes_the_bytecode_of_imported_modules(tmp_path):
