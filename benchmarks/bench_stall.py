@@ -160,6 +160,7 @@ class Runner:
             extra["num_return_sequences"] = samples
         before = tiers.tier_report(self.model)
         building = before["background_build"]["running"]
+        grid = before["background_build"].get("grid_running", False)
         torch.manual_seed(seed)
         self.sync()
         mark = self.meter.mark()
@@ -173,7 +174,8 @@ class Runner:
         own = [name for name, _ in after["calls"][len(before["calls"]):] if not name.startswith("background")]
         return {"s": round(seconds, 3), "tier": None if sdpa else (own[-1] if own else "eager"),
                 "missed": after["new_shapes"]["missed_calls"] > before["new_shapes"]["missed_calls"],
-                "beside_build": building or after["background_build"]["running"], "call": self.calls,
+                "beside_build": building or after["background_build"]["running"],
+                "beside_grid": grid or after["background_build"].get("grid_running", False), "call": self.calls,
                 **self.meter.since(mark)}
 
 

@@ -191,9 +191,10 @@ def _build(model, state, input_ids, generation_config, model_kwargs, options, in
     error = prewarmed = None
     filled = False
 
-    def rows_done():
+    def rows_done():  # the calls may move up now (from warm caches); the child goes on with the grid
         with state.lock:
-            state.caches_filled = True
+            state.caches_filled, state.building, state.grid_running = True, None, True
+            state.build_s = round(time.perf_counter() - state.build_started, 3)
 
     try:
         stream = torch.cuda.Stream(device=input_ids.device) if input_ids.is_cuda else None
@@ -212,11 +213,12 @@ def _build(model, state, input_ids, generation_config, model_kwargs, options, in
             logger.warning(f"hf_cascade: preparing the compiled tier in the background failed ({error}); the calls "
                            "move up only when the time they lost would have paid for compiling.")
         with state.lock:
-            state.building = None
+            state.building, state.grid_running = None, False
             state.build_error = error
             state.build_prewarm = prewarmed if prewarmed is not None else state.build_prewarm
+            if not state.caches_filled:
+                state.build_s = round(time.perf_counter() - state.build_started, 3)
             state.caches_filled = state.caches_filled or filled
-            state.build_s = round(time.perf_counter() - state.build_started, 3)
 
 
 def _prewarm_in_child(model, input_ids, generation_config, model_kwargs, options, stream, *, grid=None,

@@ -137,6 +137,7 @@ class _ModelTiers:
         self.build_s: float | None = None
         self.build_prewarm: dict | None = None  # the child process that filled the compile caches first
         self.caches_filled = False  # a child filled the compile caches for this model's calls (tier_build)
+        self.grid_running = False  # ... and goes on with the grid of other layouts (tier_build.variant_grid)
         self.triton_first_s: float | None = None  # this process's first Triton call, on built kernels
         # shapes new to the compiled tier (shape_policy): calls that ran some layers uncompiled, what they lost (the
         # per-shape ski rental)
@@ -256,16 +257,16 @@ def note_caches_warm(model) -> None:
 
 def tier_report(model) -> dict:
     """``{"calls": [(tier, seconds), ...], "ready": {...}, "regret_s": {...}, "record": path, "background_build":
-    {"running", "seconds", "error", "prewarm", "caches_filled"}, "new_shapes": {"missed_calls", "regret_s"}}`` for
-    ``model`` in this process (benchmarks print it). ``new_shapes``: calls of the compiled tier that ran layers
-    uncompiled (shapes new to it), and the per-shape regret."""
+    {"running", "seconds", "error", "prewarm", "caches_filled", "grid_running"}, "new_shapes": {"missed_calls",
+    "regret_s"}}`` for ``model`` in this process (benchmarks print it). ``new_shapes``: calls of the compiled tier
+    that ran layers uncompiled (shapes new to it), and the per-shape regret."""
     state = _state(model)
     with state.lock:
         return {"calls": list(state.calls), "ready": dict(state.ready),
                 "regret_s": {k: round(v, 3) for k, v in state.regret.items()}, "record": state.record_path,
                 "background_build": {"running": state.building is not None, "seconds": state.build_s,
                                      "error": state.build_error, "prewarm": state.build_prewarm,
-                                     "caches_filled": state.caches_filled},
+                                     "caches_filled": state.caches_filled, "grid_running": state.grid_running},
                 "new_shapes": {"missed_calls": state.missed_calls, "regret_s": round(state.shapes_regret, 3)}}
 
 

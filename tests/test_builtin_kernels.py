@@ -191,7 +191,8 @@ def test_calls_build_nothing_while_the_background_build_runs(records, tiny_llama
     state.building = None
     assert tiers.choose_tier(model).name == "compiled"
     assert tiers.tier_report(model)["background_build"] == {"running": False, "seconds": None, "error": None,
-                                                             "prewarm": None, "caches_filled": False}
+                                                             "prewarm": None, "caches_filled": False,
+                                                             "grid_running": False}
 
 
 def test_tier_choices_and_records_off(records, tiny_llama_pair, monkeypatch):
@@ -285,6 +286,37 @@ def test_background_child_fills_the_caches_then_the_ski_rental_moves_up(records,
     else:
         assert "child process" in report["error"] and "boom" in report["error"]
         assert tiers.choose_tier(model).name == "builtin"  # the cold costs: 8 s for Triton
+
+
+def test_calls_move_up_while_the_child_runs_the_grid(records, tiny_llama_pair, monkeypatch):
+    """Once the child has run the call's rows (it says ROWS_DONE), the caches count as filled and the build as done
+    for the calls (the ski rental may move them up, from warm caches) while the child goes on with the grid; the
+    report shows the grid running, then the child's outcome."""
+    import threading
+
+    from hf_cascade import tier_build, tiers
+
+    model = tiny_llama_pair[0]
+    _fresh_process(model)
+    state = tiers._state(model)
+    seen = {}
+
+    def child(*args, grid=None, on_rows_done=None):
+        on_rows_done()
+        seen["tier"] = tiers.choose_tier(model).name  # while the grid runs
+        seen["report"] = tiers.tier_report(model)["background_build"]
+        return {"seconds": 2.0, "returncode": 0, "error": None, "rows_done": True,
+                "grid": {"batches": 3, "done": 3, "failed": 0, "seconds": 1.0}}
+
+    monkeypatch.setattr(tier_build, "_prewarm_in_child", child)
+    state.building, state.build_started = threading.current_thread(), 0.0
+    state.regret["triton"], state.regret["compiled"] = 2.6, tiers.WARM_COMPILE_COST_S + 0.1
+    tier_build._build(model, state, torch.zeros(2, 3, dtype=torch.long), None, {}, {}, None)
+    assert seen["tier"] == "compiled"
+    assert seen["report"]["running"] is False and seen["report"]["grid_running"] is True
+    assert seen["report"]["caches_filled"] is True
+    report = tiers.tier_report(model)["background_build"]
+    assert report["grid_running"] is False and report["error"] is None and report["prewarm"]["grid"]["done"] == 3
 
 
 def test_background_build_starts_only_where_the_caches_are_cold(records, tiny_llama_pair):
