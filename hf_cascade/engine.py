@@ -7,8 +7,8 @@ the model gets an engine of its own on first use: ``copy.deepcopy`` and pickling
 its place (nothing of this process's state travels, and unpickling needs no hf_cascade), and a shallow
 ``copy.copy``, which shares the attribute, finds the engine belongs to another model and replaces it.
 
-Each part is created when first read (so that importing this module imports none of them); the classes stay in the
-modules that use them. This module imports nothing from hf_cascade at import time (they import it).
+Each part is created when first read, by the module that owns it (``engine_of(model).part("graphs", _ModelGraphs)``):
+the classes stay in the modules that use them, and this module imports nothing from hf_cascade (they import it).
 """
 
 from __future__ import annotations
@@ -16,44 +16,14 @@ from __future__ import annotations
 import threading
 import weakref
 
-__all__ = ["Engine", "engine_of"]
+__all__ = ["Engine", "PARTS", "engine_of"]
 
 _ATTRIBUTE = "_hf_cascade_engine"
 _CREATE_LOCK = threading.Lock()
 
 
-def _tiers():
-    from hf_cascade.tiers import _ModelTiers
-
-    return _ModelTiers()
-
-
-def _scan():
-    from hf_cascade.model_scan import _ModelScan
-
-    return _ModelScan()
-
-
-def _step_buffers():
-    from hf_cascade.step_buffers import StepBuffers
-
-    return StepBuffers()
-
-
-def _layer_calls():
-    from hf_cascade.decode.compiled_layers import _LayerCalls
-
-    return _LayerCalls()
-
-
-def _graphs():
-    from hf_cascade.decode.captured_step import _ModelGraphs
-
-    return _ModelGraphs()
-
-
-_PARTS = {"tiers": _tiers, "scan": _scan, "step_buffers": _step_buffers, "layer_calls": _layer_calls,
-          "graphs": _graphs}
+# The parts, by name; each is created by the module that owns it, which passes its class to Engine.part.
+PARTS = ("tiers", "scan", "step_buffers", "layer_calls", "graphs")
 
 
 class Engine:
@@ -77,47 +47,30 @@ class Engine:
     :meth:`forget` drops parts (the next read creates them anew).
     """
 
-    PARTS = tuple(_PARTS)
+    PARTS = PARTS
 
     def __init__(self, model=None):
         self._owner = None if model is None else weakref.ref(model)
         self._lock = threading.Lock()
         self._parts: dict = {}
 
-    def _part(self, name: str):
+    def part(self, name: str, create):
+        """The part ``name`` (of :data:`PARTS`), made by ``create()`` (its owner's class) when first read."""
         part = self._parts.get(name)
         if part is None:
             with self._lock:
                 part = self._parts.get(name)
                 if part is None:
-                    part = self._parts[name] = _PARTS[name]()
+                    if name not in PARTS:
+                        raise ValueError(f"Engine.part: unknown part {name!r}; the parts are {list(PARTS)}.")
+                    part = self._parts[name] = create()
         return part
-
-    @property
-    def tiers(self):
-        return self._part("tiers")
-
-    @property
-    def scan(self):
-        return self._part("scan")
-
-    @property
-    def step_buffers(self):
-        return self._part("step_buffers")
-
-    @property
-    def layer_calls(self):
-        return self._part("layer_calls")
-
-    @property
-    def graphs(self):
-        return self._part("graphs")
 
     def forget(self, *names: str) -> None:
         """Drop the parts named (of :attr:`PARTS`): the next read of each creates it anew (as in a new process)."""
-        unknown = set(names) - set(_PARTS)
+        unknown = set(names) - set(PARTS)
         if unknown:
-            raise ValueError(f"Engine.forget: unknown parts {sorted(unknown)}; the parts are {list(_PARTS)}.")
+            raise ValueError(f"Engine.forget: unknown parts {sorted(unknown)}; the parts are {list(PARTS)}.")
         with self._lock:
             for name in names:
                 self._parts.pop(name, None)

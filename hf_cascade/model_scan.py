@@ -60,7 +60,7 @@ def _scan(model: torch.nn.Module) -> _ModelScan:
         _install_hooks()
     generation = _generation  # read before the walk: a registration during it leaves the scan stale, not wrong
     try:
-        scan = engine_of(model).scan
+        scan = engine_of(model).part("scan", _ModelScan)
     except TypeError:  # not weak-referenceable or not hashable: nothing to keep it on
         scan = _ModelScan()
     if scan.generation != generation or scan.attention_modules is None:

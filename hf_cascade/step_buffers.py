@@ -65,7 +65,7 @@ class StepBuffers:
 
 def step_buffers(model: torch.nn.Module) -> StepBuffers:
     """The :class:`StepBuffers` of ``model`` (its :class:`~hf_cascade.engine.Engine`'s ``step_buffers``)."""
-    return engine_of(model).step_buffers
+    return engine_of(model).part("step_buffers", StepBuffers)
 
 
 def take_or_new(buffers: StepBuffers | None, shape: Iterable[int], dtype: torch.dtype,

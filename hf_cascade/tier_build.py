@@ -102,11 +102,11 @@ def build_in_background(model, input_ids: torch.Tensor, generation_config, model
         Whether a build started (False: one is running or done or failed for this model, the compiled tier is
         ready, the caches are warm, or it would not fit).
     """
-    from hf_cascade.engine import engine_of
+    from hf_cascade.tiers import tier_state
 
     if not background_builds_on() or input_ids.device.type != "cuda":
         return False
-    state = engine_of(model).tiers
+    state = tier_state(model)
     with state.lock:
         if not _plan_build(model, state):
             return False
@@ -147,9 +147,9 @@ def _plan_build(model, state) -> bool:
 def wait_for_build(model, timeout: float | None = None) -> bool:
     """Wait until ``model``'s background build (if one runs) ends; True when it ended without error (the compile
     caches are filled, or the compiled tier is ready)."""
-    from hf_cascade.engine import engine_of
+    from hf_cascade.tiers import tier_state
 
-    state = engine_of(model).tiers
+    state = tier_state(model)
     with state.lock:
         thread = state.building
     if thread is not None:

@@ -64,7 +64,7 @@ from hf_cascade.decode.compiled_layers import NewShapes
 from hf_cascade.engine import engine_of
 
 __all__ = ["COMPILE_CHOICES", "NEW_SHAPES_COST_S", "SAVED_FRACTION", "Tier", "choose_tier", "note_caches_warm",
-           "raise_regret", "record_call", "shape_policy", "tier_report"]
+           "raise_regret", "record_call", "shape_policy", "tier_report", "tier_state"]
 
 COMPILE_CHOICES = ("auto", "now", "never")
 
@@ -145,14 +145,15 @@ class _ModelTiers:
         self.shapes_regret = 0.0
 
 
-def _state(model) -> _ModelTiers:
-    return engine_of(model).tiers
+def tier_state(model) -> _ModelTiers:
+    """``model``'s tier state in this process (its :class:`~hf_cascade.engine.Engine`'s ``tiers`` part)."""
+    return engine_of(model).part("tiers", _ModelTiers)
 
 
 def raise_regret(model, tier: str, seconds: float) -> None:
     """Raise ``model``'s regret of ``tier`` (``"triton"`` or ``"compiled"``) to at least ``seconds``: as if the calls
     below it had lost that much (``warmup`` moves its next call up to the Triton tier so)."""
-    state = _state(model)
+    state = tier_state(model)
     with state.lock:
         state.regret[tier] = max(state.regret[tier], seconds)
 
@@ -165,7 +166,7 @@ def choose_tier(model, compile: str = "auto") -> Tier:
     """
     if compile not in COMPILE_CHOICES:
         raise ValueError(f"`cascade_options['compile']` must be one of {list(COMPILE_CHOICES)}; got {compile!r}.")
-    state = _state(model)
+    state = tier_state(model)
     with state.lock:
         if compile == "now":
             return _TIERS["compiled"]
@@ -192,7 +193,7 @@ def shape_policy(model, tier: Tier, compile: str = "auto") -> NewShapes | None:
     call that moves up to the compiled tier)."""
     if not tier.compiled or compile != "auto":
         return None
-    state = _state(model)
+    state = tier_state(model)
     with state.lock:
         if not state.ready["compiled"]:
             return None
@@ -204,7 +205,7 @@ def record_call(model, tier: Tier, seconds: float, shapes: NewShapes | None = No
     gain regret; a tier that became ready now is written to the record (with the call's seconds, an upper bound
     of what getting it ready cost). ``shapes``: the call's :func:`shape_policy` (a call that ran layers uncompiled
     adds to the per-shape regret; one that could compile them clears it)."""
-    state = _state(model)
+    state = tier_state(model)
     with state.lock:
         state.calls.append((tier.name, round(seconds, 3)))
         if shapes is not None and shapes.compile:
@@ -248,7 +249,7 @@ def record_call(model, tier: Tier, seconds: float, shapes: NewShapes | None = No
 def note_caches_warm(model) -> None:
     """Record that the compile caches hold ``model``'s graphs and kernels (``warmup`` filled them): a later process
     expects :data:`WARM_COMPILE_COST_S` for its first compiled call until one records what it took."""
-    state = _state(model)
+    state = tier_state(model)
     with state.lock:
         record = _load_record(model, state)
         record["caches_warm"] = True
@@ -260,7 +261,7 @@ def tier_report(model) -> dict:
     {"running", "seconds", "error", "prewarm", "caches_filled", "grid_running"}, "new_shapes": {"missed_calls",
     "regret_s"}}`` for ``model`` in this process (benchmarks print it). ``new_shapes``: calls of the compiled tier
     that ran layers uncompiled (shapes new to it), and the per-shape regret."""
-    state = _state(model)
+    state = tier_state(model)
     with state.lock:
         return {"calls": list(state.calls), "ready": dict(state.ready),
                 "regret_s": {k: round(v, 3) for k, v in state.regret.items()}, "record": state.record_path,

@@ -155,7 +155,7 @@ def test_ski_rental_moves_up_when_regret_reaches_cost(records, tiny_llama_pair):
     assert tiers.choose_tier(model).name == "builtin"
     tiers.record_call(model, tiers._TIERS["builtin"], 4.0)  # regret 1.0 s >= the recorded Triton cost
     assert tiers.choose_tier(model).name == "triton"
-    assert tiers._compiled_cost(tiers._state(model).record) == tiers.WARM_COMPILE_COST_S == 8.0
+    assert tiers._compiled_cost(tiers.tier_state(model).record) == tiers.WARM_COMPILE_COST_S == 8.0
     tiers.record_call(model, tiers._TIERS["triton"], 30.0)  # regret 0.8 (built-in call) + 6.0 = 6.8 < 8
     assert tiers.choose_tier(model).name == "triton"
     tiers.record_call(model, tiers._TIERS["triton"], 7.0)  # 8.2; the first Triton call cost 30 - 7 s
@@ -164,13 +164,13 @@ def test_ski_rental_moves_up_when_regret_reaches_cost(records, tiny_llama_pair):
     # a third process: what the second paid is expected (its first Triton call, on built kernels, 23 s more than
     # its second)
     _fresh_process(model)
-    assert tiers._compiled_cost(tiers._load_record(model, tiers._state(model))) == 6.5
-    assert tiers._triton_cost(tiers._state(model).record, True) == 23.0
+    assert tiers._compiled_cost(tiers._load_record(model, tiers.tier_state(model))) == 6.5
+    assert tiers._triton_cost(tiers.tier_state(model).record, True) == 23.0
     tiers.record_call(model, tiers._TIERS["builtin"], 4.0)  # regret 1 s: would have moved up before it was recorded
     assert tiers.choose_tier(model).name == "builtin"
     tiers.record_call(model, tiers._TIERS["triton"], 2.0)  # no second Triton call: its seconds are the cost
     _fresh_process(model)
-    assert tiers._triton_cost(tiers._load_record(model, tiers._state(model)), True) == 2.0  # the least recorded
+    assert tiers._triton_cost(tiers._load_record(model, tiers.tier_state(model)), True) == 2.0  # the least recorded
 
 
 def test_calls_build_nothing_while_the_background_build_runs(records, tiny_llama_pair):
@@ -182,7 +182,7 @@ def test_calls_build_nothing_while_the_background_build_runs(records, tiny_llama
 
     model = tiny_llama_pair[0]
     _fresh_process(model)
-    state = tiers._state(model)
+    state = tiers.tier_state(model)
     state.building = threading.current_thread()
     for name in ("triton", "compiled"):
         state.regret[name] = 1e6
@@ -270,7 +270,7 @@ def test_background_child_fills_the_caches_then_the_ski_rental_moves_up(records,
     monkeypatch.setattr(tier_build, "_prewarm_in_child", lambda *a, **k: {
         "seconds": 1.0, "returncode": child_returncode, "error": None if child_returncode == 0 else "boom"})
     monkeypatch.setattr(tier_build, "_build_call", lambda *a: ran.append(a))
-    state = tiers._state(model)
+    state = tiers.tier_state(model)
     state.building, state.build_started = threading.current_thread(), 0.0
     state.regret["triton"], state.regret["compiled"] = 2.6, tiers.WARM_COMPILE_COST_S + 0.1
     assert tiers.choose_tier(model).name == "builtin"  # the child runs: no call builds anything
@@ -298,7 +298,7 @@ def test_calls_move_up_while_the_child_runs_the_grid(records, tiny_llama_pair, m
 
     model = tiny_llama_pair[0]
     _fresh_process(model)
-    state = tiers._state(model)
+    state = tiers.tier_state(model)
     seen = {}
 
     def child(*args, grid=None, on_rows_done=None):
@@ -326,7 +326,7 @@ def test_background_build_starts_only_where_the_caches_are_cold(records, tiny_ll
 
     model = tiny_llama_pair[0]
     _fresh_process(model)
-    state = tiers._state(model)
+    state = tiers.tier_state(model)
     assert tier_build._plan_build(model, state)
     for name, value in (("building", object()), ("build_error", "boom")):
         setattr(state, name, value)
@@ -341,7 +341,7 @@ def test_background_build_starts_only_where_the_caches_are_cold(records, tiny_ll
     _fresh_process(model)
     tiers.note_caches_warm(model)
     _fresh_process(model)
-    state = tiers._state(model)
+    state = tiers.tier_state(model)
     assert tiers.caches_warm(model, state) and not tier_build._plan_build(model, state)
     assert tiers._compiled_cost(tiers._load_record(model, state)) == tiers.WARM_COMPILE_COST_S
 
@@ -458,7 +458,7 @@ def test_first_call_of_a_process_waits_for_no_triton_key(records, tiny_llama_pai
 
     model = tiny_llama_pair[0]
     _fresh_process(model)
-    state = tiers._state(model)
+    state = tiers.tier_state(model)
     tiers._load_record(model, state).update(triton_built=True, triton_cost_s=[0.0])
     ready = {"key": False}
     monkeypatch.setattr(tiers, "triton_key_ready", lambda: ready["key"])

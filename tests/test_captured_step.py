@@ -226,7 +226,7 @@ def test_compiled_prefill_failure_loses_nothing(monkeypatch):
     import torch._dynamo.exc
 
     import hf_cascade.decode.compiled_layers as compiled
-    from hf_cascade.engine import engine_of
+    from hf_cascade.decode.compiled_layers import layer_calls
 
     ref, cas = model_pair("llama", num_hidden_layers=3)
     real = compiled.compiled_layers
@@ -252,7 +252,7 @@ def test_compiled_prefill_failure_loses_nothing(monkeypatch):
                            cascade_options=options, **gen)
         assert torch.equal(got, ref.generate(ids, attention_mask=mask, **gen))
     assert calls == [True, True], calls  # the second call's prefill ran eagerly (no compiled_layers entered)
-    assert engine_of(cas).layer_calls.prefill_failed
+    assert layer_calls(cas).prefill_failed
 
 
 def test_host_length_follows_steps_that_ran_no_python():

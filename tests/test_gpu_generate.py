@@ -470,7 +470,7 @@ def test_gpu_first_calls_compile_nothing_and_move_up_exactly(family, monkeypatch
     assert [name for name, _ in tiers.tier_report(cas)["calls"]] == ["builtin"] * 3
     assert counters["stats"]["unique_graphs"] == graphs, "a first call compiled with torch.compile"
     assert _hf_cascade_triton_variants() == variants, "a first call built hf_cascade Triton kernels"
-    state = tiers._state(cas)
+    state = tiers.tier_state(cas)
     for tier in ("triton", "compiled"):
         state.regret[tier] = 1e6  # as after many long calls
         ids, mask = (t.cuda() for t in pad_batch(layouts[1]))

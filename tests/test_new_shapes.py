@@ -92,7 +92,7 @@ def _compiled_ready(model):
     from hf_cascade import tiers
 
     tiers.record_call(model, tiers._TIERS["compiled"], 5.0)  # a compiled call: the tier is ready
-    return tiers._state(model)
+    return tiers.tier_state(model)
 
 
 def test_shape_policy_before_and_after_the_compiled_tier_is_ready(tiny):

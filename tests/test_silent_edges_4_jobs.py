@@ -28,7 +28,7 @@ from transformers import LogitsProcessor, LogitsProcessorList  # noqa: E402
 
 import hf_cascade  # noqa: E402
 from hf_cascade import tiers  # noqa: E402
-from hf_cascade.engine import engine_of  # noqa: E402
+from hf_cascade.tiers import tier_state  # noqa: E402
 from hf_cascade.dataset_generation import generate_dataset  # noqa: E402
 from hf_cascade.real_model import gguf_cache_root  # noqa: E402
 from hf_cascade.tiny import tiny_model, tiny_tokenizer  # noqa: E402
@@ -247,7 +247,7 @@ def test_valid_compile_record_is_read_without_a_warning(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         tiers.choose_tier(model)
-    assert engine_of(model).tiers.record == {"triton_built": True, "triton_cost_s": [0.0]}
+    assert tier_state(model).record == {"triton_built": True, "triton_cost_s": [0.0]}
 
 
 # ------------------------------------------------------------------ 9b: HF_CASCADE_CACHE=OFF

@@ -178,7 +178,7 @@ class AOTLayers:
 def run_prefill(args, timings, result):
     import hf_cascade
     from hf_cascade.decode.compiled_layers import _VARYING_DIMS, _with_symbolic_dims, compiled_prefills
-    from hf_cascade.engine import engine_of
+    from hf_cascade.decode.compiled_layers import layer_calls
     from hf_cascade.model_zoo import tiny_model
 
     model = tiny_model("llama", "cascade", num_hidden_layers=2)
@@ -193,7 +193,7 @@ def run_prefill(args, timings, result):
         # load: the inputs left unmarked (a loaded artifact's guards say "_has_dynamo_dim_marking is present on
         # runtime tensor but was absent at compile time" for marked inputs: the marks are not in the saved guards)
         mark = (lambda call: _with_symbolic_dims(call, _VARYING_DIMS)) if args.mode == "save" or args.mark_on_load else (lambda call: call)
-        engine_of(model).layer_calls.dynamic_calls = [mark(aot.for_layer(layer)) for layer in model.model.layers]
+        layer_calls(model).dynamic_calls = [mark(aot.for_layer(layer)) for layer in model.model.layers]
     for i in range(2):
         t = time.perf_counter()
         got = model.generate(ids, attention_mask=mask, custom_generate=hf_cascade.generate,

@@ -27,7 +27,7 @@ from common import ResultWriter, add_shared_workload_args, wall_time  # noqa: E4
 
 import hf_cascade  # noqa: E402
 from hf_cascade.decode.compiled_layers import compiled_prefills, decoder_layers  # noqa: E402
-from hf_cascade.engine import engine_of  # noqa: E402
+from hf_cascade.decode.compiled_layers import layer_calls  # noqa: E402
 
 VARIANTS = {
     "default": {},
@@ -41,7 +41,7 @@ VARIANTS = {
 def _fresh_layers(model, variant: str) -> None:
     """Forget the compiled prefill layers (dynamo's caches too), so that the next prefill compiles them anew."""
     torch._dynamo.reset()
-    state = engine_of(model).layer_calls
+    state = layer_calls(model)
     state.calls = None
     state.dynamic_calls = None
     if variant == "static":

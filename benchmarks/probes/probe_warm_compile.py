@@ -58,12 +58,12 @@ def _child(args) -> dict:
     if args.child.startswith("parts-"):
         return _parts(args, model, call, ids, mask, record)
     if args.tier == "triton":
-        from hf_cascade.engine import engine_of
+        from hf_cascade.tiers import tier_state
         from hf_cascade.tiers import tier_report
 
         if args.child == "measure":
             record["builtin_call_s"] = round(wall_time(call)[0], 3)
-        engine_of(model).tiers.ready["triton"] = True  # (the ski rental would wait for its regret)
+        tier_state(model).ready["triton"] = True  # (the ski rental would wait for its regret)
     if args.child == "fill":
         record["seconds"] = round(wall_time(call)[0], 3)
         return record
@@ -116,9 +116,9 @@ def _parts(args, model, call, ids, mask, record) -> dict:
     triton_key()
     record["triton_key_s"] = round(time.perf_counter() - t, 3)
     if path == "triton":
-        from hf_cascade.engine import engine_of
+        from hf_cascade.tiers import tier_state
 
-        engine_of(model).tiers.ready["triton"] = True
+        tier_state(model).ready["triton"] = True
     elif path == "sdpa":
         model.set_attn_implementation("sdpa")
 

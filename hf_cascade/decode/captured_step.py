@@ -82,7 +82,7 @@ class _ModelGraphs:
 
 
 def _model_graphs(model: torch.nn.Module) -> _ModelGraphs:
-    return engine_of(model).graphs
+    return engine_of(model).part("graphs", _ModelGraphs)
 
 
 def recorded_steps(model: torch.nn.Module) -> dict[str, int]:

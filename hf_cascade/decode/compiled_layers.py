@@ -52,7 +52,7 @@ from hf_cascade.engine import engine_of
 logger = logging.get_logger(__name__)
 
 __all__ = ["NewShapes", "compiled_forward", "compiled_layers", "compiled_prefills", "decoder_layers",
-           "layer_compilations", "new_shapes",
+           "layer_calls", "layer_compilations", "new_shapes",
            "skipping_new_shapes_supported"]
 
 
@@ -125,14 +125,19 @@ class _LayerCalls:
         self.prefill_failed = False  # compiling the prefill's layers failed once: they run eagerly from then on
 
 
+def layer_calls(model: torch.nn.Module) -> _LayerCalls:
+    """``model``'s compiled layer calls (its :class:`~hf_cascade.engine.Engine`'s ``layer_calls`` part)."""
+    return engine_of(model).part("layer_calls", _LayerCalls)
+
+
 def layer_compilations(model: torch.nn.Module) -> int:
     """How many steps of ``model`` ran (or were recorded) with its decoder layers compiled, in this process."""
-    return engine_of(model).layer_calls.entered
+    return layer_calls(model).entered
 
 
 def compiled_prefills(model: torch.nn.Module) -> int:
     """How many prefill forwards of ``model`` ran with its decoder layers compiled (:func:`compiled_forward`)."""
-    return engine_of(model).layer_calls.prefills
+    return layer_calls(model).prefills
 
 
 # The layer index as dynamo names it (``L['self']._modules['self_attn'].layer_idx`` for Llama), a regex.
@@ -215,7 +220,7 @@ def compiled_layers(model: torch.nn.Module, cache, dynamic: bool = False):
     if layers is None:
         yield False
         return
-    state = engine_of(model).layer_calls
+    state = layer_calls(model)
     with state.lock:
         if dynamic:
             if state.dynamic_calls is None:
@@ -281,7 +286,7 @@ def compiled_forward(model: torch.nn.Module, cache, forward):
     forward. If compiling fails, the layers that already wrote this forward's KV take it back (``crop``), a
     warning says why, and the forward runs eagerly (and does from then on for this model: a compiler error stays
     one). Returns what ``forward()`` returns."""
-    state = engine_of(model).layer_calls
+    state = layer_calls(model)
     if state.prefill_failed or decoder_layers(model) is None:
         return forward()
     # A forward of several rows gets a mask tensor even where "causal, no padding" could go without (see
