@@ -9,8 +9,9 @@ of the model's config cut to :data:`PREWARM_LAYERS` decoder layers of random wei
 compile to one graph for all layers, so the cut model makes the same graphs and Triton kernels: the child fills the
 Triton and Inductor caches on disk. The thread only waits for it (the GIL is free meanwhile), and the calls meanwhile
 build nothing themselves (they would build what the child is building). The child then goes on with the batches of
-:func:`variant_grid` (batch sizes, one or two shared levels, short and long prefixes, padded or not) for at most
-:data:`GRID_BUDGET_S`: the Triton kernel variants of layouts no call has run yet, which a process that had moved up
+:func:`variant_grid` (batch sizes, one or two shared levels, short and long prefixes, own tokens of several widths,
+padded or not; each on the compiled and on the eager layers) for at most :data:`GRID_BUDGET_S`: the Triton kernel
+variants of layouts no call has run yet, which a process that had moved up
 built in the call (3-10 s on a new layout's first call, H100, Llama-3-8B shape: results/stall.jsonl). Once the
 call's rows are done, the compiled tier's
 expected cost is what compiling from warm caches costs (:data:`~hf_cascade.tiers.WARM_COMPILE_COST_S`, or what a
@@ -66,7 +67,10 @@ PREWARM_LAYERS = 2
 PREWARM_TIMEOUT_S = 900
 # After the call's rows, the child runs the batches of variant_grid for at most this long: the Triton kernels of
 # layouts no call has run yet (each new one ~1-3 s to build, H100), so that a later call of a new layout loads them.
-GRID_BUDGET_S = 300.0
+GRID_BUDGET_S = 240.0
+GRID_PROCESSES = 6  # children that run slices of the grid at once (grid_processes)
+GRID_CHILD_BYTES = 3 << 30  # GPU memory a grid child may take (the cut model, a small vocabulary, the batches)
+GRID_VOCAB = 4096  # the grid children's vocabulary (the kernels do not depend on it)
 _THREAD_NAME = "hf_cascade-compiled-tier"
 
 
@@ -226,18 +230,47 @@ def _prewarm_in_child(model, input_ids, generation_config, model_kwargs, options
     """Run the build call in a child process on the model's config cut to :data:`PREWARM_LAYERS` layers (random
     weights), which fills the compile caches on disk this process's build then loads from; then, where ``grid`` (a
     list of ``(input_ids, attention_mask)``, :func:`variant_grid`) is given, the same call for each of those batches
-    (for at most :data:`GRID_BUDGET_S`). ``on_rows_done()`` runs once the call's own rows are done. Returns
-    ``{"seconds", "returncode", "error", "rows_done", "grid": {"batches", "done", "failed", "seconds"}}``; a child
-    that fails is reported, not raised (the calls then move up with the cold costs)."""
+    in :func:`grid_processes` children at once (slices of the grid; the cut model's vocabulary cut to
+    :data:`GRID_VOCAB` too), for at most :data:`GRID_BUDGET_S`. ``on_rows_done()`` runs once the call's own rows are
+    done. Returns ``{"seconds", "returncode", "error", "rows_done", "grid": {"processes", "batches", "done",
+    "failed", "seconds"}}``; a child that fails is reported, not raised (the calls then move up with the cold
+    costs)."""
     import os
     import tempfile
 
     started = time.perf_counter()
-    config = copy.deepcopy(model.config)
+    config = _cut_config(model.config)
+    if config is None:
+        return {"seconds": 0.0, "returncode": None, "error": "the config names no num_hidden_layers"}
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        spec = {"model_class": type(model), "config": config, "dtype": model.dtype,
+                "device": str(input_ids.device), "input_ids": input_ids.cpu(),
+                "generation_config": generation_config, "options": options,
+                "model_kwargs": {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in model_kwargs.items()},
+                "rows": True, "grid": [], "grid_budget_s": GRID_BUDGET_S, "grid_options": GRID_OPTIONS}
+    with tempfile.TemporaryDirectory(prefix="hf_cascade_build_") as folder:
+        try:
+            path = os.path.join(folder, "rows.pt")
+            torch.save(spec, path)
+        except Exception as err:  # noqa: BLE001 (something in the call cannot be pickled: no child)
+            return {"seconds": 0.0, "returncode": None, "error": f"{type(err).__name__}: {str(err)[:200]}"}
+        code, _, tail = _run_children([path])[0]
+        outcome = {"returncode": code, "error": tail, "rows_done": code == 0}
+        if code == 0 and on_rows_done is not None:
+            on_rows_done()
+        if code == 0 and grid:
+            outcome["grid"] = _run_grid(folder, spec, grid, input_ids.device)
+    return {"seconds": round(time.perf_counter() - started, 3), **outcome}
+
+
+def _cut_config(config):
+    """A copy of ``config`` cut to :data:`PREWARM_LAYERS` decoder layers (one of every layer type at least), or None
+    where it names no layer count."""
+    config = copy.deepcopy(config)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     layers = getattr(text, "num_hidden_layers", None)
     if layers is None:
-        return {"seconds": 0.0, "returncode": None, "error": "the config names no num_hidden_layers"}
+        return None
     keep = min(layers, PREWARM_LAYERS)
     layer_types = getattr(text, "layer_types", None)
     if layer_types:  # keep a layer of every type (Gemma's sliding and full layers)
@@ -248,91 +281,140 @@ def _prewarm_in_child(model, input_ids, generation_config, model_kwargs, options
                 keep = max(keep, index + 1)
         text.layer_types = list(layer_types[:keep])
     text.num_hidden_layers = keep
-    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-        spec = {"model_class": type(model), "config": config, "dtype": model.dtype,
-                "device": str(input_ids.device), "input_ids": input_ids.cpu(),
-                "generation_config": generation_config, "options": options,
-                "model_kwargs": {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in model_kwargs.items()},
-                "grid": [(ids.cpu(), mask.cpu()) for ids, mask in grid or ()], "grid_budget_s": GRID_BUDGET_S}
-    with tempfile.TemporaryDirectory(prefix="hf_cascade_build_") as folder:
-        path = os.path.join(folder, "spec.pt")
-        try:
-            torch.save(spec, path)
-        except Exception as err:  # noqa: BLE001 (something in the call cannot be pickled: no child)
-            return {"seconds": 0.0, "returncode": None, "error": f"{type(err).__name__}: {str(err)[:200]}"}
-        outcome = _run_child(path, os.path.join(folder, "stderr.txt"), on_rows_done)
-    return {"seconds": round(time.perf_counter() - started, 3), **outcome}
+    return config
 
 
-def _run_child(spec_path: str, stderr_path: str, on_rows_done) -> dict:
-    """Start the child on ``spec_path`` and follow its report lines (``ROWS_DONE``, then one per grid batch); kill it
-    past :data:`PREWARM_TIMEOUT_S`."""
+def grid_processes(device: torch.device) -> int:
+    """Children that run the grid at once: at most :data:`GRID_PROCESSES`, one per 2 CPU cores, and as many as fit
+    in :data:`GRID_CHILD_BYTES` each of the GPU's free memory beyond :data:`MIN_FREE_FRACTION` of it."""
+    import os
+
+    count = min(GRID_PROCESSES, max(1, (os.cpu_count() or 2) // 2))
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        count = min(count, int((free - MIN_FREE_FRACTION * total) // GRID_CHILD_BYTES))
+    return max(count, 0)
+
+
+def _run_grid(folder: str, spec: dict, grid, device: torch.device) -> dict:
+    """The grid in slices, one child each (:func:`grid_processes`), on the cut model with its vocabulary cut to
+    :data:`GRID_VOCAB` (the kernels do not depend on it: token ids taken modulo it)."""
+    import os
+
+    count = grid_processes(device)
+    summary = {"processes": count, "batches": 0, "done": 0, "failed": 0, "seconds": None}
+    if count == 0:
+        return summary
+    config = copy.deepcopy(spec["config"])
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = min(GRID_VOCAB, int(getattr(text, "vocab_size", GRID_VOCAB) or GRID_VOCAB))
+    text.vocab_size = vocab
+    batches = [(ids % vocab, mask) for ids, mask in grid]
+    paths = []
+    for index in range(count):
+        paths.append(os.path.join(folder, f"grid{index}.pt"))
+        torch.save({**spec, "config": config, "rows": False, "grid": batches[index::count]}, paths[-1])
+    started = time.perf_counter()
+    for code, out, _ in _run_children(paths):
+        for line in out.splitlines():
+            kind = line.split(" ", 1)[0]
+            if kind in ("GRID_DONE", "GRID_FAILED"):
+                summary["done" if kind == "GRID_DONE" else "failed"] += 1
+            elif kind == "GRID_END":
+                summary["batches"] += int(float(line.split()[1]))
+    summary["seconds"] = round(time.perf_counter() - started, 3)
+    return summary
+
+
+def _run_children(spec_paths: list[str]) -> list[tuple]:
+    """Run one child per spec at once (``python -m hf_cascade.tier_build_child SPEC PARENT``), each killed past
+    :data:`PREWARM_TIMEOUT_S`; per child ``(returncode or None, stdout, stderr's tail where it failed)``."""
     import os
     import subprocess
 
-    rows_done, grid = False, {"batches": 0, "done": 0, "failed": 0, "seconds": None}
-    with open(stderr_path, "w+") as stderr:
+    children, out = [], []
+    for path in spec_paths:
+        stdout, stderr = open(f"{path}.out", "w+"), open(f"{path}.err", "w+")
         try:
-            child = subprocess.Popen([sys.executable, "-m", "hf_cascade.tier_build_child", spec_path,
-                                      str(os.getpid())], stdout=subprocess.PIPE, stderr=stderr, text=True)
+            child = subprocess.Popen([sys.executable, "-m", "hf_cascade.tier_build_child", path, str(os.getpid())],
+                                     stdout=stdout, stderr=stderr, text=True)
         except OSError as err:
-            return {"returncode": None, "error": f"{type(err).__name__}: {str(err)[:200]}", "rows_done": False,
-                    "grid": grid}
-        timer = threading.Timer(PREWARM_TIMEOUT_S, child.kill)
-        timer.start()
+            child = err
+        children.append((child, stdout, stderr))
+    deadline = time.perf_counter() + PREWARM_TIMEOUT_S
+    for child, stdout, stderr in children:
+        if isinstance(child, OSError):
+            out.append((None, "", f"{type(child).__name__}: {str(child)[:200]}"))
+            continue
         try:
-            for line in child.stdout:
-                kind, _, rest = line.strip().partition(" ")
-                if kind == "ROWS_DONE" and not rows_done:
-                    rows_done = True
-                    if on_rows_done is not None:
-                        on_rows_done()
-                elif kind in ("GRID_DONE", "GRID_FAILED"):
-                    grid["done" if kind == "GRID_DONE" else "failed"] += 1
-                elif kind == "GRID_END":
-                    grid["batches"], grid["seconds"] = (float(x) for x in rest.split())
+            code = child.wait(max(0.0, deadline - time.perf_counter()))
+        except subprocess.TimeoutExpired:
+            child.kill()
             code = child.wait()
-        finally:
-            timer.cancel()
+        stdout.seek(0)
         stderr.seek(0)
-        tail = stderr.read()[-400:] if code else None
-    return {"returncode": code, "error": tail, "rows_done": rows_done, "grid": grid}
+        out.append((code, stdout.read(), stderr.read()[-400:] if code else None))
+        stdout.close()
+        stderr.close()
+    return out
 
 
 # The grid's batch sizes, most common first. With the layers compiled, a decode step's kernel variants follow the
 # batch (its tiles cover rows x query heads per KV head, 16-128; the state merge's blocks follow rows x KV heads
 # against the SMs), whether the suffix pass shares the last level's launch (suffix traffic against the prefix's),
-# one level or several, a padding mask or none, and the prefill's new tokens per row (tiles of 32 or 64).
+# one level or several, a padding mask or none, and the prefill's new tokens per row (tiles of 16-64 rows of
+# tokens x query heads per KV head); with the layers eager (the Triton tier, and layers the compiled graphs do not
+# fit) the tiles follow each level's rows per node instead.
 GRID_ROWS = (24, 48, 96, 12, 160, 6, 3)
 GRID_PREFIX_TOKENS = (96, 1536)
+# The child runs each grid batch on both paths: the compiled layers, and the eager layers (Triton kernels, recorded
+# steps), whose launches pick their tiles from the tree's nodes rather than from the batch.
+GRID_OPTIONS = ({"compile": "now"}, {"decode_step": "graphs"})
+
+
+def _own_widths(model) -> list[int]:
+    """New tokens per row in the grid's prefills: one width in each tile class of ``width x query heads per KV
+    head`` (16, 32, 64 rows; more for a long suffix)."""
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = getattr(text, "num_attention_heads", 1) or 1
+    groups = max(1, heads // (getattr(text, "num_key_value_heads", None) or heads))
+    return sorted({max(2, tile // groups) for tile in (16, 32, 64)} | {64})
 
 
 def variant_grid(model, input_ids: torch.Tensor, generation_config) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Batches ``(input_ids [B, L] int64, attention_mask [B, L] int64)``, left-padded, on CPU, that together launch
     the Triton kernel variants of the layouts a stream of calls brings (see :data:`GRID_ROWS`): every batch size of
-    :data:`GRID_ROWS` x one shared level or two x a short or long shared prefix x own tokens of one length (6) or
-    ragged (1-24). Random tokens below the model's vocabulary size (or the call's largest id)."""
-    vocab = int(getattr(model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config,
-                        "vocab_size", 0) or int(input_ids.max()) + 1)
+    :data:`GRID_ROWS` x one shared level or two x a short or long shared prefix x own tokens of each width of
+    :func:`_own_widths`, the same for every row or ragged (1 to that width). Random tokens below the model's
+    vocabulary size (or the call's largest id)."""
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    vocab = int(getattr(text, "vocab_size", 0) or int(input_ids.max()) + 1)
     g = torch.Generator().manual_seed(48)
     batches = []
     for rows in GRID_ROWS:
-        for prefix in GRID_PREFIX_TOKENS:
-            for levels in (1, 2):
-                for ragged in (False, True):
-                    shared = [torch.randint(3, vocab, (prefix,), generator=g)]
-                    if levels == 2:
-                        shared.append(torch.randint(3, vocab, (2, 32), generator=g))
-                    own = torch.randint(1, 25, (rows,), generator=g) if ragged else torch.full((rows,), 6)
-                    parts = [torch.cat([shared[0]] + ([shared[1][r * 2 // rows]] if levels == 2 else [])
-                                       + [torch.randint(3, vocab, (int(own[r]),), generator=g)]) for r in range(rows)]
-                    width = max(p.numel() for p in parts)
-                    ids = torch.zeros(rows, width, dtype=torch.long)
-                    mask = torch.zeros(rows, width, dtype=torch.long)
-                    for r, p in enumerate(parts):
-                        ids[r, width - p.numel():], mask[r, width - p.numel():] = p, 1
-                    batches.append((ids, mask))
+        for width in _own_widths(model):
+            for prefix in GRID_PREFIX_TOKENS:
+                for levels in (1, 2):
+                    for ragged in (False, True):
+                        batches.append(_grid_batch(rows, width, prefix, levels, ragged, vocab, g))
     return batches
+
+
+def _grid_batch(rows: int, width: int, prefix: int, levels: int, ragged: bool, vocab: int, g) -> tuple:
+    """One left-padded batch of :func:`variant_grid`: ``rows`` rows sharing ``prefix`` tokens (and, with two levels,
+    two groups of 32 more), then each row's own tokens (``width``, or 1 to ``width`` where ``ragged``)."""
+    shared = [torch.randint(3, vocab, (prefix,), generator=g)]
+    if levels == 2:
+        shared.append(torch.randint(3, vocab, (2, 32), generator=g))
+    own = torch.randint(1, width + 1, (rows,), generator=g) if ragged else torch.full((rows,), width)
+    parts = [torch.cat([shared[0]] + ([shared[1][r * 2 // rows]] if levels == 2 else [])
+                       + [torch.randint(3, vocab, (int(own[r]),), generator=g)]) for r in range(rows)]
+    longest = max(p.numel() for p in parts)
+    ids = torch.zeros(rows, longest, dtype=torch.long)
+    mask = torch.zeros(rows, longest, dtype=torch.long)
+    for r, p in enumerate(parts):
+        ids[r, longest - p.numel():], mask[r, longest - p.numel():] = p, 1
+    return ids, mask
 
 
 def _leave_with_parent(parent_pid: int) -> None:

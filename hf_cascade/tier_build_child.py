@@ -1,7 +1,7 @@
 """The child process of a background build (:func:`hf_cascade.tier_build._prewarm_in_child`): build the model cut to a
-few layers from the pickled spec, run the build call on the call's rows (then print ``ROWS_DONE``), then on each
-batch of the spec's grid while its time budget lasts (``GRID_DONE`` / ``GRID_FAILED`` per batch, ``GRID_END
-<batches> <seconds>``): this fills the compile caches on disk.
+few layers from the pickled spec, run the build call on the call's rows (where the spec says ``rows``; then print
+``ROWS_DONE``), then on each batch of the spec's grid slice while its time budget lasts (``GRID_DONE`` /
+``GRID_FAILED`` per batch, ``GRID_END <batches> <seconds>``): this fills the compile caches on disk.
 
     python -m hf_cascade.tier_build_child SPEC.pt PARENT_PID
 """
@@ -29,20 +29,24 @@ def main(path: str, parent_pid: int = 0) -> int:
     model.set_attn_implementation("cascade")
     kwargs = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in spec["model_kwargs"].items()}
     ids, config = spec["input_ids"].to(device), spec["generation_config"]
-    _build_call(generate, model, ids, config, kwargs, spec["options"])
-    _synchronize(device)
-    print("ROWS_DONE", flush=True)
+    if spec.get("rows", True):
+        _build_call(generate, model, ids, config, kwargs, spec["options"])
+        _synchronize(device)
+        print("ROWS_DONE", flush=True)
     _run_grid(model, spec, config.max_length - ids.shape[1], device)
     return 0
 
 
 def _run_grid(model, spec: dict, new_tokens: int, device: torch.device) -> None:
-    """The build call on each grid batch (greedy, the call's options and new tokens, no batch bucket), until the
-    spec's time budget is spent; a batch that fails is reported and the next one runs."""
+    """The build call on each grid batch, once per path of the spec's ``grid_options`` (greedy, the call's other
+    options and new tokens, no batch bucket), until the spec's time budget is spent; a batch that fails is reported
+    and the next one runs."""
     started = time.perf_counter()
-    options = {**spec["options"], "batch_buckets": False}
+    base = {k: v for k, v in spec["options"].items() if k not in ("compile", "decode_step")}
     kwargs = {k: v for k, v in spec["model_kwargs"].items() if not isinstance(v, torch.Tensor)}  # (use_cache, ...)
-    for ids, mask in spec.get("grid", ()):
+    runs = [(ids, mask, {**base, **path, "batch_buckets": False}) for ids, mask in spec.get("grid", ())
+            for path in spec.get("grid_options", ({"compile": "now"},))]
+    for ids, mask, options in runs:
         if time.perf_counter() - started > spec.get("grid_budget_s", 0.0):
             break
         config = copy.deepcopy(spec["generation_config"])
@@ -53,7 +57,7 @@ def _run_grid(model, spec: dict, new_tokens: int, device: torch.device) -> None:
             print("GRID_DONE", flush=True)
         except Exception as err:  # noqa: BLE001 (one batch's failure must not stop the others)
             print(f"GRID_FAILED {type(err).__name__}: {str(err)[:200]!r}", flush=True)
-    print(f"GRID_END {len(spec.get('grid', ()))} {time.perf_counter() - started:.3f}", flush=True)
+    print(f"GRID_END {len(runs)} {time.perf_counter() - started:.3f}", flush=True)
 
 
 def _synchronize(device: torch.device) -> None:

@@ -22,6 +22,8 @@ def _no_background_builds(request, monkeypatch):
 
     enabled = request.node.get_closest_marker("background_build") is not None
     monkeypatch.setattr(tier_build, "ENABLED", enabled)
+    monkeypatch.setattr(tier_build, "GRID_BUDGET_S", 5.0)  # the children's grid of other layouts: a taste, not minutes
+    monkeypatch.setattr(tier_build, "GRID_PROCESSES", 2)
     yield
     if enabled:
         tier_build.wait_for_all_builds(timeout=900)

@@ -384,7 +384,7 @@ time.sleep(0.5)
         raise AssertionError("the child outlived the process that started it")
 
 
-def test_background_build_child_process_runs_the_call_on_a_cut_model(tiny_llama_pair):
+def test_background_build_child_process_runs_the_call_on_a_cut_model(tiny_llama_pair, monkeypatch):
     """The child process of a background build (hf_cascade.tier_build._prewarm_in_child): the call's rows, prepared
     generation config and options pickled, the model's config cut to PREWARM_LAYERS layers, the build call run
     there (here on CPU, nothing compiled: the plumbing a CUDA build uses), exit code 0; the model is untouched."""
@@ -402,14 +402,19 @@ def test_background_build_child_process_runs_the_call_on_a_cut_model(tiny_llama_
     model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False, pad_token_id=0,
                    disable_compile=True, custom_generate=capture)
     kwargs = {k: v for k, v in captured["kwargs"].items() if k != CACHE_KWARG}
+    monkeypatch.setattr(tier_build, "GRID_BUDGET_S", 600.0)  # every grid batch runs (a slow machine included)
+    monkeypatch.setattr(tier_build, "grid_processes", lambda device: 2)  # two children, a slice each
     grid = tier_build.variant_grid(model, captured["input_ids"], captured["generation_config"])[:3]
-    grid.append((torch.full((2, 5), 10**6), torch.ones(2, 5, dtype=torch.long)))  # ids past the vocabulary: fails
+    grid.append((torch.full((2, 5), 7), torch.ones(2, 4, dtype=torch.long)))  # a mask of another width: fails
     rows_done = []
     outcome = tier_build._prewarm_in_child(model, captured["input_ids"], captured["generation_config"], kwargs,
                                            {"cost_model": None, "compile": "now", "batch_buckets": True}, None,
                                            grid=grid, on_rows_done=lambda: rows_done.append(True))
     assert outcome["returncode"] == 0 and outcome["rows_done"] and rows_done == [True], outcome
-    assert outcome["grid"]["done"] == 3 and outcome["grid"]["failed"] == 1 and outcome["grid"]["batches"] == 4, outcome
+    runs = len(tier_build.GRID_OPTIONS) * 4  # each batch on the compiled and on the eager layers
+    assert outcome["grid"]["processes"] == 2, outcome
+    assert outcome["grid"]["done"] == runs - len(tier_build.GRID_OPTIONS), outcome
+    assert outcome["grid"]["failed"] == len(tier_build.GRID_OPTIONS) and outcome["grid"]["batches"] == runs, outcome
     assert model.config.num_hidden_layers == layers
 
 
@@ -421,7 +426,9 @@ def test_variant_grid_batches_are_left_padded_trees_of_every_grid_size(tiny_llam
 
     model = tiny_llama_pair[1]
     grid = tier_build.variant_grid(model, torch.zeros(1, 4, dtype=torch.long), None)
-    assert len(grid) == len(tier_build.GRID_ROWS) * len(tier_build.GRID_PREFIX_TOKENS) * 2 * 2
+    widths = tier_build._own_widths(model)
+    assert len(grid) == len(tier_build.GRID_ROWS) * len(widths) * len(tier_build.GRID_PREFIX_TOKENS) * 2 * 2
+    assert widths[-1] == 64 and len(widths) >= 3
     assert {ids.shape[0] for ids, _ in grid} == set(tier_build.GRID_ROWS)
     for ids, mask in grid:
         assert ids.shape == mask.shape and mask[:, -1].all() and int(ids.max()) < model.config.vocab_size
