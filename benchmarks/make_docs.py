@@ -108,28 +108,51 @@ def cb_table(records: list[dict], shas: bool = False) -> str:
     lines = ["| one run, all peers in it | sdpa | prefix-reuse recipe | `generate_batch` defaults | `generate_batch` "
              "CUDA graphs + async | hf_cascade | vs best `generate_batch` | KV GiB: `generate_batch` in use (pool) "
              "→ hf_cascade |", "|---|---|---|---|---|---|---|---|"]
+    loaded = None
     for workload, label in CB_WORKLOADS:
         peers: dict = {}
         for r in records:
-            if r.get("workload") == workload and r.get("status") == "ok" and not r.get("tiny") and "peer" in r:
+            if r.get("workload") == workload and r.get("status") and not r.get("tiny") and "peer" in r:
                 if peers and r["git_sha"] != next(iter(peers.values()))["git_sha"]:
                     peers = {}
                 peers[r["peer"]] = r
         need = ("sdpa", "hf_prefix_reuse", "generate_batch_defaults", "generate_batch_best", "cascade_generate")
-        if not all(k in peers for k in need):
+        if not all(k in peers for k in need) or any(peers[k]["status"] != "ok" for k in need[2:]):
             continue
         s, h, d, b, c = (peers[k] for k in need)
 
         def call(r):
+            if r["status"] != "ok":  # a peer that failed in the run (the recipe out of memory on the tree)
+                return r["status"]
             first = r.get("first_call_s")
             return f"{r['total_s']:.2f} s" + (f" ({first:.1f})" if first and r.get("calls", 2) > 1 else "")
 
         best = min(d["total_s"], b["total_s"])
         sha = f" (`{c['git_sha'][:7]}`)" if shas else ""
+        if c.get("host_load"):  # a run beside other jobs on the same host: said under the table
+            sha += " †"
+            loaded = c["host_load"]
         lines.append(f"| {label}{sha} | {call(s)} | {call(h)} | {call(d)} | {call(b)} | **{call(c)}** | "
                      f"**{best / c['total_s']:.1f}x** | {d['kv_used_peak_gib']:.2f} ({d['kv_pool_gib']:.1f}) → "
                      f"{c['kv_gib']:.2f} |")
+    if loaded:
+        lines += ["", f"† {loaded}."]
     return "\n".join(lines)
+
+
+def _built(call: dict) -> str:
+    """What a stall-bench call compiled, where the run recorded it: `` (3 Triton kernels built, 3.6 s; beside the
+    grid)``."""
+    parts = []
+    if call.get("triton_built"):
+        n = call["triton_built"]
+        parts.append(f"{n} Triton kernel{'s' if n != 1 else ''} built, {call['triton_s']:.1f} s")
+    if call.get("dynamo_graphs"):
+        n = call["dynamo_graphs"]
+        parts.append(f"{n} graph{'s' if n != 1 else ''} compiled")
+    if parts and call.get("beside_grid"):
+        parts.append("beside the grid")
+    return f" ({'; '.join(parts)})" if parts else ""
 
 
 def stall_table(records: list[dict]) -> str:
@@ -145,7 +168,7 @@ def stall_table(records: list[dict]) -> str:
     for phase in ("samples32", "tree64", "prompts16x8"):
         if phase in run:
             calls = run[phase]["calls"]
-            shown = ", ".join(f"{c['s']:.2f} {c['tier']}" for c in calls[:6])
+            shown = ", ".join(f"{c['s']:.2f} {c['tier']}" + _built(c) for c in calls[:6])
             lines.append(f"* `{phase}` ({run[phase]['rows']} rows, {len(calls)} calls): {shown}"
                          + (", ..." if len(calls) > 6 else ""))
     if summary:
@@ -155,6 +178,24 @@ def stall_table(records: list[dict]) -> str:
                   f"stream {summary.get('stream_total_over_steady', 0):.2f}x the sum of the layouts' steady times, "
                   f"{summary.get('stream_calls_over_2x', 0)} calls over 2x their steady time (worst "
                   f"{summary.get('stream_max_over_steady', 0):.1f}x)."]
+    stream = run.get("stream", {}).get("calls") or []
+    slow = [c for c in stream if c.get("over_steady", 0) > 2]
+    if slow:
+        lines += ["", "Stream calls over 2x their steady time: " + ", ".join(
+            f"layout {c['layout']} {c['s']:.2f} s ({c['over_steady']:.1f}x)" + _built(c) for c in slow) + "."]
+    build = summary.get("tiers", {}).get("background_build", {})
+    grid = (build.get("prewarm") or {}).get("grid")
+    if grid:
+        lines += ["", f"The background build: the call's rows in {build.get('seconds')} s, then the grid's "
+                  f"{grid.get('done')} of {grid.get('batches')} runs in {grid.get('processes', 1)} children in "
+                  f"{grid.get('seconds')} s."]
+    sdpa = run.get("stream", {}).get("sdpa") or []
+    if sdpa:
+        lines += ["", "generate() with sdpa in the same run, on " + f"{len(sdpa)} of the stream's layouts: "
+                  + ", ".join(f"{r['rows']} rows {r['sdpa_s']:.2f} s against {r['cascade_steady_s']:.2f} s"
+                              for r in sdpa) + "."]
+    if runs_[-1].get("host_load"):
+        lines += ["", f"Host: {runs_[-1]['host_load']}."]
     return "\n".join(lines)
 
 
