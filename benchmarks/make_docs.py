@@ -186,9 +186,10 @@ def stall_table(records: list[dict]) -> str:
     build = summary.get("tiers", {}).get("background_build", {})
     grid = (build.get("prewarm") or {}).get("grid")
     if grid:
-        lines += ["", f"The background build: the call's rows in {build.get('seconds')} s, then the grid's "
-                  f"{grid.get('done')} of {grid.get('batches')} runs in {grid.get('processes', 1)} children in "
-                  f"{grid.get('seconds')} s."]
+        after = grid.get("seconds_after_rows", grid.get("seconds"))
+        lines += ["", f"The background build: the call's rows in {build.get('seconds')} s; the grid's "
+                  f"{grid.get('done')} of {grid.get('batches')} runs in {grid.get('processes', 1)} children, done "
+                  f"{after} s after the rows."]
     sdpa = run.get("stream", {}).get("sdpa") or []
     if sdpa:
         lines += ["", "generate() with sdpa in the same run, on " + f"{len(sdpa)} of the stream's layouts: "

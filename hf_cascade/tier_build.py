@@ -8,11 +8,11 @@ stopped after :data:`BUILD_STEPS` decode steps) in a **child process** (:mod:`hf
 of the model's config cut to :data:`PREWARM_LAYERS` decoder layers of random weights, at low CPU priority. The layers
 compile to one graph for all layers, so the cut model makes the same graphs and Triton kernels: the child fills the
 Triton and Inductor caches on disk. The thread only waits for it (the GIL is free meanwhile), and the calls meanwhile
-build nothing themselves (they would build what the child is building). The child then goes on with the batches of
+build nothing themselves (they would build what the child is building). Children run the batches of
 :func:`variant_grid` (batch sizes, one or two shared levels, short and long prefixes, own tokens of several widths,
-padded or not; each on the compiled and on the eager layers) for at most :data:`GRID_BUDGET_S`: the Triton kernel
-variants of layouts no call has run yet, which a process that had moved up
-built in the call (3-10 s on a new layout's first call, H100, Llama-3-8B shape: results/stall.jsonl). Once the
+padded or not; on the eager layers beside the rows child, on the compiled layers after it; each child for at most
+:data:`GRID_BUDGET_S`): the Triton kernel variants of layouts no call has run yet, which a process that had moved
+up built in the call (3-10 s on a new layout's first call, H100, Llama-3-8B shape: results/stall.jsonl). Once the
 call's rows are done, the compiled tier's
 expected cost is what compiling from warm caches costs (:data:`~hf_cascade.tiers.WARM_COMPILE_COST_S`, or what a
 process recorded), and the ski rental of :mod:`hf_cascade.tiers` moves a call up once the calls' regret reaches it:
@@ -50,12 +50,13 @@ import torch
 from transformers.utils import logging
 
 from hf_cascade._env import background_off
+from hf_cascade.build_grid import GRID_OPTIONS, variant_grid
 from hf_cascade.transformers_compat import CACHE_KWARG
 
 logger = logging.get_logger(__name__)
 
 __all__ = ["BUILD_STEPS", "ENABLED", "GRID_BUDGET_S", "background_builds_on", "build_in_background", "describe",
-           "variant_grid", "wait_for_all_builds", "wait_for_build"]
+           "wait_for_all_builds", "wait_for_build"]
 
 ENABLED = True
 # Decode steps of the build call: the first compiles the layers for the decode step, the next runs them again (a
@@ -230,11 +231,11 @@ def _prewarm_in_child(model, input_ids, generation_config, model_kwargs, options
     """Run the build call in a child process on the model's config cut to :data:`PREWARM_LAYERS` layers (random
     weights), which fills the compile caches on disk this process's build then loads from; then, where ``grid`` (a
     list of ``(input_ids, attention_mask)``, :func:`variant_grid`) is given, the same call for each of those batches
-    in :func:`grid_processes` children at once (slices of the grid; the cut model's vocabulary cut to
-    :data:`GRID_VOCAB` too), for at most :data:`GRID_BUDGET_S`. ``on_rows_done()`` runs once the call's own rows are
-    done. Returns ``{"seconds", "returncode", "error", "rows_done", "grid": {"processes", "batches", "done",
-    "failed", "seconds"}}``; a child that fails is reported, not raised (the calls then move up with the cold
-    costs)."""
+    in children that run slices of the grid (:func:`_start_grid`: the eager-layer runs beside the rows child, the
+    compiled-layer runs after it; the cut model's vocabulary cut to :data:`GRID_VOCAB` too), each for at most
+    :data:`GRID_BUDGET_S`. ``on_rows_done()`` runs once the call's own rows are done. Returns ``{"seconds",
+    "returncode", "error", "rows_done", "grid": {"processes", "batches", "done", "failed", "seconds_after_rows"}}``;
+    a child that fails is reported, not raised (the calls then move up with the cold costs)."""
     import os
     import tempfile
 
@@ -254,12 +255,21 @@ def _prewarm_in_child(model, input_ids, generation_config, model_kwargs, options
             torch.save(spec, path)
         except Exception as err:  # noqa: BLE001 (something in the call cannot be pickled: no child)
             return {"seconds": 0.0, "returncode": None, "error": f"{type(err).__name__}: {str(err)[:200]}"}
-        code, _, tail = _run_children([path])[0]
+        deadline = time.perf_counter() + PREWARM_TIMEOUT_S
+        rows = _start_children([path])
+        # The grid's eager-layer runs need no Inductor cache: they start beside the rows child; the compiled-layer
+        # runs start once it has filled that cache (a compile of their own would duplicate its work).
+        early = _start_grid(folder, spec, grid, input_ids.device, eager=True) if grid else []
+        code, _, tail = _wait_children(rows, deadline)[0]
         outcome = {"returncode": code, "error": tail, "rows_done": code == 0}
         if code == 0 and on_rows_done is not None:
             on_rows_done()
-        if code == 0 and grid:
-            outcome["grid"] = _run_grid(folder, spec, grid, input_ids.device)
+        late = _start_grid(folder, spec, grid, input_ids.device, eager=False, beside=len(early)) \
+            if code == 0 and grid else []
+        if grid:
+            grid_started = time.perf_counter()
+            outcome["grid"] = _grid_summary(_wait_children(early + late, deadline), len(early) + len(late))
+            outcome["grid"]["seconds_after_rows"] = round(time.perf_counter() - grid_started, 3)
     return {"seconds": round(time.perf_counter() - started, 3), **outcome}
 
 
@@ -284,55 +294,63 @@ def _cut_config(config):
     return config
 
 
-def grid_processes(device: torch.device) -> int:
-    """Children that run the grid at once: at most :data:`GRID_PROCESSES`, one per 2 CPU cores, and as many as fit
-    in :data:`GRID_CHILD_BYTES` each of the GPU's free memory beyond :data:`MIN_FREE_FRACTION` of it."""
+def grid_processes(device: torch.device, beside: int = 0) -> int:
+    """Children that may run grid slices now, ``beside`` such children (or the rows child) already running: at most
+    :data:`GRID_PROCESSES` in all, one per 2 CPU cores, and as many as fit in :data:`GRID_CHILD_BYTES` each of the
+    GPU's free memory beyond :data:`MIN_FREE_FRACTION` of it."""
     import os
 
-    count = min(GRID_PROCESSES, max(1, (os.cpu_count() or 2) // 2))
+    count = min(GRID_PROCESSES, max(1, (os.cpu_count() or 2) // 2)) - beside
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
-        count = min(count, int((free - MIN_FREE_FRACTION * total) // GRID_CHILD_BYTES))
+        count = min(count, int((free - MIN_FREE_FRACTION * total) // GRID_CHILD_BYTES) - beside)
     return max(count, 0)
 
 
-def _run_grid(folder: str, spec: dict, grid, device: torch.device) -> dict:
-    """The grid in slices, one child each (:func:`grid_processes`), on the cut model with its vocabulary cut to
+def _start_grid(folder: str, spec: dict, grid, device: torch.device, *, eager: bool, beside: int = 0) -> list:
+    """Start the grid's runs on one kind of path (``eager``: the :data:`GRID_OPTIONS` that compile nothing; else
+    those that compile the layers) in slices, one child each: half of :func:`grid_processes` beside the rows child,
+    else what it allows ``beside`` the children still running. The cut model's vocabulary is cut to
     :data:`GRID_VOCAB` (the kernels do not depend on it: token ids taken modulo it)."""
     import os
 
-    count = grid_processes(device)
-    summary = {"processes": count, "batches": 0, "done": 0, "failed": 0, "seconds": None}
-    if count == 0:
-        return summary
+    paths = [o for o in GRID_OPTIONS if (o.get("compile") != "now") == eager]
+    count = max(1, grid_processes(device, beside=1) // 2) if eager else grid_processes(device, beside=beside)
+    if not paths or count == 0:
+        return []
     config = copy.deepcopy(spec["config"])
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     vocab = min(GRID_VOCAB, int(getattr(text, "vocab_size", GRID_VOCAB) or GRID_VOCAB))
     text.vocab_size = vocab
     batches = [(ids % vocab, mask) for ids, mask in grid]
-    paths = []
+    files = []
     for index in range(count):
-        paths.append(os.path.join(folder, f"grid{index}.pt"))
-        torch.save({**spec, "config": config, "rows": False, "grid": batches[index::count]}, paths[-1])
-    started = time.perf_counter()
-    for code, out, _ in _run_children(paths):
+        files.append(os.path.join(folder, f"grid_{'eager' if eager else 'compiled'}{index}.pt"))
+        torch.save({**spec, "config": config, "rows": False, "grid": batches[index::count], "grid_options": paths},
+                   files[-1])
+    return _start_children(files)
+
+
+def _grid_summary(results: list[tuple], processes: int) -> dict:
+    """``{"processes", "batches", "done", "failed"}`` from the grid children's report lines."""
+    summary = {"processes": processes, "batches": 0, "done": 0, "failed": 0}
+    for _, out, _ in results:
         for line in out.splitlines():
             kind = line.split(" ", 1)[0]
             if kind in ("GRID_DONE", "GRID_FAILED"):
                 summary["done" if kind == "GRID_DONE" else "failed"] += 1
             elif kind == "GRID_END":
                 summary["batches"] += int(float(line.split()[1]))
-    summary["seconds"] = round(time.perf_counter() - started, 3)
     return summary
 
 
-def _run_children(spec_paths: list[str]) -> list[tuple]:
-    """Run one child per spec at once (``python -m hf_cascade.tier_build_child SPEC PARENT``), each killed past
-    :data:`PREWARM_TIMEOUT_S`; per child ``(returncode or None, stdout, stderr's tail where it failed)``."""
+def _start_children(spec_paths: list[str]) -> list[tuple]:
+    """Start one child per spec (``python -m hf_cascade.tier_build_child SPEC PARENT``, its output to files next to
+    the spec): ``(Popen or the OSError that stopped it, stdout file, stderr file)`` each."""
     import os
     import subprocess
 
-    children, out = [], []
+    children = []
     for path in spec_paths:
         stdout, stderr = open(f"{path}.out", "w+"), open(f"{path}.err", "w+")
         try:
@@ -341,7 +359,15 @@ def _run_children(spec_paths: list[str]) -> list[tuple]:
         except OSError as err:
             child = err
         children.append((child, stdout, stderr))
-    deadline = time.perf_counter() + PREWARM_TIMEOUT_S
+    return children
+
+
+def _wait_children(children: list[tuple], deadline: float) -> list[tuple]:
+    """Wait for children of :func:`_start_children`, each killed past ``deadline`` (``time.perf_counter()``); per
+    child ``(returncode or None, stdout, stderr's tail where it failed)``."""
+    import subprocess
+
+    out = []
     for child, stdout, stderr in children:
         if isinstance(child, OSError):
             out.append((None, "", f"{type(child).__name__}: {str(child)[:200]}"))
@@ -357,64 +383,6 @@ def _run_children(spec_paths: list[str]) -> list[tuple]:
         stdout.close()
         stderr.close()
     return out
-
-
-# The grid's batch sizes, most common first. With the layers compiled, a decode step's kernel variants follow the
-# batch (its tiles cover rows x query heads per KV head, 16-128; the state merge's blocks follow rows x KV heads
-# against the SMs), whether the suffix pass shares the last level's launch (suffix traffic against the prefix's),
-# one level or several, a padding mask or none, and the prefill's new tokens per row (tiles of 16-64 rows of
-# tokens x query heads per KV head); with the layers eager (the Triton tier, and layers the compiled graphs do not
-# fit) the tiles follow each level's rows per node instead.
-GRID_ROWS = (24, 48, 96, 12, 160, 6, 3)
-GRID_PREFIX_TOKENS = (96, 1536)
-# The child runs each grid batch on both paths: the compiled layers, and the eager layers (Triton kernels, recorded
-# steps), whose launches pick their tiles from the tree's nodes rather than from the batch.
-GRID_OPTIONS = ({"compile": "now"}, {"decode_step": "graphs"})
-
-
-def _own_widths(model) -> list[int]:
-    """New tokens per row in the grid's prefills: one width in each tile class of ``width x query heads per KV
-    head`` (16, 32, 64 rows; more for a long suffix)."""
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    heads = getattr(text, "num_attention_heads", 1) or 1
-    groups = max(1, heads // (getattr(text, "num_key_value_heads", None) or heads))
-    return sorted({max(2, tile // groups) for tile in (16, 32, 64)} | {64})
-
-
-def variant_grid(model, input_ids: torch.Tensor, generation_config) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Batches ``(input_ids [B, L] int64, attention_mask [B, L] int64)``, left-padded, on CPU, that together launch
-    the Triton kernel variants of the layouts a stream of calls brings (see :data:`GRID_ROWS`): every batch size of
-    :data:`GRID_ROWS` x one shared level or two x a short or long shared prefix x own tokens of each width of
-    :func:`_own_widths`, the same for every row or ragged (1 to that width). Random tokens below the model's
-    vocabulary size (or the call's largest id)."""
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    vocab = int(getattr(text, "vocab_size", 0) or int(input_ids.max()) + 1)
-    g = torch.Generator().manual_seed(48)
-    batches = []
-    for rows in GRID_ROWS:
-        for width in _own_widths(model):
-            for prefix in GRID_PREFIX_TOKENS:
-                for levels in (1, 2):
-                    for ragged in (False, True):
-                        batches.append(_grid_batch(rows, width, prefix, levels, ragged, vocab, g))
-    return batches
-
-
-def _grid_batch(rows: int, width: int, prefix: int, levels: int, ragged: bool, vocab: int, g) -> tuple:
-    """One left-padded batch of :func:`variant_grid`: ``rows`` rows sharing ``prefix`` tokens (and, with two levels,
-    two groups of 32 more), then each row's own tokens (``width``, or 1 to ``width`` where ``ragged``)."""
-    shared = [torch.randint(3, vocab, (prefix,), generator=g)]
-    if levels == 2:
-        shared.append(torch.randint(3, vocab, (2, 32), generator=g))
-    own = torch.randint(1, width + 1, (rows,), generator=g) if ragged else torch.full((rows,), width)
-    parts = [torch.cat([shared[0]] + ([shared[1][r * 2 // rows]] if levels == 2 else [])
-                       + [torch.randint(3, vocab, (int(own[r]),), generator=g)]) for r in range(rows)]
-    longest = max(p.numel() for p in parts)
-    ids = torch.zeros(rows, longest, dtype=torch.long)
-    mask = torch.zeros(rows, longest, dtype=torch.long)
-    for r, p in enumerate(parts):
-        ids[r, longest - p.numel():], mask[r, longest - p.numel():] = p, 1
-    return ids, mask
 
 
 def _leave_with_parent(parent_pid: int) -> None:

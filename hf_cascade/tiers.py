@@ -137,7 +137,7 @@ class _ModelTiers:
         self.build_s: float | None = None
         self.build_prewarm: dict | None = None  # the child process that filled the compile caches first
         self.caches_filled = False  # a child filled the compile caches for this model's calls (tier_build)
-        self.grid_running = False  # ... and goes on with the grid of other layouts (tier_build.variant_grid)
+        self.grid_running = False  # ... and goes on with the grid of other layouts (build_grid.variant_grid)
         self.triton_first_s: float | None = None  # this process's first Triton call, on built kernels
         # shapes new to the compiled tier (shape_policy): calls that ran some layers uncompiled, what they lost (the
         # per-shape ski rental)

@@ -388,7 +388,7 @@ def test_background_build_child_process_runs_the_call_on_a_cut_model(tiny_llama_
     """The child process of a background build (hf_cascade.tier_build._prewarm_in_child): the call's rows, prepared
     generation config and options pickled, the model's config cut to PREWARM_LAYERS layers, the build call run
     there (here on CPU, nothing compiled: the plumbing a CUDA build uses), exit code 0; the model is untouched."""
-    from hf_cascade import tier_build
+    from hf_cascade import build_grid, tier_build
 
     model = tiny_llama_pair[1]
     layers = model.config.num_hidden_layers
@@ -403,39 +403,39 @@ def test_background_build_child_process_runs_the_call_on_a_cut_model(tiny_llama_
                    disable_compile=True, custom_generate=capture)
     kwargs = {k: v for k, v in captured["kwargs"].items() if k != CACHE_KWARG}
     monkeypatch.setattr(tier_build, "GRID_BUDGET_S", 600.0)  # every grid batch runs (a slow machine included)
-    monkeypatch.setattr(tier_build, "grid_processes", lambda device: 2)  # two children, a slice each
-    grid = tier_build.variant_grid(model, captured["input_ids"], captured["generation_config"])[:3]
+    monkeypatch.setattr(tier_build, "grid_processes", lambda device, beside=0: 2)  # eager: 1 child, compiled: 2
+    grid = build_grid.variant_grid(model, captured["input_ids"], captured["generation_config"])[:3]
     grid.append((torch.full((2, 5), 7), torch.ones(2, 4, dtype=torch.long)))  # a mask of another width: fails
     rows_done = []
     outcome = tier_build._prewarm_in_child(model, captured["input_ids"], captured["generation_config"], kwargs,
                                            {"cost_model": None, "compile": "now", "batch_buckets": True}, None,
                                            grid=grid, on_rows_done=lambda: rows_done.append(True))
     assert outcome["returncode"] == 0 and outcome["rows_done"] and rows_done == [True], outcome
-    runs = len(tier_build.GRID_OPTIONS) * 4  # each batch on the compiled and on the eager layers
-    assert outcome["grid"]["processes"] == 2, outcome
-    assert outcome["grid"]["done"] == runs - len(tier_build.GRID_OPTIONS), outcome
-    assert outcome["grid"]["failed"] == len(tier_build.GRID_OPTIONS) and outcome["grid"]["batches"] == runs, outcome
+    runs = len(build_grid.GRID_OPTIONS) * 4  # each batch on the compiled and on the eager layers
+    assert outcome["grid"]["processes"] == 3, outcome
+    assert outcome["grid"]["done"] == runs - len(build_grid.GRID_OPTIONS), outcome
+    assert outcome["grid"]["failed"] == len(build_grid.GRID_OPTIONS) and outcome["grid"]["batches"] == runs, outcome
     assert model.config.num_hidden_layers == layers
 
 
 def test_variant_grid_batches_are_left_padded_trees_of_every_grid_size(tiny_llama_pair):
-    """The background child's grid (tier_build.variant_grid): every batch size of GRID_ROWS, one and two shared
+    """The background child's grid (build_grid.variant_grid): every batch size of GRID_ROWS, one and two shared
     levels, short and long prefixes, own tokens fixed or ragged; left-padded rows whose masks mark their tokens,
     ids inside the vocabulary, rows of one batch sharing their first GRID_PREFIX_TOKENS tokens."""
-    from hf_cascade import tier_build
+    from hf_cascade import build_grid
 
     model = tiny_llama_pair[1]
-    grid = tier_build.variant_grid(model, torch.zeros(1, 4, dtype=torch.long), None)
-    widths = tier_build._own_widths(model)
-    assert len(grid) == len(tier_build.GRID_ROWS) * len(widths) * len(tier_build.GRID_PREFIX_TOKENS) * 2 * 2
+    grid = build_grid.variant_grid(model, torch.zeros(1, 4, dtype=torch.long), None)
+    widths = build_grid._own_widths(model)
+    assert len(grid) == len(build_grid.GRID_ROWS) * len(widths) * len(build_grid.GRID_PREFIX_TOKENS) * 2 * 2
     assert widths[-1] == 64 and len(widths) >= 3
-    assert {ids.shape[0] for ids, _ in grid} == set(tier_build.GRID_ROWS)
+    assert {ids.shape[0] for ids, _ in grid} == set(build_grid.GRID_ROWS)
     for ids, mask in grid:
         assert ids.shape == mask.shape and mask[:, -1].all() and int(ids.max()) < model.config.vocab_size
         assert (mask.cumsum(1)[:, :-1] <= mask.cumsum(1)[:, 1:]).all()  # left padding: ones run to the end
         lengths = mask.sum(1)
         first = [row[ids.shape[1] - int(n):] for row, n in zip(ids, lengths)]
-        shortest = min(tier_build.GRID_PREFIX_TOKENS)
+        shortest = min(build_grid.GRID_PREFIX_TOKENS)
         assert all(torch.equal(f[:shortest], first[0][:shortest]) for f in first)
     assert any(len(set(mask.sum(1).tolist())) > 1 for _, mask in grid)  # ragged batches
 

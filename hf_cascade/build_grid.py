@@ -1,0 +1,68 @@
+"""The grid of batch layouts the background build runs after a call's rows (:mod:`hf_cascade.tier_build`): batches
+that together launch the Triton kernel variants a stream of calls of other layouts brings, so that a later call of a
+new layout loads its kernels from the cache instead of building them (1-3 s each on an H100: 3-10 s on a new
+layout's first call, Llama-3-8B shape, ``benchmarks/results/stall.jsonl``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["GRID_OPTIONS", "GRID_PREFIX_TOKENS", "GRID_ROWS", "variant_grid"]
+
+# The grid's batch sizes, most common first. With the layers compiled, a decode step's kernel variants follow the
+# batch (its tiles cover rows x query heads per KV head, 16-128; the state merge's blocks follow rows x KV heads
+# against the SMs), whether the suffix pass shares the last level's launch (suffix traffic against the prefix's),
+# one level or several, a padding mask or none, and the prefill's new tokens per row (tiles of 16-64 rows of
+# tokens x query heads per KV head); with the layers eager (the Triton tier, and layers the compiled graphs do not
+# fit) the tiles follow each level's rows per node instead.
+GRID_ROWS = (24, 48, 96, 12, 160, 6, 3)
+GRID_PREFIX_TOKENS = (96, 1536)
+# The child runs each grid batch on both paths: the compiled layers, and the eager layers (Triton kernels, recorded
+# steps), whose launches pick their tiles from the tree's nodes rather than from the batch.
+GRID_OPTIONS = ({"compile": "now"}, {"decode_step": "graphs"})
+
+
+def _own_widths(model) -> list[int]:
+    """New tokens per row in the grid's prefills: one width in each tile class of ``width x query heads per KV
+    head`` (16, 32, 64 rows; more for a long suffix)."""
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = getattr(text, "num_attention_heads", 1) or 1
+    groups = max(1, heads // (getattr(text, "num_key_value_heads", None) or heads))
+    return sorted({max(2, tile // groups) for tile in (16, 32, 64)} | {64})
+
+
+def variant_grid(model, input_ids: torch.Tensor, generation_config) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Batches ``(input_ids [B, L] int64, attention_mask [B, L] int64)``, left-padded, on CPU, that together launch
+    the Triton kernel variants of the layouts a stream of calls brings (see :data:`GRID_ROWS`): every batch size of
+    :data:`GRID_ROWS` x one shared level or two x a short or long shared prefix x own tokens of each width of
+    :func:`_own_widths`, the same for every row or ragged (1 to that width). Random tokens below the model's
+    vocabulary size (or the call's largest id)."""
+    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    vocab = int(getattr(text, "vocab_size", 0) or int(input_ids.max()) + 1)
+    g = torch.Generator().manual_seed(48)
+    batches = []
+    for rows in GRID_ROWS:
+        for width in _own_widths(model):
+            for prefix in GRID_PREFIX_TOKENS:
+                for levels in (1, 2):
+                    for ragged in (False, True):
+                        batches.append(_grid_batch(rows, width, prefix, levels, ragged, vocab, g))
+    return batches
+
+
+def _grid_batch(rows: int, width: int, prefix: int, levels: int, ragged: bool, vocab: int, g) -> tuple:
+    """One left-padded batch of :func:`variant_grid`: ``rows`` rows sharing ``prefix`` tokens (and, with two levels,
+    two groups of 32 more), then each row's own tokens (``width``, or 1 to ``width`` where ``ragged``)."""
+    shared = [torch.randint(3, vocab, (prefix,), generator=g)]
+    if levels == 2:
+        shared.append(torch.randint(3, vocab, (2, 32), generator=g))
+    own = torch.randint(1, width + 1, (rows,), generator=g) if ragged else torch.full((rows,), width)
+    parts = [torch.cat([shared[0]] + ([shared[1][r * 2 // rows]] if levels == 2 else [])
+                       + [torch.randint(3, vocab, (int(own[r]),), generator=g)]) for r in range(rows)]
+    longest = max(p.numel() for p in parts)
+    ids = torch.zeros(rows, longest, dtype=torch.long)
+    mask = torch.zeros(rows, longest, dtype=torch.long)
+    for r, p in enumerate(parts):
+        ids[r, longest - p.numel():], mask[r, longest - p.numel():] = p, 1
+    return ids, mask
