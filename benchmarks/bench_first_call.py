@@ -50,7 +50,7 @@ import tempfile  # noqa: E402
 import threading  # noqa: E402
 import traceback  # noqa: E402
 
-PEER_OPTIONS = {"sdpa": None, "sdpa_static": None, "hf_prefix_reuse": None, "cascade": {},
+PEER_OPTIONS = {"sdpa": None, "sdpa_static": None, "hf_prefix_reuse": None, "generate_batch": None, "cascade": {},
                 "cascade_no_background": {}, "cascade_compiled_now": {"compile": "now"},
                 "cascade_exit_during_build": {}}
 WORKLOADS = ("shared32", "chat48", "stream")
@@ -109,6 +109,8 @@ def _child(args) -> dict:
             out = generate(ids, mask, new_tokens, past_key_values=cache)
         elif peer == "sdpa_static":
             out = generate(ids, mask, new_tokens, cache_implementation="static")
+        elif peer == "generate_batch":  # transformers' continuous batching, prefix sharing on: its defaults
+            out = _generate_batch(model, ids, mask, new_tokens)
         elif options is None:
             out = generate(ids, mask, new_tokens)
         else:
@@ -133,7 +135,8 @@ def _child(args) -> dict:
         from bench_generate import sdpa_in_parts
 
         for ids, mask in batches:
-            if options is None:  # sdpa as a capable user runs a batch that does not fit: in halves, quarters
+            if options is None and peer != "generate_batch":  # sdpa as a capable user runs a batch that does not
+                # fit: in halves, quarters
                 seconds, _ = sdpa_in_parts(model, ids, mask, 64)
             else:
                 seconds, _ = timed_call(ids, mask, 64)
@@ -168,6 +171,21 @@ def _child(args) -> dict:
         "process_s": round(time.perf_counter() - STARTED, 3), "tiers": tiers,
         "gil_stalls": stalls.report() if stalls is not None else None,
     }
+
+
+def _generate_batch(model, ids, mask, new_tokens: int):
+    """``model.generate_batch(rows, generation_config=...)`` (its defaults) on the left-padded batch's real tokens;
+    the generated tokens as one tensor ``[rows, new_tokens]`` (the other peers return prompt + new tokens)."""
+    import torch
+
+    from cb_peer import _outputs, greedy_config
+
+    rows = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+    out = model.generate_batch(rows, generation_config=greedy_config(new_tokens), progress_bar=False)
+    tokens, problem = _outputs(out, rows)
+    if problem:
+        raise RuntimeError(f"generate_batch: {problem}")
+    return torch.tensor(tokens, device=ids.device)
 
 
 class _StallSampler:
