@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 
-
 import torch
 
 from hf_cascade.decode.compiled_layers import compiled_forward
