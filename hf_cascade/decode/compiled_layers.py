@@ -31,10 +31,10 @@ Shapes the compiled code was not made for (:class:`NewShapes`). The decode step'
 its first compilation (its other sizes are constants or marked dynamic), so a new batch size or tree runs it as it
 is; a size it specialised (a batch of one row) or another kind of forward fails its guards, and dynamo would
 compile the layer again: seconds in the call's own thread. Where ``hf_cascade.generate`` runs the compiled tier once
-it is built (:func:`hf_cascade.tiers.shape_policy`), it sets a :class:`NewShapes` with ``compile=False``: the layers then run under torch's ``"eager_on_recompile"`` stance
-(compiled code where its guards pass, the layer's own code where none does, nothing compiled) and count the layer
-calls that ran uncompiled, so that a later call compiles them once the time lost pays for it (a ski rental per
-shape).
+it is built (:func:`hf_cascade.tiers.shape_policy`), it sets a :class:`NewShapes` with ``compile=False``: the layers
+then run under torch's ``"eager_on_recompile"`` stance (compiled code where its guards pass, the layer's own code
+where none does, nothing compiled) and count the layer calls that ran uncompiled, so that a later call compiles them
+once the time lost pays for it (a ski rental per shape).
 """
 
 from __future__ import annotations
