@@ -51,8 +51,8 @@ def render(latest: dict) -> str:
              "hf_cascade's default peers call again and again for a minute (a user's loop), so that the rows show when "
              "the compiled tier, built in the background (`hf_cascade/tier_build.py`), takes over and what the calls "
              "beside the build cost: with empty caches a child process fills the compile caches first (no stall while "
-             "it runs, 35-49 s here), then a thread of the process compiles from them (5-10 s of Python that holds "
-             "one call up about as long); `compiled tier from` counts "
+             "it runs, 35-49 s here), then the call that moves up compiles from them (5-10 s; the runs up to "
+             "`e3009a1` did that in a thread of the process, which no longer compiles); `compiled tier from` counts "
              "the seconds of calls before the first compiled one. `bytecode`: yes = the run compiled the installed "
              "packages' Python bytecode ahead, as `pip install` leaves a machine; no = the device image as it is (no "
              "bytecode, none written: every process compiles the sources it imports, seconds more per process).", ""]
