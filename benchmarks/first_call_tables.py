@@ -12,6 +12,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PEERS = {"sdpa": "sdpa (generate() as it is)", "sdpa_static": "sdpa, static cache (generate() compiles it)",
          "hf_prefix_reuse": "transformers' prefix-reuse recipe (sdpa)",
+         "generate_batch": "transformers' `generate_batch` (continuous batching, prefix sharing; its defaults)",
          "cascade": "hf_cascade, default (tiers + background build)",
          "cascade_foreground_finish": "hf_cascade, child fills the caches, then the calls compile in the foreground",
          "cascade_no_prewarm": "hf_cascade, background build without its child process",
