@@ -49,6 +49,7 @@ from common import ResultWriter  # noqa: E402
 
 import hf_cascade  # noqa: E402
 from hf_cascade import tier_build, tiers  # noqa: E402
+from hf_cascade.inputs import left_padded  # noqa: E402
 
 TREE = ([(1, 1024), (4, 2048)], 64, 64)  # levels (groups, tokens each), own tokens, rows (as bench_generate's tree)
 ROW_CHOICES = (1, 2, 3, 4, 6, 8, 12, 16, 20, 24, 31, 32, 40, 48, 56, 64, 80, 96, 112, 128)
@@ -81,11 +82,7 @@ def tree_batch(levels, own, rows: int, vocab: int, seed: int, device, ragged: bo
     lengths = torch.randint(1, own + 1, (rows,), generator=g) if ragged else torch.full((rows,), own)
     parts = [torch.cat([segments[i][r * groups // rows] for i, (groups, _) in enumerate(levels)]
                        + [torch.randint(3, vocab, (int(lengths[r]),), generator=g)]) for r in range(rows)]
-    width = max(p.numel() for p in parts)
-    ids = torch.zeros(rows, width, dtype=torch.long)
-    mask = torch.zeros(rows, width, dtype=torch.long)
-    for r, p in enumerate(parts):
-        ids[r, width - p.numel():], mask[r, width - p.numel():] = p, 1
+    ids, mask = left_padded(parts)
     return ids.to(device), mask.to(device)
 
 

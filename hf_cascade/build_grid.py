@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from hf_cascade.inputs import left_padded
+
 __all__ = ["GRID_OPTIONS", "GRID_PREFIX_TOKENS", "GRID_ROWS", "variant_grid"]
 
 # The grid's batch sizes, most common first. With the layers compiled, a decode step's kernel variants follow the
@@ -60,9 +62,4 @@ def _grid_batch(rows: int, width: int, prefix: int, levels: int, ragged: bool, v
     own = torch.randint(1, width + 1, (rows,), generator=g) if ragged else torch.full((rows,), width)
     parts = [torch.cat([shared[0]] + ([shared[1][r * 2 // rows]] if levels == 2 else [])
                        + [torch.randint(3, vocab, (int(own[r]),), generator=g)]) for r in range(rows)]
-    longest = max(p.numel() for p in parts)
-    ids = torch.zeros(rows, longest, dtype=torch.long)
-    mask = torch.zeros(rows, longest, dtype=torch.long)
-    for r, p in enumerate(parts):
-        ids[r, longest - p.numel():], mask[r, longest - p.numel():] = p, 1
-    return ids, mask
+    return left_padded(parts)

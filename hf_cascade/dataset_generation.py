@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from hf_cascade.dataset_checkpoint import CHECKPOINT_VERSION, Checkpoint
+from hf_cascade.inputs import left_padded
 from hf_cascade.transformers_compat import CACHE_KWARG, CACHE_KWARG_NAMES
 
 __all__ = ["CHECKPOINT_VERSION", "GenerationInterrupted", "GenerationStats", "generate_dataset"]
@@ -515,16 +516,6 @@ def _join_levels(levels):
                        join([level.values for level in levels]))
 
 
-def _pad_left(rows: list[list[int]], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.int64)
-    mask = torch.zeros((len(rows), width), dtype=torch.int64)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.int64)
-        mask[i, width - len(row) :] = 1
-    return ids.to(device), mask.to(device)
-
-
 @torch.no_grad()
 def _run_batch(
     model, tokenizer, rows, batch, next_batch, carried, gen_kwargs, num_return, eos_ids,
@@ -543,7 +534,7 @@ def _run_batch(
     batch_rows = [rows[i] for i in batch]
     next_rows = [rows[i] for i in next_batch] if next_batch else None
     prefix_cache, carried_len = carried.for_batch(batch_rows, next_rows, stats)
-    ids, mask = _pad_left(batch_rows, gen_kwargs["pad_token_id"], model.device)
+    ids, mask = (t.to(model.device) for t in left_padded(batch_rows, gen_kwargs["pad_token_id"]))
     caches = []
     extra = {} if prefix_cache is None else {CACHE_KWARG: prefix_cache}
     out = model.generate(

@@ -61,6 +61,18 @@ def _real_tokens_on_host(input_ids: torch.Tensor, attention_mask: torch.Tensor):
     return real_ids, real_columns, lengths, mask
 
 
+def left_padded(rows, pad_token_id: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rows`` (token-id lists or 1-D tensors of any lengths) as one left-padded batch on the CPU: ``(input_ids
+    [B, L] int64, attention_mask [B, L] int64)``, ``L`` the longest row, padding ``pad_token_id`` / 0."""
+    rows = [torch.as_tensor(row, dtype=torch.int64) for row in rows]
+    width = max((row.numel() for row in rows), default=0)
+    ids = torch.full((len(rows), width), pad_token_id, dtype=torch.int64)
+    mask = torch.zeros((len(rows), width), dtype=torch.int64)
+    for i, row in enumerate(rows):
+        ids[i, width - row.numel():], mask[i, width - row.numel():] = row, 1
+    return ids, mask
+
+
 def _refuse_right_padding(mask_host: np.ndarray) -> None:
     """Raise a ValueError naming the right-padded rows of ``mask_host`` (``[B, L]`` bool, True = real token), if any.
 

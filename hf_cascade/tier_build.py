@@ -208,7 +208,7 @@ def _build(model, state, input_ids, generation_config, model_kwargs, options, in
         grid = variant_grid(model, input_ids, generation_config) if input_ids.is_cuda else None
         prewarmed = _prewarm_in_child(model, input_ids, generation_config, model_kwargs, options, stream,
                                       grid=grid, on_rows_done=rows_done)
-        filled = prewarmed["returncode"] == 0 or bool(prewarmed.get("rows_done"))
+        filled = prewarmed["returncode"] == 0  # (the rows child's: its grid children do not count)
         if not filled:
             error = f"the child process that fills the compile caches failed: {prewarmed['error']}"
     except Exception as err:  # noqa: BLE001 (out of memory, a spec that cannot be written: the calls go on)
@@ -259,12 +259,13 @@ def _prewarm_in_child(model, input_ids, generation_config, model_kwargs, options
         rows = _start_children([path])
         # The grid's eager-layer runs need no Inductor cache: they start beside the rows child; the compiled-layer
         # runs start once it has filled that cache (a compile of their own would duplicate its work).
-        early = _start_grid(folder, spec, grid, input_ids.device, eager=True) if grid else []
+        grid_spec = _grid_spec(spec, grid) if grid else None
+        early = _start_grid(folder, grid_spec, input_ids.device, eager=True) if grid else []
         code, _, tail = _wait_children(rows, deadline)[0]
         outcome = {"returncode": code, "error": tail, "rows_done": code == 0}
         if code == 0 and on_rows_done is not None:
             on_rows_done()
-        late = _start_grid(folder, spec, grid, input_ids.device, eager=False, beside=len(early)) \
+        late = _start_grid(folder, grid_spec, input_ids.device, eager=False, beside=len(early)) \
             if code == 0 and grid else []
         if grid:
             grid_started = time.perf_counter()
@@ -307,27 +308,30 @@ def grid_processes(device: torch.device, beside: int = 0) -> int:
     return max(count, 0)
 
 
-def _start_grid(folder: str, spec: dict, grid, device: torch.device, *, eager: bool, beside: int = 0) -> list:
+def _grid_spec(spec: dict, grid) -> dict:
+    """The grid children's spec: the rows child's ``spec`` on the cut model with its vocabulary cut to
+    :data:`GRID_VOCAB` (the kernels do not depend on it: token ids taken modulo it), no rows, ``grid``'s batches."""
+    config = copy.deepcopy(spec["config"])
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    vocab = min(GRID_VOCAB, int(getattr(text, "vocab_size", GRID_VOCAB) or GRID_VOCAB))
+    text.vocab_size = vocab
+    return {**spec, "config": config, "rows": False, "grid": [(ids % vocab, mask) for ids, mask in grid]}
+
+
+def _start_grid(folder: str, grid_spec: dict, device: torch.device, *, eager: bool, beside: int = 0) -> list:
     """Start the grid's runs on one kind of path (``eager``: the :data:`GRID_OPTIONS` that compile nothing; else
-    those that compile the layers) in slices, one child each: half of :func:`grid_processes` beside the rows child,
-    else what it allows ``beside`` the children still running. The cut model's vocabulary is cut to
-    :data:`GRID_VOCAB` (the kernels do not depend on it: token ids taken modulo it)."""
+    those that compile the layers) in slices of ``grid_spec``'s batches (:func:`_grid_spec`), one child each: half of
+    :func:`grid_processes` beside the rows child, else what it allows ``beside`` the children still running."""
     import os
 
     paths = [o for o in GRID_OPTIONS if (o.get("compile") != "now") == eager]
     count = max(1, grid_processes(device, beside=1) // 2) if eager else grid_processes(device, beside=beside)
     if not paths or count == 0:
         return []
-    config = copy.deepcopy(spec["config"])
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    vocab = min(GRID_VOCAB, int(getattr(text, "vocab_size", GRID_VOCAB) or GRID_VOCAB))
-    text.vocab_size = vocab
-    batches = [(ids % vocab, mask) for ids, mask in grid]
     files = []
     for index in range(count):
         files.append(os.path.join(folder, f"grid_{'eager' if eager else 'compiled'}{index}.pt"))
-        torch.save({**spec, "config": config, "rows": False, "grid": batches[index::count], "grid_options": paths},
-                   files[-1])
+        torch.save({**grid_spec, "grid": grid_spec["grid"][index::count], "grid_options": paths}, files[-1])
     return _start_children(files)
 
 
