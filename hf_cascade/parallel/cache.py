@@ -54,7 +54,7 @@ from hf_cascade.parallel.combine import all_gather_kv, check_combine, combine_st
 from hf_cascade.parallel.fixed import DecodeBuffers, attend_fixed, check_max_new_tokens
 from hf_cascade.suffix_layers import SuffixLayer
 from hf_cascade.parallel.prefill_plan import PrefillPlan, PrefillRound, PrefillState
-from hf_cascade.parallel.ring import past_state, ring_states
+from hf_cascade.parallel.ring import past_state, past_state_workspace_numel, ring_states
 
 PLACEMENTS = ("least_loaded", "round_robin")
 _GROW = 256  # columns of spare capacity added when a rank's row KV storage is full
@@ -566,8 +566,10 @@ class ContextParallelCache(Cache):
                                key_valid=prefill.round_valid, softcap=softcap, block_backend=self.kernels)
         if rnd.start > 0:  # the same on every rank: past_state is a collective
             keys, values = layer.keys[:, :, :rnd.offset], layer.values[:, :, :rnd.offset]
+            workspace = prefill.workspace(past_state_workspace_numel(query, self.info.world_size), query)
             past_out, past_lse = past_state(query, keys, values, info=self.info, scale=scaling,
-                                            valid=prefill.past_valid, softcap=softcap, block_backend=self.kernels)
+                                            valid=prefill.past_valid, softcap=softcap, block_backend=self.kernels,
+                                            workspace=workspace)
             out, lse = merge_attention_states(out, lse, past_out, past_lse)
         return out.to(query.dtype).transpose(1, 2)
 

@@ -127,6 +127,7 @@ class PrefillState:
         self.round_valid = None  # bool [B, round padded length] or None
         self.past_valid = None  # bool [B, current.offset] or None
         self._blocks = None  # (keys [layers, B, Hkv, n, D], values [...]): every layer's storage, one allocation each
+        self._workspace: torch.Tensor | None = None  # flat: past_state's buffers, shared by every layer and round
 
     def storage(self, layer_idx: int, num_layers: int, key_states, value_states):
         """Layer ``layer_idx``'s KV storage ``([B, Hkv, n, Dk], [B, Hkv, n, Dv])`` for this rank's ``n`` columns.
@@ -142,3 +143,13 @@ class PrefillState:
         if keys.shape[1:] == k_shape and values.shape[1:] == v_shape and keys.dtype == key_states.dtype:
             return keys[layer_idx], values[layer_idx]
         return key_states.new_empty(k_shape), value_states.new_empty(v_shape)
+
+    def workspace(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        """A flat scratch tensor of at least ``numel`` elements of ``like``'s dtype and device, made once and
+        handed to every layer of every round (:func:`~hf_cascade.parallel.ring.past_state`'s buffers): the
+        largest temporaries of a round are not freed and re-made per layer, so they leave no holes behind."""
+        ws = self._workspace
+        if ws is None or ws.numel() < numel or ws.dtype != like.dtype or ws.device != like.device:
+            self._workspace = ws = None  # (the old one goes before the new one is made)
+            self._workspace = ws = like.new_empty(numel)
+        return ws

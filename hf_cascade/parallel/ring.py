@@ -152,13 +152,18 @@ def ring_states(
 
 
 def past_state(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, info: GroupInfo, scale: float,
-               valid: torch.Tensor | None = None, softcap: float | None = None, block_backend: str = "auto"):
+               valid: torch.Tensor | None = None, softcap: float | None = None, block_backend: str = "auto",
+               workspace: torch.Tensor | None = None):
     """Exact attention of this rank's queries over the keys EVERY rank stores from earlier prefill rounds.
 
     All of those keys precede all of the queries (no causal mask). The ranks' queries are all-gathered, each rank
-    attends all of them to its own stored keys in one call, and one all-to-all returns each rank the states of its
-    queries, merged by log-sum-exp. Traffic: queries and states, never the stored KV. A collective: every rank
+    attends every rank's block of them to its own stored keys, and one all-to-all returns each rank the states of
+    its queries, merged by log-sum-exp. Traffic: queries and states, never the stored KV. A collective: every rank
     calls it in the same round (a rank storing no keys yet passes ``keys`` with 0 columns).
+
+    Memory: two ``[world_size, B, Hq, Lq, D]`` buffers in query's dtype (the gathered queries, reused to receive
+    the states, and the states to send), taken from ``workspace`` when given, so a prefill of many layers and
+    rounds allocates them once; one rank's block of states at a time beside them.
 
     Args:
         query: ``[B, Hq, Lq, D]`` this rank's queries (``Lq`` the same on every rank).
@@ -168,33 +173,52 @@ def past_state(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *,
         valid: bool ``[B, P_r]`` (False = a left-padding key no query may see) or None (all valid).
         softcap: Gemma-2 style score soft-capping.
         block_backend: the attention call's kernel (:func:`block_attention`).
+        workspace: optional flat tensor of query's dtype and device with at least
+            :func:`past_state_workspace_numel` elements (contents ignored and overwritten).
     Returns:
         ``(out [B, Hq, Lq, D] float32, lse [B, Hq, Lq] float32)``; a query that sees no key gets out 0, lse -inf.
     """
     from hf_cascade.ops.merge_states import merge_states
-    from hf_cascade.parallel.combine import _all_gathered
+    from hf_cascade.parallel.combine import _all_gather_flat
 
     B, Hq, Lq, D = query.shape
     n = info.world_size
     if n == 1:
-        gathered = query
-    else:  # [n, B, Hq, Lq, D] -> [B, Hq, n * Lq, D]: every rank's queries as one query block
-        gathered = _all_gathered(query, info).view(n, B, Hq, Lq, D).permute(1, 2, 0, 3, 4).reshape(B, Hq, n * Lq, D)
+        out, lse = _attend_past(query, keys, values, valid, scale, softcap, block_backend)
+        return out.float(), lse
+    numel = n * query.numel()
+    if workspace is None:
+        workspace = query.new_empty(past_state_workspace_numel(query, n))
+    elif workspace.numel() < 2 * numel or workspace.dtype != query.dtype or workspace.device != query.device:
+        raise ValueError(f"past_state: workspace must be {query.dtype} on {query.device} with at least {2 * numel} "
+                         f"elements; got {workspace.dtype} on {workspace.device} with {workspace.numel()}.")
+    gathered = workspace[:numel].view(n, B, Hq, Lq, D)  # every rank's queries; then the states received
+    send = workspace[numel:2 * numel].view(n, B, Hq, Lq, D)  # this rank's states of every rank's queries
+    send_lse = query.new_empty((n, B, Hq, Lq), dtype=torch.float32)
+    _all_gather_flat(gathered, query, info)
+    for src in range(n):
+        out, lse = _attend_past(gathered[src], keys, values, valid, scale, softcap, block_backend)
+        send[src].copy_(out)
+        send_lse[src].copy_(lse)
+        del out, lse
+    got_lse = torch.empty_like(send_lse)
+    dist.all_to_all_single(gathered, send, group=info.group)
+    dist.all_to_all_single(got_lse, send_lse, group=info.group)
+    return merge_states(gathered, got_lse, out_dtype=torch.float32)
+
+
+def past_state_workspace_numel(query: torch.Tensor, world_size: int) -> int:
+    """Elements of :func:`past_state`'s ``workspace`` for ``query`` ``[B, Hq, Lq, D]`` on ``world_size`` ranks."""
+    return 2 * world_size * query.numel()
+
+
+def _attend_past(query, keys, values, valid, scale, softcap, block_backend):
+    """``query`` ``[B, Hq, Lq, D]`` against every stored key (no causal mask): ``(out, lse [B, Hq, Lq] float32)``,
+    out 0 / lse -inf where no key is stored."""
+    B, Hq, Lq, D = query.shape
     P = keys.shape[2]
     if P == 0:
-        out = gathered.new_zeros(gathered.shape)
-        lse = gathered.new_full(gathered.shape[:-1], float("-inf"), dtype=torch.float32)
-    else:
-        mask = None if valid is None else valid[:, None, :].expand(B, gathered.shape[2], P)
-        out, lse = block_attention(gathered, keys, values, scale=scale, mask=mask, causal=False, softcap=softcap,
-                                   backend=block_backend)
-    del gathered
-    if n == 1:
-        return out.float(), lse
-    out = out.view(B, Hq, n, Lq, D).permute(2, 0, 1, 3, 4).contiguous()  # [n (whose queries), B, Hq, Lq, D]
-    lse = lse.view(B, Hq, n, Lq).permute(2, 0, 1, 3).contiguous()
-    got_out, got_lse = torch.empty_like(out), torch.empty_like(lse)
-    dist.all_to_all_single(got_out, out, group=info.group)
-    dist.all_to_all_single(got_lse, lse, group=info.group)
-    del out, lse
-    return merge_states(got_out, got_lse, out_dtype=torch.float32)
+        return query.new_zeros(query.shape), query.new_full((B, Hq, Lq), float("-inf"), dtype=torch.float32)
+    mask = None if valid is None else valid[:, None, :].expand(B, Lq, P)
+    return block_attention(query, keys, values, scale=scale, mask=mask, causal=False, softcap=softcap,
+                           backend=block_backend)
