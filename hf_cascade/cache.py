@@ -42,7 +42,7 @@ from hf_cascade.ops.plan import CascadePlan
 from hf_cascade.prefill import PrefixLevel, prefill_levels, validate_token_ids
 from hf_cascade.static_steps import StaticStepMixin
 from hf_cascade.suffix_layers import StaticSuffixLayer, SuffixLayer, append_columns, memoized
-from hf_cascade.windows import cache_bounded_attend, layer_sinks, layer_window
+from hf_cascade.windows import RowShifts, bound_columns, layer_sinks, layer_window, row_shifts
 
 # The names these had when they were defined here (kept importable from hf_cascade.cache).
 _SuffixLayer, _StaticSuffixLayer, _append_columns, _memoized = SuffixLayer, StaticSuffixLayer, append_columns, memoized
@@ -501,6 +501,34 @@ class CascadeCache(StaticStepMixin, Cache):
         """The attention module of layer ``layer_idx`` of the model this cache was built for."""
         return next(iter(self._modules[layer_idx]))
 
+    def _window_bounds(self, query: torch.Tensor, key_columns: int, *, window: int | None, chunk: int | None,
+                       key_length: torch.Tensor | None, position_ids: torch.Tensor | None,
+                       static: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Each query's first visible key column in a layer of this ``window`` (or ``chunk``): int64 ``[B, Lq]`` per
+        prefix level and over the suffix (:func:`~hf_cascade.windows.bound_columns`). The rows'
+        :class:`~hf_cascade.windows.RowShifts` are built by the layout's first bounded layer and kept; the bounds
+        once per step for every layer of one window. ``key_columns``: the suffix KV's columns ``S``; ``static``: a
+        compiled or recorded step, or the built-in tier (the shifts then are not taken from the step buffers)."""
+        if self._shifts is None:
+            last = (key_columns if key_length is None else key_length.reshape(())) - 1
+            shifts = row_shifts(self.levels, self.row_nodes, self.suffix_start, query.shape[0], query.device,
+                                position_ids, last)
+            buffers = getattr(self, "_step_buffers", None)
+            if buffers is not None and self._wrapper.op_inputs is not None and not static:
+                # Taken from the model's step buffers after the op's index tensors (the order a call gives them
+                # back, see StaticStepMixin.step_buffer_tensors): the next call of these shapes has them at the same
+                # addresses and replays the decode step recorded for this one.
+                take = lambda t: buffers.take(t.shape, t.dtype, t.device).copy_(t)  # noqa: E731
+                shifts = RowShifts(take(shifts.level_shift), take(shifts.suffix_shift), shifts.first_position,
+                                   from_step_buffers=True)
+            self._shifts = shifts
+        in_step = static_step() and not (self.builtin_kernels and not torch.compiler.is_compiling())
+        memo = self._step_memo if in_step and not torch.compiler.is_compiling() else None
+        written = key_columns if key_length is None else key_length.reshape(())
+        return memoized(memo, ("bounds", window, chunk, query.shape[2], key_columns), lambda: bound_columns(
+            self._shifts, query.shape[2], written, len(self.levels), window=window if chunk is None else None,
+            chunk=chunk))
+
     def attend(self, module, query, key, value, attention_mask, *, scaling, softcap=None, sliding_window=None, **kwargs):
         """Cascade attention for one layer: shared-prefix passes (one per level) merged with the suffix pass.
 
@@ -533,18 +561,18 @@ class CascadeCache(StaticStepMixin, Cache):
         attention_mask = self._suffix_mask(attention_mask, layer, query.shape[2], key.shape[2])
         # Fixed buffers: the kernels read the suffix only as far as it is written (the mask hides the rest anyway).
         written = layer.cumulative_length if isinstance(layer, StaticSuffixLayer) and layer.is_initialized else None
-        if bounded:  # (Triton in eager forwards; the PyTorch path in compiled / recorded steps, for now)
-            out, lse = cache_bounded_attend(self, layer_idx, query, key, value, attention_mask, scale=scaling,
-                                            softcap=softcap, window=window, chunk=chunk, key_length=written,
-                                            position_ids=kwargs.get("position_ids"),
-                                            static=static or self.builtin_kernels)
-        elif self._wrapper.prefix_slots is None and not self.levels:  # nothing shared: the fastest exact kernel
-            mask = None if attention_mask is None else attention_mask[:, None]
+        if not bounded and self._wrapper.prefix_slots is None and not self.levels:  # nothing shared: the fastest
+            mask = None if attention_mask is None else attention_mask[:, None]  # exact kernel
             return plain_attention(module, query, key, value, mask, scaling=scaling, softcap=softcap, sinks=sinks,
                                    backend="torch" if self.builtin_kernels else "auto")
-        else:
-            if not torch.compiler.is_compiling():  # (planned by the layout's first forward; here if not yet)
-                self._plan_for(query.shape[0], query.device)
-            out, lse = self._wrapper.run(layer_idx, query, key, value, self.levels, scale=scaling,
-                                         mask=attention_mask, softcap=softcap, key_length=written, static=static)
+        if not torch.compiler.is_compiling():  # (planned by the layout's first forward; here if not yet)
+            self._plan_for(query.shape[0], query.device)
+        bounds = None
+        if bounded:  # each query's first visible key column (hf_cascade.windows)
+            if not (static or self.builtin_kernels):  # the op's index tensors first (their step-buffer order)
+                self._wrapper.plan_step(layer_idx, query, key)
+            bounds = self._window_bounds(query, key.shape[2], window=window, chunk=chunk, key_length=written,
+                                         position_ids=kwargs.get("position_ids"), static=static or self.builtin_kernels)
+        out, lse = self._wrapper.run(layer_idx, query, key, value, self.levels, scale=scaling, mask=attention_mask,
+                                     softcap=softcap, key_length=written, static=static, bounds=bounds)
         return out if sinks is None else merge_sink(out, lse, sinks, heads_dim=2)[0]

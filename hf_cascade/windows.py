@@ -23,11 +23,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from hf_cascade.ops._backend import host_to_device, resolve_backend
-from hf_cascade.ops.bounded import BOUNDED_PATHS, bounded_cascade_attention, count_path, lower_positions  # noqa: F401
-from hf_cascade.ops.cascade_attention import cascade_attention
-from hf_cascade.suffix_layers import memoized
-from hf_cascade.step_context import static_step
+from hf_cascade.ops._backend import host_to_device
+from hf_cascade.ops.bounded import BOUNDED_PATHS, lower_positions  # noqa: F401
+from hf_cascade.ops.cascade_wrapper import bounded_planned_attention
 
 
 def layer_window(module: torch.nn.Module, sliding_window: int | None = None) -> int | None:
@@ -134,9 +132,10 @@ def bounded_attend(
     chunk: int | None,
     key_length: Tensor | None,
     backend: str = "auto",
-    bounds: tuple[list[Tensor], Tensor] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """One layer's cascade attention with its window (or chunk) as a lower bound on every query's keys.
+    """One layer's cascade attention with its window (or chunk) as a lower bound on every query's keys: the bounds
+    of :func:`bound_columns`, then :func:`~hf_cascade.ops.cascade_wrapper.bounded_planned_attention` (what a
+    :class:`~hf_cascade.cache.CascadeCache` runs through its wrapper, for a layout given by hand).
 
     Args:
         shifts: the batch layout's :class:`RowShifts`; plan: its :class:`~hf_cascade.ops.plan.CascadePlan` (None
@@ -145,85 +144,15 @@ def bounded_attend(
             ``[Hkv, T_l, D / Dv]``; mask: bool ``[B or 1, Lq, S]`` over the suffix, or None (causal).
         key_length: the written suffix columns (fixed buffers, int64 device scalar) or None (all S).
         backend: "auto" (the Triton kernels with the bounds on CUDA, else PyTorch), "triton" or "torch".
-        bounds: :func:`bound_columns` of this forward, when already computed (another layer of the same window).
     Returns:
         ``(out [B, Lq, Hq, Dv] in query.dtype, lse [B, Hq, Lq] fp32)``.
     """
     written = key.shape[2] if key_length is None else key_length.reshape(())
-    if bounds is None:
-        bounds = bound_columns(shifts, query.shape[2], written, len(prefix_keys), window=window, chunk=chunk)
-    key_lower, suffix_lower = bounds
-    if resolve_backend(backend, query.device, "cascade_attention") == "triton":
-        # (nothing shared, a segment's own prefill: the suffix kernel alone takes the bound)
-        prefixes = plan.prefixes(prefix_keys, prefix_values) if plan is not None else []
-        out, lse = cascade_attention(query, key, value, prefixes, scale=scale, mask=mask, causal=True, softcap=softcap,
-                                     backend="triton", key_length=key_length, key_lower=key_lower,
-                                     suffix_lower=suffix_lower)
-    else:  # the layout's device tensors (no host data: a compiled step's)
-        node_starts = [p.node_starts_dev for p in plan.levels] if plan is not None else []
-        row_node = list(plan.row_node) if plan is not None else []
-        out, lse = bounded_cascade_attention(
-            query, key, value, prefix_keys, prefix_values, node_starts, row_node, key_lower, suffix_lower,
-            scale=scale, mask=mask, causal=True, softcap=softcap, key_length=key_length)
-    return out.to(query.dtype).transpose(1, 2).contiguous(), lse
-
-
-def cache_bounded_attend(cache, layer_idx: int, query: Tensor, key: Tensor, value: Tensor, mask: Tensor | None, *,
-                         scale: float, softcap: float | None, window: int | None, chunk: int | None,
-                         key_length: Tensor | None, position_ids: Tensor | None, static: bool) -> tuple[Tensor, Tensor]:
-    """:func:`bounded_attend` for one layer of a :class:`~hf_cascade.cache.CascadeCache` (its rows' plan and
-    :class:`RowShifts`, built at the first bounded layer of the layout and kept on the cache).
-
-    ``static``: a compiled or recorded step, or the built-in tier (no Triton). In a decode step with fixed buffers
-    the Triton kernels run through ``torch.ops.hf_cascade.bounded_cascade_attention`` on the index tensors of the
-    cache's :class:`~hf_cascade.ops.cascade_wrapper.CascadeWrapper` (``op_inputs``, planned at the prefill, as the
-    unbounded layers' op), the bounds computed on the device from the written length (once per step for all layers
-    of one window); the PyTorch path where that op cannot run (the built-in tier, a step of several queries)."""
-    wrapper = cache._wrapper
-    builtin = cache.builtin_kernels and not torch.compiler.is_compiling()
-    plan = cache._plan_for(query.shape[0], query.device) if not torch.compiler.is_compiling() else wrapper.layout
-    slots = wrapper.prefix_slots
-    if not static and not builtin:
-        wrapper.plan_step(layer_idx, query, key)
-    if cache._shifts is None:
-        last = (key.shape[2] if key_length is None else key_length.reshape(())) - 1
-        shifts = row_shifts(cache.levels, cache.row_nodes, cache.suffix_start, query.shape[0], query.device,
-                            position_ids, last)
-        buffers = getattr(cache, "_step_buffers", None)
-        if buffers is not None and wrapper.op_inputs is not None and not static and not builtin:
-            # Taken from the model's step buffers after the op's index tensors (the order a call gives them back,
-            # see StaticStepMixin.step_buffer_tensors): the next call of these shapes has them at the same
-            # addresses and replays the decode step recorded for this one.
-            take = lambda t: buffers.take(t.shape, t.dtype, t.device).copy_(t)  # noqa: E731
-            shifts = RowShifts(take(shifts.level_shift), take(shifts.suffix_shift), shifts.first_position,
-                               from_step_buffers=True)
-        cache._shifts = shifts
-    levels = len(cache.levels)
-    step = _in_static_step()
-    in_step = step and not builtin
-    memo = cache._step_memo if in_step and not torch.compiler.is_compiling() else None
-    written = key.shape[2] if key_length is None else key_length.reshape(())
-    bounds = memoized(memo, ("bounds", window, chunk, query.shape[2], key.shape[2]), lambda: bound_columns(
-        cache._shifts, query.shape[2], written, levels, window=window if chunk is None else None, chunk=chunk))
-    op_ready = (in_step and levels and slots is not None and wrapper.op_inputs is not None
-                and key_length is not None and query.shape[2] == 1)
-    if op_ready:  # every layer's prefix slots: the op reads this layer's
-        return torch.ops.hf_cascade.bounded_cascade_attention(
-            query, key, value, slots.keys, slots.values, wrapper.op_inputs, mask, scale, softcap, layer_idx,
-            key_length, bounds[0], bounds[1])
-    backend = "torch" if static else "auto"
-    count_path(f"{'step' if step else 'eager'}:" + ("torch" if static or resolve_backend(
-        "auto", query.device, "cascade_attention") == "torch" else "triton"))
-    return bounded_attend(
-        cache._shifts, plan, query, key, value,
-        [level.keys[layer_idx] for level in cache.levels], [level.values[layer_idx] for level in cache.levels], mask,
-        scale=scale, softcap=softcap, window=window if chunk is None else None, chunk=chunk, key_length=key_length,
-        backend=backend, bounds=bounds,
-    )
-
-
-def _in_static_step() -> bool:
-    return static_step()
+    key_lower, suffix_lower = bound_columns(shifts, query.shape[2], written, len(prefix_keys), window=window,
+                                            chunk=chunk)
+    return bounded_planned_attention(query, key, value, plan, prefix_keys, prefix_values, mask, scale=scale,
+                                     softcap=softcap, key_length=key_length, key_lower=key_lower,
+                                     suffix_lower=suffix_lower, backend=backend)
 
 
 def droppable_prefix_tokens(shifts: RowShifts, levels, row_nodes: Tensor | None, window: int) -> int:

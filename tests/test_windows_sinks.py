@@ -394,9 +394,9 @@ def test_cascade_attention_rejects_half_given_bounds():
                                                        ("llama4", dict(attention_chunk_size=6))]))
 def test_windowed_models_through_the_triton_kernels(family, overrides, monkeypatch):
     """The eager bounded layers as they run on CUDA: the Triton kernels with per-query lower bounds (interpreter)."""
-    import hf_cascade.windows as windows
+    import hf_cascade.ops.cascade_wrapper as cascade_wrapper  # the door every bounded layer goes through
 
-    monkeypatch.setattr(windows, "resolve_backend", lambda *args: "triton")
+    monkeypatch.setattr(cascade_wrapper, "resolve_backend", lambda *args: "triton")
     ref, cas = model_pair(family, **overrides)
     rows = make_prompts(seed=7)
     want, got, want_new, got_new, _ = run_pair(ref, cas, rows, dict(do_sample=False))

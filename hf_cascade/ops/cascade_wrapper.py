@@ -23,14 +23,14 @@ from torch import Tensor
 
 from ._backend import resolve_backend
 from ._launch import launch_cascade, launch_configs
-from .bounded import count_path
+from .bounded import bounded_cascade_attention, count_path
 from .builtin_cascade import builtin_cascade_attention
 from .cascade_attention import cascade_attention
 from .plan import CascadePlan, _Schedule, plan_cascade, plan_shared_prefix
 from .reference import cascade_attention_ref
 
-__all__ = ["COMPILED_LEVELS", "CascadeWrapper", "LevelKV", "LevelTensors", "PrefixSlots", "padded_level_count",
-           "planned_attention", "step_inputs"]
+__all__ = ["COMPILED_LEVELS", "CascadeWrapper", "LevelKV", "LevelTensors", "PrefixSlots", "bounded_planned_attention",
+           "padded_level_count", "planned_attention", "step_inputs"]
 
 # A compiled step takes at least this many prefix levels: a tree with fewer is padded with empty levels in front
 # (no node, so the op launches nothing for them), so trees of 1 to 4 levels share one graph. Deeper trees compile
@@ -124,7 +124,8 @@ class CascadeWrapper:
 
     def run(self, layer: int, query: Tensor, key: Tensor, value: Tensor, levels: Sequence[LevelKV], *, scale: float,
             mask: Tensor | None = None, causal: bool = True, softcap: float | None = None,
-            key_length: Tensor | None = None, static: bool = False) -> tuple[Tensor, Tensor]:
+            key_length: Tensor | None = None, static: bool = False,
+            bounds: tuple[Sequence[Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor]:
         """Cascade attention of layer ``layer`` on the planned layout.
 
         Args:
@@ -134,18 +135,33 @@ class CascadeWrapper:
             key_length: the written suffix keys (int64 device scalar; fixed buffers), as in ``cascade_attention``.
             static: a compiled or recorded decode step: with prefix slots, the op on the index tensors (device
                 work only, no plan read on the host; a causal suffix).
+            bounds: a sliding window's or chunk's first visible column of each query (``hf_cascade.windows``):
+                int64 ``[B, Lq]`` per level and over the suffix; None: no lower bound.
         Returns:
             ``(out [B, Lq, Hq, Dv] contiguous in query.dtype, lse [B, Hq, Lq] fp32)``.
         """
         builtin = self.builtin and not torch.compiler.is_compiling()
         if not (static or builtin):
             self.plan_step(layer, query, key)
-        if static and self.prefix_slots is not None and not builtin:
+        op = static and self.prefix_slots is not None and not builtin
+        if op and bounds is None:
             # The padded levels: the graph reads no level count (a tree of 1 to 4 levels is the same graph).
             return torch.ops.hf_cascade.cascade_attention(query, key, value, self.prefix_slots.keys,
                                                           self.prefix_slots.values, self.op_inputs, mask, scale,
                                                           softcap, layer, key_length)
-        prefixes = self.layout.prefixes([lv.keys[layer] for lv in levels], [lv.values[layer] for lv in levels])
+        if op and levels and self.op_inputs is not None and key_length is not None and query.shape[2] == 1:
+            return torch.ops.hf_cascade.bounded_cascade_attention(
+                query, key, value, self.prefix_slots.keys, self.prefix_slots.values, self.op_inputs, mask, scale,
+                softcap, layer, key_length, list(bounds[0]), bounds[1])
+        prefix_keys, prefix_values = [lv.keys[layer] for lv in levels], [lv.values[layer] for lv in levels]
+        if bounds is not None:  # the PyTorch path in a step the op does not take, and in the built-in tier
+            backend = "torch" if static or builtin else "auto"
+            count_path(f"{'step' if static else 'eager'}:" + resolve_backend(backend, query.device,
+                                                                             "cascade_attention"))
+            return bounded_planned_attention(query, key, value, self.layout, prefix_keys, prefix_values, mask,
+                                             scale=scale, softcap=softcap, key_length=key_length,
+                                             key_lower=bounds[0], suffix_lower=bounds[1], backend=backend)
+        prefixes = self.layout.prefixes(prefix_keys, prefix_values)
         if not builtin:
             out, lse = cascade_attention(query, key, value, prefixes, scale=scale, mask=mask, causal=causal,
                                          softcap=softcap, key_length=key_length)
@@ -160,6 +176,39 @@ class CascadeWrapper:
             tensors = step_inputs(self.layout, query[:, :, -1:], key, [slot[layer] for slot in self.prefix_slots.keys],
                                   buffers=self.buffers)
             self.op_inputs = [t for level in tensors for t in level]
+
+
+def bounded_planned_attention(query: Tensor, key: Tensor, value: Tensor, plan: CascadePlan | None,
+                              prefix_keys: Sequence[Tensor], prefix_values: Sequence[Tensor], mask: Tensor | None, *,
+                              scale: float, softcap: float | None, key_length: Tensor | None,
+                              key_lower: Sequence[Tensor], suffix_lower: Tensor,
+                              backend: str = "auto") -> tuple[Tensor, Tensor]:
+    """Causal cascade attention on ``plan`` with a lower bound on every query's keys (a sliding window or a chunk).
+
+    Args:
+        query: ``[B, Hq, Lq, D]``; key, value: the suffix KV ``[B, Hkv, S, D / Dv]``; prefix_keys/values: per level
+            ``[Hkv, T_l, D / Dv]``; mask: bool ``[B or 1, Lq, S]`` over the suffix, or None (causal).
+        plan: the layout's :class:`~hf_cascade.ops.plan.CascadePlan` (None without prefix levels).
+        key_length: the written suffix columns (fixed buffers, int64 device scalar) or None (all S).
+        key_lower: int64 ``[B, Lq]`` per level, each query's first visible column of the level;
+            suffix_lower: int64 ``[B, Lq]``, the same over the suffix (:mod:`~hf_cascade.ops.bounded`).
+        backend: "auto" (the Triton kernels with the bounds on CUDA, else PyTorch), "triton" or "torch" (the
+            layout's device tensors only: no host data, as a compiled step needs).
+    Returns:
+        ``(out [B, Lq, Hq, Dv] contiguous in query.dtype, lse [B, Hq, Lq] fp32)``.
+    """
+    if resolve_backend(backend, query.device, "cascade_attention") == "triton":
+        prefixes = plan.prefixes(prefix_keys, prefix_values) if plan is not None else []
+        out, lse = cascade_attention(query, key, value, prefixes, scale=scale, mask=mask, causal=True, softcap=softcap,
+                                     backend="triton", key_length=key_length, key_lower=list(key_lower),
+                                     suffix_lower=suffix_lower)
+    else:
+        node_starts = [p.node_starts_dev for p in plan.levels] if plan is not None else []
+        row_node = list(plan.row_node) if plan is not None else []
+        out, lse = bounded_cascade_attention(
+            query, key, value, list(prefix_keys), list(prefix_values), node_starts, row_node, list(key_lower),
+            suffix_lower, scale=scale, mask=mask, causal=True, softcap=softcap, key_length=key_length)
+    return out.to(query.dtype).transpose(1, 2).contiguous(), lse
 
 
 def step_inputs(plan: CascadePlan, query: Tensor, key: Tensor, prefix_keys: Sequence[Tensor],
