@@ -40,6 +40,7 @@ variable ``HF_CASCADE_BACKGROUND`` set to ``off`` (also ``0``, ``false``, ``no``
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import sys
@@ -73,6 +74,44 @@ GRID_PROCESSES = 6  # children that run slices of the grid at once (grid_process
 GRID_CHILD_BYTES = 3 << 30  # GPU memory a grid child may take (the cut model, a small vocabulary, the batches)
 GRID_VOCAB = 4096  # the grid children's vocabulary (the kernels do not depend on it)
 _THREAD_NAME = "hf_cascade-compiled-tier"
+EXIT_WAIT_S = 30.0  # at exit, the longest wait for the build thread to leave a torch call
+
+
+class _Exiting(BaseException):
+    """The interpreter exits: the build thread stops before its next torch call (not an ``Exception``: no
+    handler of a failed build catches it)."""
+
+
+class ExitGuard:
+    """Keeps the build thread out of torch's C++ while the interpreter exits.
+
+    A daemon thread still inside a C++ call when Python finalizes is ended by ``pthread_exit``, whose unwinding
+    through C++ frames aborts the process (``terminate called without an active exception``, exit code 134) after
+    the user's script has finished: seen on an H100 when a script made one generate() call and exited while the
+    thread saved the grid's batches. The thread runs each stretch of torch work inside :meth:`section`; at exit
+    (``atexit``, while threads still run) :meth:`close` waits for the stretch in progress (at most
+    :data:`EXIT_WAIT_S`) and lets no other start. Waiting for the child processes needs no section: they end with
+    this process (``PR_SET_PDEATHSIG``).
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._closed = False
+        atexit.register(self.close)
+
+    @contextlib.contextmanager
+    def section(self):
+        """Run torch work; raises :class:`_Exiting` (before any of it) once the interpreter exits."""
+        if self._closed:  # (close holds the lock from then on)
+            raise _Exiting()
+        with self._lock:
+            if self._closed:
+                raise _Exiting()
+            yield
+
+    def close(self) -> None:
+        self._closed = True
+        self._lock.acquire(timeout=EXIT_WAIT_S)  # held from now on: no section starts again
 
 
 def background_builds_on() -> bool:
@@ -201,16 +240,20 @@ def _build(model, state, input_ids, generation_config, model_kwargs, options, in
             state.caches_filled, state.building, state.grid_running = True, None, True
             state.build_s = round(time.perf_counter() - state.build_started, 3)
 
+    guard = ExitGuard()
     try:
-        stream = torch.cuda.Stream(device=input_ids.device) if input_ids.is_cuda else None
-        if inputs_ready is not None:
-            stream.wait_event(inputs_ready)
-        grid = variant_grid(model, input_ids, generation_config) if input_ids.is_cuda else None
+        with guard.section():
+            stream = torch.cuda.Stream(device=input_ids.device) if input_ids.is_cuda else None
+            if inputs_ready is not None:
+                stream.wait_event(inputs_ready)
+            grid = variant_grid(model, input_ids, generation_config) if input_ids.is_cuda else None
         prewarmed = _prewarm_in_child(model, input_ids, generation_config, model_kwargs, options, stream,
-                                      grid=grid, on_rows_done=rows_done)
+                                      grid=grid, on_rows_done=rows_done, guard=guard)
         filled = prewarmed["returncode"] == 0  # (the rows child's: its grid children do not count)
         if not filled:
             error = f"the child process that fills the compile caches failed: {prewarmed['error']}"
+    except _Exiting:  # the interpreter exits: nothing to report
+        return
     except Exception as err:  # noqa: BLE001 (out of memory, a spec that cannot be written: the calls go on)
         error = f"{type(err).__name__}: {str(err)[:300]}"
     finally:
@@ -227,7 +270,7 @@ def _build(model, state, input_ids, generation_config, model_kwargs, options, in
 
 
 def _prewarm_in_child(model, input_ids, generation_config, model_kwargs, options, stream, *, grid=None,
-                      on_rows_done=None) -> dict:
+                      on_rows_done=None, guard: ExitGuard | None = None) -> dict:
     """Run the build call in a child process on the model's config cut to :data:`PREWARM_LAYERS` layers (random
     weights), which fills the compile caches on disk this process's build then loads from; then, where ``grid`` (a
     list of ``(input_ids, attention_mask)``, :func:`variant_grid`) is given, the same call for each of those batches
@@ -235,15 +278,17 @@ def _prewarm_in_child(model, input_ids, generation_config, model_kwargs, options
     compiled-layer runs after it; the cut model's vocabulary cut to :data:`GRID_VOCAB` too), each for at most
     :data:`GRID_BUDGET_S`. ``on_rows_done()`` runs once the call's own rows are done. Returns ``{"seconds",
     "returncode", "error", "rows_done", "grid": {"processes", "batches", "done", "failed", "seconds_after_rows"}}``;
-    a child that fails is reported, not raised (the calls then move up with the cold costs)."""
+    a child that fails is reported, not raised (the calls then move up with the cold costs). ``guard``: the
+    :class:`ExitGuard` the torch work runs in (a thread's; None: this thread needs none)."""
     import os
     import tempfile
 
+    section = guard.section if guard is not None else contextlib.nullcontext
     started = time.perf_counter()
     config = _cut_config(model.config)
     if config is None:
         return {"seconds": 0.0, "returncode": None, "error": "the config names no num_hidden_layers"}
-    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+    with section(), torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
         spec = {"model_class": type(model), "config": config, "dtype": model.dtype,
                 "device": str(input_ids.device), "input_ids": input_ids.cpu(),
                 "generation_config": generation_config, "options": options,
@@ -252,21 +297,24 @@ def _prewarm_in_child(model, input_ids, generation_config, model_kwargs, options
     with tempfile.TemporaryDirectory(prefix="hf_cascade_build_") as folder:
         try:
             path = os.path.join(folder, "rows.pt")
-            torch.save(spec, path)
+            with section():
+                torch.save(spec, path)
         except Exception as err:  # noqa: BLE001 (something in the call cannot be pickled: no child)
             return {"seconds": 0.0, "returncode": None, "error": f"{type(err).__name__}: {str(err)[:200]}"}
         deadline = time.perf_counter() + PREWARM_TIMEOUT_S
         rows = _start_children([path])
         # The grid's eager-layer runs need no Inductor cache: they start beside the rows child; the compiled-layer
         # runs start once it has filled that cache (a compile of their own would duplicate its work).
-        grid_spec = _grid_spec(spec, grid) if grid else None
-        early = _start_grid(folder, grid_spec, input_ids.device, eager=True) if grid else []
+        with section():
+            grid_spec = _grid_spec(spec, grid) if grid else None
+            early = _start_grid(folder, grid_spec, input_ids.device, eager=True) if grid else []
         code, _, tail = _wait_children(rows, deadline)[0]
         outcome = {"returncode": code, "error": tail, "rows_done": code == 0}
         if code == 0 and on_rows_done is not None:
             on_rows_done()
-        late = _start_grid(folder, grid_spec, input_ids.device, eager=False, beside=len(early)) \
-            if code == 0 and grid else []
+        with section():
+            late = _start_grid(folder, grid_spec, input_ids.device, eager=False, beside=len(early)) \
+                if code == 0 and grid else []
         if grid:
             grid_started = time.perf_counter()
             outcome["grid"] = _grid_summary(_wait_children(early + late, deadline), len(early) + len(late))

@@ -301,7 +301,7 @@ def test_calls_move_up_while_the_child_runs_the_grid(records, tiny_llama_pair, m
     state = tiers.tier_state(model)
     seen = {}
 
-    def child(*args, grid=None, on_rows_done=None):
+    def child(*args, grid=None, on_rows_done=None, guard=None):
         on_rows_done()
         seen["tier"] = tiers.choose_tier(model).name  # while the grid runs
         seen["report"] = tiers.tier_report(model)["background_build"]
