@@ -83,20 +83,22 @@ class _Exiting(BaseException):
 
 
 class ExitGuard:
-    """Keeps the build thread out of torch's C++ while the interpreter exits.
+    """Ends the build thread before the interpreter does.
 
-    A daemon thread still inside a C++ call when Python finalizes is ended by ``pthread_exit``, whose unwinding
-    through C++ frames aborts the process (``terminate called without an active exception``, exit code 134) after
-    the user's script has finished: seen on an H100 when a script made one generate() call and exited while the
-    thread saved the grid's batches. The thread runs each stretch of torch work inside :meth:`section`; at exit
-    (``atexit``, while threads still run) :meth:`close` waits for the stretch in progress (at most
-    :data:`EXIT_WAIT_S`) and lets no other start. Waiting for the child processes needs no section: they end with
-    this process (``PR_SET_PDEATHSIG``).
+    A daemon thread still alive when Python finalizes is ended mid-call by ``pthread_exit``; where that call is in
+    torch's C++ the process aborts (``terminate called without an active exception``, exit code 134) after the
+    user's script has finished: seen on an H100 when a script made one generate() call and exited while the build
+    ran. So at exit (``atexit``, while threads still run) :meth:`close` stops the children the thread waits for
+    (they would end with this process anyway), lets no stretch of the thread's torch work (:meth:`section`) start
+    and waits for the one in progress, and joins the thread, which then unwinds on its own (each wait: at most
+    :data:`EXIT_WAIT_S`).
     """
 
     def __init__(self):
         self._lock = threading.Lock()
         self._closed = False
+        self._children: list = []
+        self._thread = threading.current_thread()
         atexit.register(self.close)
 
     @contextlib.contextmanager
@@ -109,9 +111,25 @@ class ExitGuard:
                 raise _Exiting()
             yield
 
+    def track(self, children: list) -> list:
+        """Children that :meth:`close` stops (:func:`_start_children`'s ``(Popen, ...)`` tuples); returns
+        ``children``."""
+        self._children.extend(children)
+        if self._closed:
+            self._stop_children()
+        return children
+
     def close(self) -> None:
         self._closed = True
+        self._stop_children()
         self._lock.acquire(timeout=EXIT_WAIT_S)  # held from now on: no section starts again
+        if self._thread is not threading.current_thread() and self._thread.is_alive():
+            self._thread.join(EXIT_WAIT_S)
+
+    def _stop_children(self) -> None:
+        for child, *_files in self._children:
+            if hasattr(child, "poll") and child.poll() is None:  # (an OSError: it never started)
+                child.kill()
 
 
 def background_builds_on() -> bool:
@@ -302,19 +320,20 @@ def _prewarm_in_child(model, input_ids, generation_config, model_kwargs, options
         except Exception as err:  # noqa: BLE001 (something in the call cannot be pickled: no child)
             return {"seconds": 0.0, "returncode": None, "error": f"{type(err).__name__}: {str(err)[:200]}"}
         deadline = time.perf_counter() + PREWARM_TIMEOUT_S
-        rows = _start_children([path])
+        track = guard.track if guard is not None else (lambda children: children)
+        rows = track(_start_children([path]))
         # The grid's eager-layer runs need no Inductor cache: they start beside the rows child; the compiled-layer
         # runs start once it has filled that cache (a compile of their own would duplicate its work).
         with section():
             grid_spec = _grid_spec(spec, grid) if grid else None
-            early = _start_grid(folder, grid_spec, input_ids.device, eager=True) if grid else []
+            early = track(_start_grid(folder, grid_spec, input_ids.device, eager=True) if grid else [])
         code, _, tail = _wait_children(rows, deadline)[0]
         outcome = {"returncode": code, "error": tail, "rows_done": code == 0}
         if code == 0 and on_rows_done is not None:
             on_rows_done()
         with section():
-            late = _start_grid(folder, grid_spec, input_ids.device, eager=False, beside=len(early)) \
-                if code == 0 and grid else []
+            late = track(_start_grid(folder, grid_spec, input_ids.device, eager=False, beside=len(early))
+                         if code == 0 and grid else [])
         if grid:
             grid_started = time.perf_counter()
             outcome["grid"] = _grid_summary(_wait_children(early + late, deadline), len(early) + len(late))

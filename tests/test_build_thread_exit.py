@@ -56,3 +56,43 @@ def test_the_guard_stops_the_thread_before_its_next_section():
     with pytest.raises(_Exiting):
         with guard.section():
             pass
+
+
+_CHILD_SCRIPT = textwrap.dedent("""
+    import subprocess, sys, threading, time
+    from hf_cascade.tier_build import ExitGuard, _Exiting, _wait_children
+
+    def sleepers(path):  # as _start_children starts them (output to files), but children that would run 5 minutes
+        out, err = open(path + ".out", "w+"), open(path + ".err", "w+")
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"], stdout=out, stderr=err)
+        return [(child, out, err)]
+
+    def build(path):  # the build thread's shape: start a child, wait for it, then torch work in a section
+        guard = ExitGuard()
+        try:
+            children = guard.track(sleepers(path))
+            print("child started", flush=True)
+            _wait_children(children, time.perf_counter() + 600)
+            with guard.section():
+                print("section after exit: wrong", flush=True)
+        except _Exiting:
+            print("thread unwound", flush=True)
+
+    threading.Thread(target=build, args=(sys.argv[1],), daemon=True).start()
+    time.sleep(3)
+""")
+
+
+@pytest.mark.timeout(120)
+def test_exit_stops_the_children_and_ends_the_thread(tmp_path):
+    """At exit the guard kills the children the thread waits for, and the thread unwinds before finalization: no
+    daemon thread is left to be cut off mid-call, and the exit does not wait for the children's work."""
+    import time
+
+    started = time.perf_counter()
+    done = subprocess.run([sys.executable, "-c", _CHILD_SCRIPT, str(tmp_path / "spec")], capture_output=True,
+                          text=True, timeout=100)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "child started" in done.stdout and "thread unwound" in done.stdout, done.stdout
+    assert "wrong" not in done.stdout
+    assert time.perf_counter() - started < 60
