@@ -214,8 +214,9 @@ def scaling(args, model, groups, record):
         from transformers import DynamicCache
 
         cp.reset_peak()
-        sdpa_s, _ = cp.timed(lambda: model.base_model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True),
-                             groups[1])
+        with cp.plain_sdpa(model):
+            sdpa_s, _ = cp.timed(lambda: model.base_model(input_ids=ids, past_key_values=DynamicCache(),
+                                                          use_cache=True), groups[1])
         record(dict(kind="long_scaling_sdpa_1gpu", gpus=1, tokens=length, seconds=sdpa_s,
                     peak_allocated_gib=memory_state()["peak_allocated"] / GiB))
         for n, t in times.items():

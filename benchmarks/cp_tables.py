@@ -152,7 +152,16 @@ def _prefill_flops(tokens: int) -> float:
 
 
 def long_context_table(records) -> str:
-    """The long prompts (real prefill + decode, default allocator), the capacity check, exactness with rounds."""
+    """The long prompts (real prefill + decode, default allocator) and the capacity check, one table per GPU model
+    (H100 first); the scaling at 128K, the ring against PyTorch's, exactness with rounds."""
+    gpus = sorted({r["gpu"] for r in records if r.get("kind") == "long_prefill" and "seconds" in r},
+                  key=lambda g: ("H200" in g, g))
+    parts = [_long_prompts([r for r in records if r.get("gpu") == gpu]) for gpu in gpus]
+    return "\n\n".join(parts + [_scaling_and_checks(records)])
+
+
+def _long_prompts(records) -> str:
+    """The long-prompt table, the throughput with length and the capacity check of one GPU model's records."""
     default_alloc = [r for r in records if not r.get("alloc_conf")]
     rows, used = [], []
     lengths = sorted({r["tokens"] for r in default_alloc if r.get("kind") == "long_prefill" and "seconds" in r})
@@ -179,13 +188,6 @@ def long_context_table(records) -> str:
         lines += ["", f"Prefill throughput with length: {long['tokens']:,} tokens took {long['seconds']:.1f} s = "
                       f"{long['seconds'] / (base['seconds'] * ratio):.2f}x the {base['tokens']:,}-token time "
                       f"({base['seconds']:.2f} s) scaled by the FLOP ratio ({ratio:.1f}x)."]
-    sdpa = latest(records, "long_scaling_sdpa_1gpu")
-    scale = [latest(records, "long_scaling_pct", gpus=n) for n in (1, 2, 4)]
-    if sdpa and any(scale):
-        cells = ", ".join(f"{r['gpus']} GPU{'s' if r['gpus'] > 1 else ''} {r['seconds']:.2f} s "
-                          f"({r['pct_of_ideal']:.0f}% of ideal)" for r in scale if r)
-        lines += ["", f"The same code at {sdpa['tokens']:,} tokens (git {_sha(sdpa, *scale)}): {cells}; plain sdpa on one "
-                      f"GPU {sdpa['seconds']:.2f} s."]
     cap = latest(default_alloc, "capacity")
     if cap:
         ran = latest(default_alloc, "long_prefill", tokens=cap["longest_admitted_tokens"])
@@ -196,20 +198,33 @@ def long_context_table(records) -> str:
                       f"**{cap['longest_admitted_tokens']:,} tokens** ({run}); a prompt "
                       f"10% longer ({cap['over_tokens']:,}) raised on every rank: {cap['every_rank_raised']}, the "
                       f"slowest after {cap['slowest_rank_raise_s']:.3f} s, before any work."]
+    return "\n".join(lines)
+
+
+def _scaling_and_checks(records) -> str:
+    """The 128K prompt on 1, 2 and 4 GPUs against sdpa, the ring against PyTorch's, exactness with rounds."""
+    lines = []
+    sdpa = latest(records, "long_scaling_sdpa_1gpu")
+    scale = [latest(records, "long_scaling_pct", gpus=n) for n in (1, 2, 4)]
+    if sdpa and any(scale):
+        cells = ", ".join(f"{r['gpus']} GPU{'s' if r['gpus'] > 1 else ''} {r['seconds']:.2f} s "
+                          f"({r['pct_of_ideal']:.0f}% of ideal)" for r in scale if r)
+        lines += [f"The same code at {sdpa['tokens']:,} tokens (git {_sha(sdpa, *scale)}): {cells}; plain sdpa on one "
+                      f"GPU {sdpa['seconds']:.2f} s."]
     peer = latest(records, "ring_attention_vs_torch_cp", tokens=524288)
     if peer:
-        lines += ["", f"One layer's causal attention at 524,288 tokens on {peer['gpus']} GPUs (GQA, git {_sha(peer)}): "
+        lines += [f"One layer's causal attention at 524,288 tokens on {peer['gpus']} GPUs (GQA, git {_sha(peer)}): "
                       f"hf_cascade's zigzag ring {peer['hf_cascade_ms']:.0f} ms, PyTorch's `context_parallel` "
                       f"{peer['torch_cp_ms']:.0f} ms ({peer['hf_cascade_speedup']:.2f}x)."]
     checks = [latest(records, "check_rounds_fp32", gpus=n) for n in (1, 2, 4)]
     checks = [c for c in checks if c]
     if checks:
-        lines += ["", "| exactness, fp32 (2 layers), prompt in rounds | GPUs | rounds | tokens vs 1-GPU sdpa | max logit "
+        lines += ["| exactness, fp32 (2 layers), prompt in rounds | GPUs | rounds | tokens vs 1-GPU sdpa | max logit "
                       "error |", "|---|---|---|---|---|"]
         lines += [f"| {c['prompt_tokens']:,} tokens, {c['prefill_chunk_tokens']} per rank per round (git "
                   f"{_sha(c)}) | {c['gpus']} | {c['rounds']} | {'identical' if c['tokens_match'] else 'DIFFERENT'} | "
                   f"{c['max_logit_err']:.1e} |" for c in checks]
-    return "\n".join(lines)
+    return "\n\n".join(lines)
 
 
 def generate() -> str:
