@@ -209,8 +209,9 @@ def _scaling_and_checks(records) -> str:
     if sdpa and any(scale):
         cells = ", ".join(f"{r['gpus']} GPU{'s' if r['gpus'] > 1 else ''} {r['seconds']:.2f} s "
                           f"({r['pct_of_ideal']:.0f}% of ideal)" for r in scale if r)
-        lines += [f"The same code at {sdpa['tokens']:,} tokens (git {_sha(sdpa, *scale)}): {cells}; plain sdpa on one "
-                      f"GPU {sdpa['seconds']:.2f} s."]
+        cold = " (each GPU count's first prefill in a fresh process)" if sdpa.get("run_note") else ""
+        lines += [f"The same code at {sdpa['tokens']:,} tokens ({sdpa['gpu']}, git {_sha(sdpa, *scale)}){cold}: {cells}; "
+                  f"transformers' sdpa on one GPU {sdpa['seconds']:.2f} s."]
     peer = latest(records, "ring_attention_vs_torch_cp", tokens=524288)
     if peer:
         lines += [f"One layer's causal attention at 524,288 tokens on {peer['gpus']} GPUs (GQA, git {_sha(peer)}): "
