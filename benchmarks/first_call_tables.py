@@ -62,21 +62,21 @@ def render(latest: dict) -> str:
                 for peer in PEERS for state in ("empty", "warm") if (workload, peer, state, bytecode) in latest]
         if not rows:
             continue
-        first = rows[0][3]
-        lines += [f"## {title}", "", f"{first['gpu']}, torch {first['torch']}, transformers {first['transformers']}, "
-                  f"Triton {first['triton']}.", ""]
+        seen = lambda key: ", ".join(sorted({str(r.get(key)) for *_, r in rows}))  # noqa: E731
+        lines += [f"## {title}", "", f"{seen('gpu')} (the `GPU` column); torch {seen('torch')}, transformers "
+                  f"{seen('transformers')}, Triton {seen('triton')}. Compare rows of one GPU and one git SHA.", ""]
         if workload == "stream":
-            lines += ["| peer | caches | bytecode | first batch s | whole stream s | vs sdpa (same caches) | git |",
-                      "|---|---|---|---|---|---|---|"]
+            lines += ["| peer | caches | bytecode | first batch s | whole stream s | vs sdpa (same caches) | GPU | git |",
+                      "|---|---|---|---|---|---|---|---|"]
             for peer, state, bytecode, r in rows:
                 base = latest.get((workload, "sdpa", state, bytecode))
                 ratio = f"{base['total_calls_s'] / r['total_calls_s']:.1f}x" if base and peer != "sdpa" else "-"
                 lines.append(f"| {PEERS[peer]} | {state} | {bytecode} | {r['calls_s'][0]:.2f} | {r['total_calls_s']:.1f} | "
-                             f"{ratio} | `{r['git_sha'][:7]}` |")
+                             f"{ratio} | {_gpu(r)} | `{r['git_sha'][:7]}` |")
         else:
             lines += ["| peer | caches | bytecode | first call s | second call s | slowest later call s | calls | "
-                      "later calls (median of the last 5) s | compiled tier from | git |",
-                      "|---|---|---|---|---|---|---|---|---|---|"]
+                      "later calls (median of the last 5) s | compiled tier from | GPU | git |",
+                      "|---|---|---|---|---|---|---|---|---|---|---|"]
             for peer, state, bytecode, r in rows:
                 calls = [c for c in r["calls_s"] if isinstance(c, float)]
                 second = f"{calls[1]:.2f}" if len(calls) > 1 else "-"
@@ -84,13 +84,18 @@ def render(latest: dict) -> str:
                 tail = calls[1:][-5:] or calls
                 last5 = sorted(tail)[len(tail) // 2]
                 lines.append(f"| {PEERS[peer]} | {state} | {bytecode} | {calls[0]:.2f} | {second} | {slowest} | {len(calls)} | "
-                             f"{last5:.2f} | {_compiled_from(r, calls)} | `{r['git_sha'][:7]}` |")
+                             f"{last5:.2f} | {_compiled_from(r, calls)} | {_gpu(r)} | `{r['git_sha'][:7]}` |")
         notes = [f"- `{r['git_sha'][:7]}`, {PEERS[peer]}, {state}: {r['note']}" for peer, state, _, r in rows
                  if r.get("note")]
         if notes:
             lines += [""] + notes
         lines.append("")
     return "\n".join(lines)
+
+
+def _gpu(record: dict) -> str:
+    """The record's GPU, short: ``H100``, ``H200``."""
+    return str(record.get("gpu", "?")).replace("NVIDIA ", "").split(" ")[0]
 
 
 def _compiled_from(record: dict, calls: list) -> str:

@@ -565,8 +565,9 @@ class ContextParallelCache(Cache):
         if query.is_cuda:
             # The layer before left its temporaries' segments cached (the MLP's, the norms', the ring's): handed
             # back here, each layer's reuse only its own, so the allocator's reserved memory stays near what is
-            # allocated at any prompt length (on 4x H100 at 128K: 1.21x reserved / allocated when they were kept,
-            # eleven 448 MiB MLP segments where three are live at once: results/cp_memory_probe.jsonl).
+            # allocated at any prompt length (128K on 4x H100: 1.21x reserved / allocated when they were kept,
+            # eleven 448 MiB MLP segments where three are live at once: results/cp_memory_probe.jsonl; 1.09x with
+            # this on 4x H200, 1.04x at 1M). It costs a device sync per layer: ~4% of a 512K prefill.
             torch.cuda.empty_cache()
         out, lse = ring_states(query, key, value, layout=rnd.layout, info=self.info, scale=scaling,
                                key_valid=prefill.round_valid, softcap=softcap, block_backend=self.kernels)
