@@ -15,7 +15,10 @@ custom_generate=hf_cascade.generate)``, sampling where it says samples), the wor
    and the layout's later calls in the stream), and generate() with sdpa for a subset of layouts.
 
 Per call: seconds (host clock, CUDA synchronised), the tier it ran (``hf_cascade.tiers.tier_report``), whether it
-ran layers uncompiled (shapes new to the compiled tier) and whether a background build ran beside it. Per workload:
+ran layers uncompiled (shapes new to the compiled tier) and whether a background build ran beside it, and
+(``variants_vs_grid``) each Triton kernel the call built, with the arguments in which it differs from the closest
+variant the background build's children had built before it (``variant_log.py``: every process of the run logs the
+variants it builds; ``--no-variant-log`` turns that off). Per workload:
 first call / steady (the median of the last 3 calls). Stream: the total against the sum of the steady times, each
 call against its layout's steady time (issue 48's targets: first calls <= 1.5x steady; no stream call above 2x; the
 stream within 1.2x of the sum). ``--old-policy``: calls compile new shapes themselves (as before issue 48), for an
@@ -46,6 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from common import ResultWriter  # noqa: E402
+import variant_log  # noqa: E402
 
 import hf_cascade  # noqa: E402
 from hf_cascade import tier_build, tiers  # noqa: E402
@@ -141,11 +145,28 @@ class CompileMeter:
 class Runner:
     """The default one-argument call of one model, timed, with what the tiers say about it."""
 
-    def __init__(self, model, budget: Budget, new_tokens: int):
+    def __init__(self, model, budget: Budget, new_tokens: int, variant_log: str | None = None):
         self.model, self.budget, self.new_tokens = model, budget, new_tokens
         self.cuda = model.device.type == "cuda"
         self.calls = 0
         self.meter = CompileMeter(model)
+        self.variant_log = variant_log
+
+    def variants_built(self, since: float) -> list[dict]:
+        """The Triton variants this process built since ``since`` (``time.time()``), each with how it differs from
+        the closest variant of that kernel another process of the run (the background build's children: the rows
+        child and the grid) had built before (``variant_log.closest_difference``; None: none of that kernel)."""
+        if not self.variant_log:
+            return []
+        entries = variant_log.read(self.variant_log)
+        mine = [e for e in entries if e["pid"] == os.getpid() and e["t"] >= since and e["s"] > 0.05]
+        before = [e for e in entries if e["pid"] != os.getpid() and e["t"] < since]
+        out = []
+        for e in mine:
+            diff = variant_log.closest_difference(e, before)
+            out.append({"name": e["name"], "s": e["s"], "differs": None if diff is None else
+                        {k: [str(x)[:120] for x in v] for k, v in diff.items()}})
+        return out
 
     def sync(self):
         if self.cuda:
@@ -161,6 +182,7 @@ class Runner:
         torch.manual_seed(seed)
         self.sync()
         mark = self.meter.mark()
+        wall = time.time()
         t = time.perf_counter()
         self.model.generate(ids, attention_mask=mask, max_new_tokens=self.new_tokens, do_sample=sample, **extra)
         self.sync()
@@ -173,7 +195,7 @@ class Runner:
                 "missed": after["new_shapes"]["missed_calls"] > before["new_shapes"]["missed_calls"],
                 "beside_build": building or after["background_build"]["running"],
                 "beside_grid": grid or after["background_build"].get("grid_running", False), "call": self.calls,
-                **self.meter.since(mark)}
+                **self.meter.since(mark), "variants_vs_grid": self.variants_built(wall)}
 
 
 def steady(calls: list[dict]) -> float:
@@ -335,6 +357,8 @@ def parse(argv=None):
     parser.add_argument("--old-policy", action="store_true",
                         help="calls compile shapes new to the compiled tier themselves (before issue 48)")
     parser.add_argument("--output", default=None, help="results file (default benchmarks/results/stall.jsonl)")
+    parser.add_argument("--no-variant-log", action="store_true",
+                        help="do not log the Triton variants every process builds (benchmarks/variant_log.py)")
     args = parser.parse_args(argv)
     if args.tiny:
         args.phase1_s, args.phase1_max_s = min(args.phase1_s, 1.0), min(args.phase1_max_s, 3.0)
@@ -342,6 +366,19 @@ def parse(argv=None):
         args.sdpa_layouts, args.new_tokens = min(args.sdpa_layouts, 2), min(args.new_tokens, 8)
         args.budget_s = min(args.budget_s, 55.0)
     return args
+
+
+def start_variant_log() -> str | None:
+    """Every process of the run logs the Triton variants it builds to one file (this one through the hook, the
+    background build's children through ``variant_hook/sitecustomize.py`` on their ``PYTHONPATH``); returns the
+    file, or None without Triton."""
+    path = os.path.join(tempfile.gettempdir(), f"stall_variants_{os.getpid()}.jsonl")
+    if not variant_log.install(path):
+        return None
+    os.environ[variant_log.ENV] = path
+    hook = os.path.join(os.path.dirname(os.path.abspath(__file__)), "variant_hook")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (hook, os.environ.get("PYTHONPATH")) if p)
+    return path
 
 
 def main(argv=None) -> int:
@@ -359,7 +396,7 @@ def main(argv=None) -> int:
     vocab = model.config.vocab_size
     base["model_build_s"] = round(time.perf_counter() - t, 2)
     budget = Budget(args.budget_s)
-    runner = Runner(model, budget, args.new_tokens)
+    runner = Runner(model, budget, args.new_tokens, variant_log=None if args.no_variant_log else start_variant_log())
     scale = 16 if args.tiny else 1
     results = {}
     one = tree_batch([(1, 4096 // scale)], 0, 1, vocab, 1, device)

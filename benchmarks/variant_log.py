@@ -1,0 +1,99 @@
+"""Which Triton kernel variants a process builds, and how a variant a call built differs from those built before.
+
+Diagnostics for ``bench_stall.py``: a call of a new layout that builds a Triton kernel stalls (1-3 s a kernel on an
+H100), although the background grid (``hf_cascade/build_grid.py``) ran layouts meant to build them ahead. To see
+which specialisation the grid missed, every process of the run (the bench and, through ``variant_hook/``'s
+``sitecustomize``, the grid's child processes) appends one JSON line per kernel it compiles or loads to the file
+named by ``$HF_CASCADE_VARIANT_LOG``: its pid, the kernel's name and argument names, and Triton's cache key (the
+specialisation of every argument, constexprs included, and the launch options). :func:`closest_difference` then
+names the arguments in which a call's variant differs from the nearest variant another process built.
+
+Nothing here runs unless the variable is set; the hooks wrap ``JITFunction._do_compile`` (Triton's build-or-load of
+a variant missing from its in-memory cache).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+
+ENV = "HF_CASCADE_VARIANT_LOG"
+_ELEMENT = re.compile(r"\((?:[^()]|\([^()]*\))*\)")  # one top-level "(...)" of the key's specialisation list
+
+
+def install(path: str | None = None) -> bool:
+    """Log every variant this process compiles or loads to ``path`` (default ``$HF_CASCADE_VARIANT_LOG``); returns
+    whether the hook is in place (False: no path, or no Triton)."""
+    path = path or os.environ.get(ENV)
+    if not path:
+        return False
+    try:
+        from triton.runtime.jit import JITFunction
+    except ImportError:
+        return False
+    original = JITFunction._do_compile
+    if getattr(original, "_variant_log", None) == path:
+        return True
+
+    def logged(self, key, *args, **kwargs):
+        started = time.perf_counter()
+        try:
+            return original(self, key, *args, **kwargs)
+        finally:
+            entry = {"pid": os.getpid(), "name": getattr(self, "__name__", "?"),
+                     "arg_names": list(getattr(self, "arg_names", []) or []), "key": str(key),
+                     "s": round(time.perf_counter() - started, 3), "t": time.time()}
+            with open(path, "a") as f:
+                f.write(json.dumps(entry) + "\n")
+
+    logged._variant_log = path
+    JITFunction._do_compile = logged
+    return True
+
+
+def read(path: str) -> list[dict]:
+    """The entries of a variant log (none where it does not exist)."""
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def key_elements(key: str) -> tuple[list[str], str]:
+    """Triton's cache key split into its per-argument specialisations (in argument order) and the rest (the launch
+    options)."""
+    end = key.find("]")
+    head = key[: end + 1] if key.startswith("[") and end >= 0 else ""
+    return _ELEMENT.findall(head), key[len(head):]
+
+
+def difference(new: dict, old: dict) -> dict:
+    """``{argument name: [old, new]}`` where two entries of one kernel specialise an argument differently, plus
+    ``"options"`` where the launch options differ."""
+    new_args, new_options = key_elements(new["key"])
+    old_args, old_options = key_elements(old["key"])
+    names = new.get("arg_names") or []
+    out = {}
+    for i in range(max(len(new_args), len(old_args))):
+        a = old_args[i] if i < len(old_args) else None
+        b = new_args[i] if i < len(new_args) else None
+        if a != b:
+            out[names[i] if i < len(names) else f"arg{i}"] = [a, b]
+    if new_options != old_options:
+        out["options"] = [old_options[:300], new_options[:300]]
+    return out
+
+
+def closest_difference(new: dict, others: list[dict]) -> dict | None:
+    """How ``new`` differs from the entry of the same kernel in ``others`` closest to it (fewest differing
+    arguments), or None where ``others`` holds none of that kernel."""
+    best = None
+    for old in others:
+        if old["name"] != new["name"]:
+            continue
+        diff = difference(new, old)
+        if best is None or len(diff) < len(best):
+            best = diff
+    return best
