@@ -562,7 +562,7 @@ class ContextParallelCache(Cache):
         against every rank's stored keys of the earlier rounds (:func:`~hf_cascade.parallel.ring.past_state`),
         merged exactly. ``key``/``value``: the round's ``[B, Hkv, 2c, D]`` as ``update`` returned them."""
         prefill, rnd = self._prefill, self._prefill.current
-        if query.is_cuda:
+        if query.is_cuda and not torch.compiler.is_compiling():
             # The layer before left its temporaries' segments cached (the MLP's, the norms', the ring's): handed
             # back here, each layer's reuse only its own, so the allocator's reserved memory stays near what is
             # allocated at any prompt length (128K on 4x H100: 1.21x reserved / allocated when they were kept,
