@@ -48,7 +48,8 @@ def parse_args():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--lengths", default="1048576,524288,262144,131072", help="prompt lengths on all GPUs, in order")
     p.add_argument("--scaling-tokens", type=int, default=131072, help="prompt of the 1/2/N-GPU scaling (0: skip)")
-    p.add_argument("--new-tokens", type=int, default=64, help="tokens generated after each long prompt")
+    p.add_argument("--new-tokens", type=int, default=64,
+                   help="tokens generated after each long prompt (0: prefill only, no decode timing)")
     p.add_argument("--decode-steps", type=int, default=32, help="steps of the decode timing (difference of 2 calls)")
     p.add_argument("--check-chunk", type=int, default=512, help="columns per rank per round in the fp32 check")
     p.add_argument("--torch-cp-tokens", type=int, default=524288, help="one-layer ring peer length (0: skip)")
@@ -171,6 +172,10 @@ def long_prompt(args, model, group, n, length, bandwidth, record):
                 before_reserved_gib=cp.group_max(before["reserved"], group) / GiB,
                 prefill_reserved_over_allocated=cp.group_max(grown_reserved / max(1, grown_allocated), group),
                 rank0_allocator=layout))
+    if args.new_tokens <= 0:  # prefill only (a prompt whose prefill alone fills the launch's time)
+        del inputs, cache
+        cp.reset_peak()
+        return
     steps = args.decode_steps
 
     def gen(k):
