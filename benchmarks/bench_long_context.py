@@ -172,10 +172,8 @@ def long_prompt(args, model, group, n, length, bandwidth, record):
                 before_reserved_gib=cp.group_max(before["reserved"], group) / GiB,
                 prefill_reserved_over_allocated=cp.group_max(grown_reserved / max(1, grown_allocated), group),
                 rank0_allocator=layout))
-    if args.new_tokens <= 0:  # prefill only (a prompt whose prefill alone fills the launch's time)
-        del inputs, cache
-        cp.reset_peak()
-        return
+    if args.new_tokens <= 0:  # prefill only (a prompt whose prefill alone fills the launch's time); the next
+        return  # prompt's reset_peak hands this one's memory back
     steps = args.decode_steps
 
     def gen(k):
