@@ -145,20 +145,21 @@ class CompileMeter:
 class Runner:
     """The default one-argument call of one model, timed, with what the tiers say about it."""
 
-    def __init__(self, model, budget: Budget, new_tokens: int, variant_log: str | None = None):
+    def __init__(self, model, budget: Budget, new_tokens: int, variant_path: str | None = None):
         self.model, self.budget, self.new_tokens = model, budget, new_tokens
         self.cuda = model.device.type == "cuda"
         self.calls = 0
         self.meter = CompileMeter(model)
-        self.variant_log = variant_log
+        self.variants = None if variant_path is None else variant_log.LogReader(variant_path)
 
     def variants_built(self, since: float) -> list[dict]:
         """The Triton variants this process built since ``since`` (``time.time()``), each with how it differs from
         the closest variant of that kernel another process of the run (the background build's children: the rows
         child and the grid) had built before (``variant_log.closest_difference``; None: none of that kernel)."""
-        if not self.variant_log:
+        if self.variants is None:
             return []
-        entries = variant_log.read(self.variant_log)
+        self.variants.new_entries()
+        entries = self.variants.entries
         mine = [e for e in entries if e["pid"] == os.getpid() and e["t"] >= since and e["s"] > 0.05]
         before = [e for e in entries if e["pid"] != os.getpid() and e["t"] < since]
         out = []
@@ -396,7 +397,7 @@ def main(argv=None) -> int:
     vocab = model.config.vocab_size
     base["model_build_s"] = round(time.perf_counter() - t, 2)
     budget = Budget(args.budget_s)
-    runner = Runner(model, budget, args.new_tokens, variant_log=None if args.no_variant_log else start_variant_log())
+    runner = Runner(model, budget, args.new_tokens, variant_path=None if args.no_variant_log else start_variant_log())
     scale = 16 if args.tiny else 1
     results = {}
     one = tree_batch([(1, 4096 // scale)], 0, 1, vocab, 1, device)

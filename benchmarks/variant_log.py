@@ -55,10 +55,28 @@ def install(path: str | None = None) -> bool:
 
 def read(path: str) -> list[dict]:
     """The entries of a variant log (none where it does not exist)."""
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    return LogReader(path).new_entries()
+
+
+class LogReader:
+    """Reads a variant log as it grows: each :meth:`new_entries` returns the complete lines written since the last
+    (a line another process is still writing waits for the next read)."""
+
+    def __init__(self, path: str):
+        self.path, self._offset, self.entries = path, 0, []
+
+    def new_entries(self) -> list[dict]:
+        """The entries added since the last call (also appended to :attr:`entries`)."""
+        if not os.path.exists(self.path):
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self._offset)
+            data = f.read()
+        complete = data[: data.rfind(b"\n") + 1]
+        self._offset += len(complete)
+        new = [json.loads(line) for line in complete.decode().splitlines() if line.strip()]
+        self.entries += new
+        return new
 
 
 def key_elements(key: str) -> tuple[list[str], str]:

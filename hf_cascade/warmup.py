@@ -107,16 +107,13 @@ def _tree_batch(shared, n: int, vocab: int, generator, levels: int = 2):
     left-padded with 0."""
     import torch
 
+    from hf_cascade.inputs import left_padded
+
     branches = torch.randint(3, vocab, (2, 32), generator=generator)
     twigs = torch.randint(3, vocab, (4, 16), generator=generator)
     rows = [torch.cat([shared, branches[i % 2], *([twigs[i % 4]] if levels == 3 else []),
                        torch.randint(3, vocab, (3 + (5 * i) % 10,), generator=generator)]) for i in range(n)]
-    width = max(len(r) for r in rows)
-    ids = torch.zeros((n, width), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, r in enumerate(rows):
-        ids[i, width - len(r):], mask[i, width - len(r):] = r, 1
-    return ids, mask
+    return left_padded(rows)
 
 
 def _move_up_to_triton(model) -> None:

@@ -46,3 +46,15 @@ def test_install_logs_each_variant_the_process_builds(tmp_path, monkeypatch):
     assert json.loads(json.dumps(entries[0]))["arg_names"] == _ARGS
     monkeypatch.delenv(variant_log.ENV, raising=False)
     assert not variant_log.install("")  # no path, no hook
+
+
+def test_the_reader_takes_complete_lines_only(tmp_path):
+    path = tmp_path / "variants.jsonl"
+    reader = variant_log.LogReader(str(path))
+    assert reader.new_entries() == []
+    first = json.dumps(_entry(1, ["('i32', '')"]))
+    path.write_text(first + "\n" + first[:10])  # a second line still being written
+    assert len(reader.new_entries()) == 1
+    with open(path, "a") as f:
+        f.write(first[10:] + "\n")
+    assert len(reader.new_entries()) == 1 and len(reader.entries) == 2

@@ -55,8 +55,6 @@ def static_step_mode():
     return step_context(static_step=True)
 
 
-
-
 class _Graph:
     """One recorded step: the graph, its input tensors (filled before each replay) and its output."""
 

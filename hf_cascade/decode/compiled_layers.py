@@ -98,10 +98,6 @@ def _stance_for_new_shapes():
         return contextlib.nullcontext()
 
 
-
-
-
-
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
     """The model's decoder layers (``model.model.layers`` for transformers' causal LMs), or None."""
     base = getattr(model, "base_model", None)
@@ -275,8 +271,6 @@ class _ThreadCompiledCall:
         if self.previous is not None:
             return self.previous(*args, **kwargs)
         return self.layer._call_impl(*args, **kwargs)
-
-
 
 
 def compiled_forward(model: torch.nn.Module, cache, forward):
