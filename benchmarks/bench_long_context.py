@@ -127,7 +127,7 @@ def check_capacity(args, model, group, n, record):
     """The longest prompt the check admits on n GPUs; a prompt 10% over it must raise on every rank, fast."""
     import re
 
-    memory = None if not args.tiny else 1 << 30  # measured on GPUs; a small budget on the CPU smoke test
+    memory = None if not args.tiny else 3 << 30  # measured on GPUs; a small budget (beyond the slack) on the CPU smoke test
     raised, message, _ = _refusal(model, 16 * 1048576 if not args.tiny else 10**7, group, memory)
     match = re.search(r"longest prompt that fits is about ([\d,]+) tokens", message)
     if not raised or match is None or int(match.group(1).replace(",", "")) <= 0:
@@ -171,6 +171,7 @@ def long_prompt(args, model, group, n, length, bandwidth, record):
                 before_allocated_gib=cp.group_max(before["allocated"], group) / GiB,
                 before_reserved_gib=cp.group_max(before["reserved"], group) / GiB,
                 prefill_reserved_over_allocated=cp.group_max(grown_reserved / max(1, grown_allocated), group),
+                segment_releases=cp.group_max(cache.prefill_releases, group),
                 rank0_allocator=layout))
     if args.new_tokens <= 0:  # prefill only (a prompt whose prefill alone fills the launch's time); the next
         return  # prompt's reset_peak hands this one's memory back
@@ -207,17 +208,22 @@ def scaling(args, model, groups, record):
     times = {}
     for n, group in groups.items():
         if group is not None:
-            first = None
+            first, started = None, []
             for _ in range(2):  # the group's first prefill of these shapes, then the same again
                 cp.reset_peak()
+                started.append(time.time())  # (wall clock: to place Triton builds logged by variant_log)
                 seconds, inputs = cp.timed(lambda: hf_cascade.context_parallel_inputs(model, ids, group=group), group)
                 first = seconds if first is None else first
                 peak = cp.group_max(memory_state()["peak_allocated"], group)
+                reserved = cp.group_max(memory_state()["peak_reserved"], group)
                 kv = cp.group_max(inputs[hf_cascade.CACHE_KWARG].nbytes, group)
+                releases = cp.group_max(inputs[hf_cascade.CACHE_KWARG].prefill_releases, group)
                 del inputs
             times[n] = seconds
             record(dict(kind="long_scaling", gpus=n, tokens=length, seconds=seconds, first_seconds=first,
-                        peak_allocated_gib=peak / GiB, kv_gib_per_gpu=kv / GiB))
+                        started_at=started, peak_allocated_gib=peak / GiB, peak_reserved_gib=reserved / GiB,
+                        reserved_over_allocated=reserved / max(1, peak), segment_releases=releases,
+                        kv_gib_per_gpu=kv / GiB))
         dist.barrier()
     if dist.get_rank() == 0:
         from transformers import DynamicCache

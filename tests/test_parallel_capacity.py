@@ -120,3 +120,26 @@ def test_bad_memory_and_chunk_options_are_clear():
         hf_cascade.context_parallel_inputs(model, torch.tensor([[1, 2]]), prefill_chunk_tokens=7)
     with pytest.raises(ValueError, match="memory_per_rank"):
         hf_cascade.context_parallel_inputs(model, torch.tensor([[1, 2]]), memory_per_rank="40GB")
+
+
+def test_cached_segments_are_handed_back_only_past_one_rounds_temporaries(monkeypatch):
+    """The prefill keeps what the next layer reuses and releases the pile-up (PrefillState.release_cached)."""
+    from hf_cascade.parallel.prefill_plan import PrefillState
+
+    shape = ModelShape(layers=32, kv_heads=8, head_dim=128, q_heads=32, hidden=4096, intermediate=14336, dtype_bytes=2)
+    need = memory_need(shape, world_size=4, stored_columns=32768, rows=1, round_tokens=16384, suffix_columns=0,
+                       decode_columns=64)
+    assert 0 < need.temporaries < need.working  # the slack is not kept
+    plan = PrefillPlan(1000, 4, 64)
+    state = PrefillState(plan, plan.rounds(0), None, False, keep_cached=need.temporaries)
+    reserved, allocated, released = [0], [10 << 30], []
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: reserved[0])
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: allocated[0])
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: released.append(True))
+    reserved[0] = allocated[0] + need.temporaries  # exactly one round's temporaries cached: kept
+    assert not state.release_cached(torch.device("cuda", 0)) and not released
+    reserved[0] += 1  # more than that: the pile-up goes back
+    assert state.release_cached(torch.device("cuda", 0)) and released == [True] and state.releases == 1
+    strict = PrefillState(plan, plan.rounds(0), None, False)  # the default keeps nothing
+    reserved[0] = allocated[0] + 1
+    assert strict.release_cached(torch.device("cuda", 0)) and strict.releases == 1

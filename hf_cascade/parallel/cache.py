@@ -184,6 +184,7 @@ class ContextParallelCache(Cache):
         self.combine = check_combine(combine)
         self.placement = placement
         self._prefill: PrefillState | None = None  # set while the prompt is prefilled
+        self.prefill_releases = 0
         self._base_counts = [0] * info.world_size  # prompt / shared-prefix columns owned by each rank
         self._base_length = 0  # columns placed by the prefill (zigzag); later ones are in _segments
         self._segments: list[tuple[int, int, int]] = []  # (start, end, owner rank) of each later forward
@@ -204,13 +205,15 @@ class ContextParallelCache(Cache):
 
     # ------------------------------------------------------------------ prefill (driven by context_parallel_inputs)
     def begin_prefill(self, plan: PrefillPlan, key_valid: torch.Tensor | None, *, shared: bool,
-                      device: torch.device | str | None = None) -> None:
+                      device: torch.device | str | None = None, keep_cached: int = 0) -> None:
         """The next forwards run the prompt's rounds (:mod:`~hf_cascade.parallel.prefill_plan`), one per
         :meth:`begin_round`; every layer's KV storage is sized once, for ``plan.num_real(rank)`` columns.
 
         ``key_valid``: bool ``[B, plan.length]`` over the prompt's columns (False = left padding) or None.
         ``shared``: the prompt is a prefix shared by every row (batch 1), stored without a batch dimension after.
         ``device``: the model's (where the stored columns' indices live; default ``key_valid``'s, else the CPU).
+        ``keep_cached``: bytes of free cached segments PyTorch's CUDA allocator may hold at a layer's start before
+        they are handed back (:meth:`~hf_cascade.parallel.prefill_plan.PrefillState.release_cached`).
         """
         if plan.world_size != self.info.world_size:
             raise ValueError(f"plan is for {plan.world_size} ranks, the group has {self.info.world_size}.")
@@ -221,7 +224,7 @@ class ContextParallelCache(Cache):
                              f"{tuple(key_valid.shape)}.")
         if device is None and key_valid is not None:
             device = key_valid.device
-        self._prefill = PrefillState(plan, plan.rounds(self.info.rank), key_valid, shared)
+        self._prefill = PrefillState(plan, plan.rounds(self.info.rank), key_valid, shared, keep_cached=keep_cached)
         self._prefill.columns = plan.columns(self.info.rank, device)
 
     def begin_round(self, index: int) -> PrefillRound:
@@ -252,6 +255,7 @@ class ContextParallelCache(Cache):
                 layer.keys = layer.values = layer.cols = None
                 layer._buffers = None
         self._prefill = None
+        self.prefill_releases = prefill.releases  # cached segments handed back during the prefill (benchmarks)
         self._base_counts = [plan.num_real(r) for r in range(plan.world_size)]
         self._counts = list(self._base_counts)
         self._base_length = plan.length
@@ -563,12 +567,7 @@ class ContextParallelCache(Cache):
         merged exactly. ``key``/``value``: the round's ``[B, Hkv, 2c, D]`` as ``update`` returned them."""
         prefill, rnd = self._prefill, self._prefill.current
         if query.is_cuda and not torch.compiler.is_compiling():
-            # The layer before left its temporaries' segments cached (the MLP's, the norms', the ring's): handed
-            # back here, each layer's reuse only its own, so the allocator's reserved memory stays near what is
-            # allocated at any prompt length (128K on 4x H100: 1.21x reserved / allocated when they were kept,
-            # eleven 448 MiB MLP segments where three are live at once: results/cp_memory_probe.jsonl; 1.09x with
-            # this on 4x H200, 1.04x at 1M). It costs a device sync per layer: ~4% of a 512K prefill.
-            torch.cuda.empty_cache()
+            prefill.release_cached(query.device)
         out, lse = ring_states(query, key, value, layout=rnd.layout, info=self.info, scale=scaling,
                                key_valid=prefill.round_valid, softcap=softcap, block_backend=self.kernels)
         if rnd.start > 0:  # the same on every rank: past_state is a collective

@@ -76,6 +76,12 @@ class MemoryNeed:
     def total(self) -> int:
         return self.kv + self.working + self.decode
 
+    @property
+    def temporaries(self) -> int:
+        """The working set without the fixed slack: the bytes of one round's temporaries, which the allocator may
+        keep cached from one layer to the next for the next to reuse (see ``PrefillState.release_cached``)."""
+        return max(0, self.working - _SLACK_BYTES)
+
 
 def working_set_bytes(shape: ModelShape, world_size: int, tokens: int) -> int:
     """Peak bytes beyond weights + KV of one prefill round running ``tokens`` (rows x columns) on a rank.

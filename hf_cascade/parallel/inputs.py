@@ -36,7 +36,7 @@ from hf_cascade.parallel._group import check_device, resolve_group, sync_rng
 from hf_cascade.parallel.cache import ContextParallelCache
 from hf_cascade.parallel.combine import check_combine
 from hf_cascade.parallel.fixed import check_max_new_tokens
-from hf_cascade.parallel.capacity import ModelShape, check_capacity, free_bytes, memory_need
+from hf_cascade.parallel.capacity import MemoryNeed, ModelShape, check_capacity, free_bytes, memory_need
 from hf_cascade.parallel.generation import check_decode_step, context_parallel_generate, decode_buffer_tokens
 from hf_cascade.parallel.prefill_plan import PrefillPlan, check_rank_tokens, default_rank_tokens
 from hf_cascade.transformers_compat import CACHE_KWARG
@@ -112,8 +112,10 @@ def _shared_prefix_length(input_ids, mask, min_tokens: int) -> int:
     return length if length >= min_tokens else 0
 
 
-def _check_fits(model, plan: PrefillPlan, info, input_ids, mask, prefix: int, max_new_tokens, memory_per_rank):
-    """The capacity check (:mod:`~hf_cascade.parallel.capacity`): one all-gather; raises on every rank at once."""
+def _check_fits(model, plan: PrefillPlan, info, input_ids, mask, prefix: int, max_new_tokens,
+                memory_per_rank) -> MemoryNeed:
+    """The capacity check (:mod:`~hf_cascade.parallel.capacity`): one all-gather; raises on every rank at once.
+    Returns what this rank needs."""
     shape = ModelShape.of(model)
     rows = input_ids.shape[0]
     suffix = 0 if not prefix else int(mask.sum()) - rows * prefix  # the rows' own columns after the shared prefix
@@ -126,6 +128,7 @@ def _check_fits(model, plan: PrefillPlan, info, input_ids, mask, prefix: int, ma
     free = memory_per_rank if memory_per_rank is not None else free_bytes(input_ids.device, info)
     check_capacity(need, free, info, input_ids.device, prompt_tokens=input_ids.shape[1], rows=rows,
                    kv_per_token=shape.kv_bytes_per_column * stored_rows)
+    return need
 
 
 def _default_pad_id(model) -> int:
@@ -136,13 +139,16 @@ def _default_pad_id(model) -> int:
     return 0
 
 
-def _ring_prefill(model, cache, plan: PrefillPlan, ids, positions, key_valid, *, shared: bool) -> None:
+def _ring_prefill(model, cache, plan: PrefillPlan, ids, positions, key_valid, *, shared: bool,
+                  keep_cached: int) -> None:
     """Run ``ids`` ``[B, T]`` (global ``positions``) through the model in the plan's rounds, each rank its zigzag
-    shard of each round (:mod:`~hf_cascade.parallel.prefill_plan`); the KV stays on the rank that computed it."""
+    shard of each round (:mod:`~hf_cascade.parallel.prefill_plan`); the KV stays on the rank that computed it.
+    ``keep_cached``: bytes of free cached segments the allocator may keep between layers (one round's temporaries,
+    :attr:`~hf_cascade.parallel.capacity.MemoryNeed.temporaries`)."""
     info = cache.info
     if plan.length == 0:
         return
-    cache.begin_prefill(plan, key_valid, shared=shared, device=ids.device)
+    cache.begin_prefill(plan, key_valid, shared=shared, device=ids.device, keep_cached=keep_cached)
     rounds = plan.rounds(info.rank)
     bar = _progress(len(rounds), info, plan)
     for rnd in rounds:
@@ -279,7 +285,7 @@ def context_parallel_inputs(
     rows = 1 if prefix else input_ids.shape[0]
     length = prefix if prefix else input_ids.shape[1] - 1  # generate() feeds the last column itself
     plan = PrefillPlan(length, info.world_size, rank_tokens or default_rank_tokens(info.world_size, rows))
-    _check_fits(model, plan, info, input_ids, mask, prefix, max_new_tokens, memory_per_rank)
+    need = _check_fits(model, plan, info, input_ids, mask, prefix, max_new_tokens, memory_per_rank)
 
     cache = ContextParallelCache(model, info, combine=combine, placement=options.get("placement", "least_loaded"),
                                  kernels=options.get("kernels", "auto"))
@@ -289,12 +295,14 @@ def context_parallel_inputs(
         body = slice(0, length)
         key_valid = mask[:, body].bool()
         key_valid = None if bool(key_valid.all()) else key_valid
-        _ring_prefill(model, cache, plan, input_ids[:, body], positions[:, body], key_valid, shared=False)
+        _ring_prefill(model, cache, plan, input_ids[:, body], positions[:, body], key_valid, shared=False,
+                      keep_cached=need.temporaries)
         new_ids, new_mask = input_ids, mask
     else:
         new_ids, new_mask = _relayout_shared(input_ids, mask, prefix, pad_id)
         positions = (new_mask.cumsum(-1) - 1).masked_fill(new_mask == 0, 1)
-        _ring_prefill(model, cache, plan, new_ids[:1, :prefix], positions[:1, :prefix], None, shared=True)
+        _ring_prefill(model, cache, plan, new_ids[:1, :prefix], positions[:1, :prefix], None, shared=True,
+                      keep_cached=need.temporaries)
         end = new_ids.shape[1] - 1
         if end > prefix:  # the rows' suffixes but their last token: an ordinary forward, placed on one rank
             model.base_model(input_ids=new_ids[:, prefix:end], attention_mask=new_mask[:, :end],
