@@ -37,29 +37,30 @@ def _own_widths(model) -> list[int]:
 def variant_grid(model, input_ids: torch.Tensor, generation_config) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Batches ``(input_ids [B, L] int64, attention_mask [B, L] int64)``, left-padded, on CPU, that together launch
     the Triton kernel variants of the layouts a stream of calls brings (see :data:`GRID_ROWS`): every batch size of
-    :data:`GRID_ROWS` x one shared level or two x a short or long shared prefix x own tokens of each width of
-    :func:`_own_widths`, the same for every row or ragged (1 to that width). Random tokens below the model's
-    vocabulary size (or the call's largest id)."""
+    :data:`GRID_ROWS` x own tokens of each width of :func:`_own_widths`, the same for every row or ragged (1 to that
+    width) x one shared level or two (a short or long shared prefix) or three (the short one). Random tokens below
+    the model's vocabulary size (or the call's largest id)."""
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     vocab = int(getattr(text, "vocab_size", 0) or int(input_ids.max()) + 1)
     g = torch.Generator().manual_seed(48)
+    trees = [(prefix, levels) for prefix in GRID_PREFIX_TOKENS for levels in (1, 2)] + [(min(GRID_PREFIX_TOKENS), 3)]
     batches = []
     for rows in GRID_ROWS:
         for width in _own_widths(model):
-            for prefix in GRID_PREFIX_TOKENS:
-                for levels in (1, 2):
-                    for ragged in (False, True):
-                        batches.append(_grid_batch(rows, width, prefix, levels, ragged, vocab, g))
+            for prefix, levels in trees:
+                for ragged in (False, True):
+                    batches.append(_grid_batch(rows, width, prefix, levels, ragged, vocab, g))
     return batches
 
 
 def _grid_batch(rows: int, width: int, prefix: int, levels: int, ragged: bool, vocab: int, g) -> tuple:
-    """One left-padded batch of :func:`variant_grid`: ``rows`` rows sharing ``prefix`` tokens (and, with two levels,
-    two groups of 32 more), then each row's own tokens (``width``, or 1 to ``width`` where ``ragged``)."""
+    """One left-padded batch of :func:`variant_grid`: ``rows`` rows sharing ``prefix`` tokens; below it, level
+    ``k >= 2`` splits the rows into ``2 ** (k - 1)`` groups sharing 32 more tokens each (a stream's three-level trees
+    launch variants two levels do not, ``results/stall.jsonl``); then
+    each row's own tokens (``width``, or 1 to ``width`` where ``ragged``)."""
     shared = [torch.randint(3, vocab, (prefix,), generator=g)]
-    if levels == 2:
-        shared.append(torch.randint(3, vocab, (2, 32), generator=g))
+    shared += [torch.randint(3, vocab, (2 ** (k - 1), 32), generator=g) for k in range(2, levels + 1)]
     own = torch.randint(1, width + 1, (rows,), generator=g) if ragged else torch.full((rows,), width)
-    parts = [torch.cat([shared[0]] + ([shared[1][r * 2 // rows]] if levels == 2 else [])
+    parts = [torch.cat([shared[0]] + [level[r * level.shape[0] // rows] for level in shared[1:]]
                        + [torch.randint(3, vocab, (int(own[r]),), generator=g)]) for r in range(rows)]
     return left_padded(parts)

@@ -9,7 +9,7 @@ of the model's config cut to :data:`PREWARM_LAYERS` decoder layers of random wei
 compile to one graph for all layers, so the cut model makes the same graphs and Triton kernels: the child fills the
 Triton and Inductor caches on disk. The thread only waits for it (the GIL is free meanwhile), and the calls meanwhile
 build nothing themselves (they would build what the child is building). Children run the batches of
-:func:`variant_grid` (batch sizes, one or two shared levels, short and long prefixes, own tokens of several widths,
+:func:`variant_grid` (batch sizes, one to three shared levels, short and long prefixes, own tokens of several widths,
 padded or not; on the eager layers beside the rows child, on the compiled layers after it; each child for at most
 :data:`GRID_BUDGET_S`): the Triton kernel variants of layouts no call has run yet, which a process that had moved
 up built in the call (3-10 s on a new layout's first call, H100, Llama-3-8B shape: results/stall.jsonl). Once the

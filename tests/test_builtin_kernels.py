@@ -419,7 +419,7 @@ def test_background_build_child_process_runs_the_call_on_a_cut_model(tiny_llama_
 
 
 def test_variant_grid_batches_are_left_padded_trees_of_every_grid_size(tiny_llama_pair):
-    """The background child's grid (build_grid.variant_grid): every batch size of GRID_ROWS, one and two shared
+    """The background child's grid (build_grid.variant_grid): every batch size of GRID_ROWS, one to three shared
     levels, short and long prefixes, own tokens fixed or ragged; left-padded rows whose masks mark their tokens,
     ids inside the vocabulary, rows of one batch sharing their first GRID_PREFIX_TOKENS tokens."""
     from hf_cascade import build_grid
@@ -427,7 +427,8 @@ def test_variant_grid_batches_are_left_padded_trees_of_every_grid_size(tiny_llam
     model = tiny_llama_pair[1]
     grid = build_grid.variant_grid(model, torch.zeros(1, 4, dtype=torch.long), None)
     widths = build_grid._own_widths(model)
-    assert len(grid) == len(build_grid.GRID_ROWS) * len(widths) * len(build_grid.GRID_PREFIX_TOKENS) * 2 * 2
+    trees = len(build_grid.GRID_PREFIX_TOKENS) * 2 + 1  # one or two levels of each prefix, three of the short one
+    assert len(grid) == len(build_grid.GRID_ROWS) * len(widths) * trees * 2
     assert widths[-1] == 64 and len(widths) >= 3
     assert {ids.shape[0] for ids, _ in grid} == set(build_grid.GRID_ROWS)
     for ids, mask in grid:
@@ -438,6 +439,11 @@ def test_variant_grid_batches_are_left_padded_trees_of_every_grid_size(tiny_llam
         shortest = min(build_grid.GRID_PREFIX_TOKENS)
         assert all(torch.equal(f[:shortest], first[0][:shortest]) for f in first)
     assert any(len(set(mask.sum(1).tolist())) > 1 for _, mask in grid)  # ragged batches
+    from hf_cascade.prefix_tree import find_shared_prefixes
+
+    depths = {len(find_shared_prefixes([row[m.bool()].tolist() for row, m in zip(ids, mask)]).levels)
+              for ids, mask in grid if ids.shape[0] == 24}
+    assert depths == {1, 2, 3}
 
 
 def test_warmup_writes_the_bytecode_of_imported_modules(tmp_path):
