@@ -206,7 +206,19 @@ def _scaling_and_checks(records) -> str:
     lines = []
     sdpa = latest(records, "long_scaling_sdpa_1gpu")
     scale = [latest(records, "long_scaling_pct", gpus=n) for n in (1, 2, 4)]
-    if sdpa and any(scale):
+    if sdpa and any(scale) and sdpa.get("first_seconds") is not None:
+        cells = []
+        for r in (r for r in scale if r):
+            run = latest(records, "long_scaling", gpus=r["gpus"], git_sha=sdpa["git_sha"])
+            first = run and run.get("first_seconds")
+            cold = (f"; first prefill {first:.2f} s, {100.0 * sdpa['first_seconds'] / (r['gpus'] * first):.0f}% "
+                    "of sdpa's first" if first else "")
+            cells.append(f"{r['gpus']} GPU{'s' if r['gpus'] > 1 else ''} {r['seconds']:.2f} s "
+                         f"(**{r['pct_of_ideal']:.0f}%** of ideal{cold})")
+        lines += [f"The same code at {sdpa['tokens']:,} tokens ({sdpa['gpu']}, git {_sha(sdpa, *scale)}; each GPU "
+                  f"count's second prefill, the first in brackets): {', '.join(cells)}; transformers' sdpa on one "
+                  f"GPU {sdpa['seconds']:.2f} s (first {sdpa['first_seconds']:.2f} s)."]
+    elif sdpa and any(scale):
         cells = ", ".join(f"{r['gpus']} GPU{'s' if r['gpus'] > 1 else ''} {r['seconds']:.2f} s "
                           f"({r['pct_of_ideal']:.0f}% of ideal)" for r in scale if r)
         cold = " (each GPU count's first prefill in a fresh process)" if sdpa.get("run_note") else ""

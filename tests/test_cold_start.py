@@ -80,3 +80,33 @@ def test_first_kernel_waits_for_the_key_thread_instead_of_hashing_beside_it(monk
     own.start()  # the thread itself must not wait for itself
     own.join(5)
     assert not own.is_alive()
+
+
+def test_every_process_builds_with_the_compilers_ptxas(monkeypatch, tmp_path):
+    """``use_compilers_ptxas``: where torch bundles a ``ptxas`` (which Inductor points Triton at when it first builds),
+    hf_cascade's kernels are built with it from the first one on, so a process that builds before Inductor and one
+    that builds after key their kernels alike; ``os.environ`` is left as it was; a set ``TRITON_PTXAS_PATH`` or no
+    bundled ``ptxas`` changes nothing."""
+    knobs = pytest.importorskip("triton.knobs")
+    fake_torch = tmp_path / "torch"
+    (fake_torch / "_inductor" / "bin").mkdir(parents=True)
+    monkeypatch.setattr(_backend.torch, "__file__", str(fake_torch / "__init__.py"))
+    monkeypatch.delenv("TRITON_PTXAS_PATH", raising=False)
+    before = knobs.nvidia.__dict__.get("ptxas")
+    env = dict(os.environ)
+    try:
+        _backend.use_compilers_ptxas()  # no bundled ptxas: nothing
+        assert "ptxas" not in knobs.nvidia.__dict__ or knobs.nvidia.__dict__["ptxas"] == before
+        ptxas = fake_torch / "_inductor" / "bin" / "ptxas"
+        ptxas.write_text("#!/bin/sh\necho 'Cuda compilation tools, release 12.8, V12.8.93'\n")
+        ptxas.chmod(0o755)
+        _backend.use_compilers_ptxas()
+        assert knobs.nvidia.__dict__["ptxas"] == str(ptxas) and dict(os.environ) == env and knobs.propagate_env
+        del knobs.nvidia.ptxas
+        monkeypatch.setenv("TRITON_PTXAS_PATH", "/the/users/ptxas")  # the user's (or Inductor's) choice stands
+        _backend.use_compilers_ptxas()
+        assert "ptxas" not in knobs.nvidia.__dict__
+    finally:
+        knobs.nvidia.__dict__.pop("ptxas", None)
+        if before is not None:
+            knobs.nvidia.__dict__["ptxas"] = before

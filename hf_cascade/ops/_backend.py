@@ -54,7 +54,10 @@ def share_compiler_kernel_cache() -> None:
     if _CACHE_SHARED:
         return
     _CACHE_SHARED = True
-    if os.environ.get("TRITON_CACHE_DIR") or interpret_mode() or not torch.cuda.is_available():
+    if interpret_mode() or not torch.cuda.is_available():
+        return
+    use_compilers_ptxas()
+    if os.environ.get("TRITON_CACHE_DIR"):
         return
     try:
         from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
@@ -75,6 +78,36 @@ def share_compiler_kernel_cache() -> None:
 
 
 _CACHE_SHARED = False
+
+
+def use_compilers_ptxas() -> None:
+    """Build with the ``ptxas`` that ``torch.compile`` (Inductor) builds with, from the first kernel on.
+
+    Inductor points Triton at the ``ptxas`` bundled with torch (``torch/_inductor/bin/ptxas``, where the wheel has
+    one) the first time it builds a Triton kernel in a process, as ``TRITON_PTXAS_PATH``. Triton keys every kernel
+    on disk by its ``ptxas`` version, read once per process at its first build. So a process whose first kernel was
+    hf_cascade's keyed its kernels with Triton's own ``ptxas``, and one where Inductor built first (the background
+    build's children, which compile the decode step first) keyed the same kernels with torch's: the children filled
+    a cache the calling process never read, and its calls built again kernels equal in every argument to the
+    children's (1-2.4 s each, H200, ``results/stall.jsonl`` at 42e428d). Here every process picks the same one,
+    before its first kernel, as Inductor would: nothing where ``TRITON_PTXAS_PATH`` is set or torch has no bundled
+    ``ptxas``; through ``triton.knobs`` (3.4 and later, ``os.environ`` untouched) or else the variable."""
+    if os.environ.get("TRITON_PTXAS_PATH") is not None:
+        return
+    ptxas = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "_inductor", "bin", "ptxas")
+    if not (os.path.isfile(ptxas) and os.access(ptxas, os.X_OK)):
+        return
+    try:
+        from triton import knobs
+    except ImportError:  # Triton < 3.4 reads the environment only
+        os.environ["TRITON_PTXAS_PATH"] = ptxas
+        return
+    propagate = knobs.propagate_env
+    knobs.propagate_env = False
+    try:
+        knobs.nvidia.ptxas = ptxas
+    finally:
+        knobs.propagate_env = propagate
 
 
 _TRITON_KEY_THREAD: threading.Thread | None = None
