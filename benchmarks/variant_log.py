@@ -4,8 +4,9 @@ Diagnostics for ``bench_stall.py``: a call of a new layout that builds a Triton 
 H100), although the background grid (``hf_cascade/build_grid.py``) ran layouts meant to build them ahead. To see
 which specialisation the grid missed, every process of the run (the bench and, through ``variant_hook/``'s
 ``sitecustomize``, the grid's child processes) appends one JSON line per kernel it compiles or loads to the file
-named by ``$HF_CASCADE_VARIANT_LOG``: its pid, the kernel's name and argument names, and Triton's cache key (the
-specialisation of every argument, constexprs included, and the launch options). :func:`closest_difference` then
+named by ``$HF_CASCADE_VARIANT_LOG``: its pid, the kernel's name and argument names, Triton's cache key (the
+specialisation of every argument, constexprs included, and the launch options), the hash the variant has on disk
+and the disk cache's folder. :func:`closest_difference` then
 names the arguments in which a call's variant differs from the nearest variant another process built.
 
 Nothing here runs unless the variable is set; the hooks wrap ``JITFunction._do_compile`` (Triton's build-or-load of
@@ -38,19 +39,31 @@ def install(path: str | None = None) -> bool:
         return True
 
     def logged(self, key, *args, **kwargs):
-        started = time.perf_counter()
+        started, kernel = time.perf_counter(), None
         try:
-            return original(self, key, *args, **kwargs)
+            kernel = original(self, key, *args, **kwargs)
+            return kernel
         finally:
             entry = {"pid": os.getpid(), "name": getattr(self, "__name__", "?"),
                      "arg_names": list(getattr(self, "arg_names", []) or []), "key": str(key),
-                     "s": round(time.perf_counter() - started, 3), "t": time.time()}
+                     "s": round(time.perf_counter() - started, 3), "t": time.time(),
+                     "disk_hash": getattr(kernel, "hash", None), "cache_dir": _cache_dir()}
             with open(path, "a") as f:
                 f.write(json.dumps(entry) + "\n")
 
     logged._variant_log = path
     JITFunction._do_compile = logged
     return True
+
+
+def _cache_dir() -> str | None:
+    """The folder Triton's disk cache uses in this process now."""
+    try:
+        from triton import knobs
+
+        return knobs.cache.dir
+    except Exception:  # noqa: BLE001 (an older Triton: the environment)
+        return os.environ.get("TRITON_CACHE_DIR")
 
 
 def read(path: str) -> list[dict]:
@@ -101,6 +114,9 @@ def difference(new: dict, old: dict) -> dict:
             out[names[i] if i < len(names) else f"arg{i}"] = [a, b]
     if new_options != old_options:
         out["options"] = [old_options[:300], new_options[:300]]
+    for field in ("disk_hash", "cache_dir"):  # the same variant, keyed or kept elsewhere on disk
+        if new.get(field) and old.get(field) and new[field] != old[field]:
+            out[field] = [old[field], new[field]]
     return out
 
 

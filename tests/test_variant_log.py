@@ -29,6 +29,10 @@ def test_the_difference_names_the_arguments_specialised_otherwise():
     other_options = _entry(1, ["('*bf16', 'D')", "('i32', '')", "('i32', '')", "('constexpr', 32)"],
                            options="{'num_warps': 8}")
     assert set(variant_log.difference(other_options, grid[0])) == {"options"}
+    same = dict(grid[0], pid=1, disk_hash="b" * 8, cache_dir="/tmp/a")  # equal keys, but another file on disk
+    assert variant_log.difference(same, dict(grid[0], disk_hash="a" * 8, cache_dir="/tmp/a")) == {
+        "disk_hash": ["a" * 8, "b" * 8]}
+    assert variant_log.difference(same, grid[0]) == {}  # (an entry without them: nothing to compare)
 
 
 def test_install_logs_each_variant_the_process_builds(tmp_path, monkeypatch):
