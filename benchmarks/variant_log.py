@@ -47,7 +47,8 @@ def install(path: str | None = None) -> bool:
             entry = {"pid": os.getpid(), "name": getattr(self, "__name__", "?"),
                      "arg_names": list(getattr(self, "arg_names", []) or []), "key": str(key),
                      "s": round(time.perf_counter() - started, 3), "t": time.time(),
-                     "disk_hash": getattr(kernel, "hash", None), "cache_dir": _cache_dir()}
+                     "disk_hash": getattr(kernel, "hash", None), "cache_dir": _cache_dir(),
+                     **_disk_key_parts(self, kernel)}
             with open(path, "a") as f:
                 f.write(json.dumps(entry) + "\n")
 
@@ -64,6 +65,28 @@ def _cache_dir() -> str | None:
         return knobs.cache.dir
     except Exception:  # noqa: BLE001 (an older Triton: the environment)
         return os.environ.get("TRITON_CACHE_DIR")
+
+
+def _disk_key_parts(fn, kernel) -> dict:
+    """What Triton hashes into a variant's key on disk besides its JIT key: the source's hash (``fn_key``, with the
+    sources of what it calls), the cache-invalidating environment (``env_vars``) and the compiled options and target
+    (``metadata``, e.g. ``extern_libs``, ``debug``, the PTX version). Empty parts where this Triton has none."""
+    parts = {}
+    try:
+        parts["fn_key"] = str(fn.cache_key)[-24:]
+    except Exception:  # noqa: BLE001
+        pass
+    try:
+        from triton._C.libtriton import get_cache_invalidating_env_vars
+
+        parts["env_vars"] = dict(sorted(get_cache_invalidating_env_vars().items()))
+    except Exception:  # noqa: BLE001
+        pass
+    metadata = getattr(kernel, "metadata", None)
+    if metadata is not None and hasattr(metadata, "_asdict"):
+        skip = {"hash", "name", "shared", "tmem_size", "global_scratch_size", "profile_scratch_size", "num_ctas"}
+        parts["metadata"] = {k: str(v)[:160] for k, v in metadata._asdict().items() if k not in skip}
+    return parts
 
 
 def read(path: str) -> list[dict]:
@@ -114,9 +137,13 @@ def difference(new: dict, old: dict) -> dict:
             out[names[i] if i < len(names) else f"arg{i}"] = [a, b]
     if new_options != old_options:
         out["options"] = [old_options[:300], new_options[:300]]
-    for field in ("disk_hash", "cache_dir"):  # the same variant, keyed or kept elsewhere on disk
+    for field in ("disk_hash", "cache_dir", "fn_key", "env_vars"):  # the same variant, keyed or kept elsewhere
         if new.get(field) and old.get(field) and new[field] != old[field]:
             out[field] = [old[field], new[field]]
+    if new.get("metadata") and old.get("metadata"):
+        for key in sorted(set(new["metadata"]) | set(old["metadata"])):
+            if new["metadata"].get(key) != old["metadata"].get(key):
+                out[f"metadata.{key}"] = [old["metadata"].get(key), new["metadata"].get(key)]
     return out
 
 

@@ -33,6 +33,9 @@ def test_the_difference_names_the_arguments_specialised_otherwise():
     assert variant_log.difference(same, dict(grid[0], disk_hash="a" * 8, cache_dir="/tmp/a")) == {
         "disk_hash": ["a" * 8, "b" * 8]}
     assert variant_log.difference(same, grid[0]) == {}  # (an entry without them: nothing to compare)
+    libs = dict(same, metadata={"extern_libs": "libdevice A", "debug": "False"})
+    assert variant_log.difference(libs, dict(libs, metadata={"extern_libs": "libdevice B", "debug": "False"})) == {
+        "metadata.extern_libs": ["libdevice B", "libdevice A"]}
 
 
 def test_install_logs_each_variant_the_process_builds(tmp_path, monkeypatch):
