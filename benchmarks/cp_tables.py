@@ -167,12 +167,16 @@ def _long_prompts(records) -> str:
     lengths = sorted({r["tokens"] for r in default_alloc if r.get("kind") == "long_prefill" and "seconds" in r})
     for length in lengths:
         pre = latest(default_alloc, "long_prefill", tokens=length)
-        dec = latest(records, "long_decode", context=length, git_sha=pre["git_sha"])
+        # The decode of the same run, else the latest decode at this length (a prefill-only run: its git told apart).
+        dec = (latest(records, "long_decode", context=length, git_sha=pre["git_sha"])
+               or latest(records, "long_decode", context=length))
         used += [pre, dec]
+        git = pre["git_sha"][:7] if not dec or dec["git_sha"] == pre["git_sha"] else (
+            f"{pre['git_sha'][:7]} (decode {dec['git_sha'][:7]})")
         rows.append(f"| {length:,} | {pre['gpus']} | **{pre['seconds']:.1f}** | {pre['kv_gib_per_gpu']:.0f} | "
                     f"**{pre['beyond_weights_kv_gib']:.2f}** | {pre['reserved_over_allocated']:.2f} | "
                     f"{_fmt(dec and dec['step_ms'], '.1f')} | {_fmt(dec and dec['roofline_ms'], '.1f')} | "
-                    f"{_fmt(dec and dec['x_roofline'])}x | {pre['git_sha'][:7]} |")
+                    f"{_fmt(dec and dec['x_roofline']) + 'x' if dec else '–'} | {git} |")
     lines = [f"Long prompts on {used[0]['gpus'] if used else '?'} GPUs ({used[0]['gpu'] if used else '?'}), Llama-3-8B "
              "shape, bf16, real prefill (`context_parallel_inputs`, default options) then `generate(max_new_tokens=64)`."
              " *beyond* = peak allocated minus weights minus KV during the prefill; *reserved / allocated* = the "
