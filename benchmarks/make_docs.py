@@ -156,11 +156,14 @@ def _built(call: dict) -> str:
 
 
 def stall_table(records: list[dict]) -> str:
-    """The newest GPU run of bench_stall.py: one process, workloads one after another, then a stream of layouts."""
+    """The newest full GPU run of bench_stall.py (one that reached its stream): one process, workloads one after
+    another, then a stream of layouts."""
     runs_ = [r for r in records if not r.get("tiny") and r.get("device") == "cuda"]
-    if not runs_:
+    full = [r for r in runs_ if r.get("phase") == "summary" and r.get("stream_total_over_steady") is not None]
+    if not full:
         return ""
-    sha = runs_[-1]["git_sha"]
+    sha = full[-1]["git_sha"]
+    runs_ = [r for r in runs_ if r["git_sha"] == sha]
     run = {r["phase"]: r for r in runs_ if r["git_sha"] == sha}
     summary = run.get("summary", {})
     lines = [f"{runs_[-1]['gpu']}, torch {runs_[-1]['torch']}, git `{sha[:7]}`, Llama-3-8B shape, bf16, default options, "
