@@ -103,6 +103,14 @@ def test_every_process_builds_with_the_compilers_ptxas(monkeypatch, tmp_path):
         _backend.use_compilers_ptxas()
         assert knobs.nvidia.__dict__["ptxas"] == str(ptxas) and dict(os.environ) == env and knobs.propagate_env
         del knobs.nvidia.ptxas
+        ptxas.unlink()  # another torch layout: torch/bin/ptxas
+        (fake_torch / "bin").mkdir()
+        other = fake_torch / "bin" / "ptxas"
+        other.write_text("#!/bin/sh\n")
+        other.chmod(0o755)
+        _backend.use_compilers_ptxas()
+        assert knobs.nvidia.__dict__["ptxas"] == str(other)
+        del knobs.nvidia.ptxas
         monkeypatch.setenv("TRITON_PTXAS_PATH", "/the/users/ptxas")  # the user's (or Inductor's) choice stands
         _backend.use_compilers_ptxas()
         assert "ptxas" not in knobs.nvidia.__dict__

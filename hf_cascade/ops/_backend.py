@@ -83,20 +83,24 @@ _CACHE_SHARED = False
 def use_compilers_ptxas() -> None:
     """Build with the ``ptxas`` that ``torch.compile`` (Inductor) builds with, from the first kernel on.
 
-    Inductor points Triton at the ``ptxas`` bundled with torch (``torch/_inductor/bin/ptxas``, where the wheel has
-    one) the first time it builds a Triton kernel in a process, as ``TRITON_PTXAS_PATH``. Triton keys every kernel
-    on disk by its ``ptxas`` version, read once per process at its first build. So a process whose first kernel was
-    hf_cascade's keyed its kernels with Triton's own ``ptxas``, and one where Inductor built first (the background
-    build's children, which compile the decode step first) keyed the same kernels with torch's: the children filled
-    a cache the calling process never read, and its calls built again kernels equal in every argument to the
-    children's (1-2.4 s each, H200, ``results/stall.jsonl`` at 42e428d). Here every process picks the same one,
-    before its first kernel, as Inductor would: nothing where ``TRITON_PTXAS_PATH`` is set or torch has no bundled
-    ``ptxas``; through ``triton.knobs`` (3.4 and later, ``os.environ`` untouched) or else the variable."""
+    Inductor points Triton at the ``ptxas`` bundled with torch, where the wheel has one (``torch/bin/ptxas`` or
+    ``torch/_inductor/bin/ptxas``, by torch version), the first time it builds a Triton kernel in a process, as
+    ``TRITON_PTXAS_PATH``. Triton keys every kernel on disk by its ``ptxas`` version, read once per process at its
+    first build. So the background build's children, whose first kernels are hf_cascade's (before any Inductor
+    build), and the calling process, whose first build may be Inductor's (the call that moves up to the compiled tier),
+    would key the same kernels apart: on an H100 (4e047c3) the calls rebuilt variants equal in every argument to the
+    children's, under another disk hash, 1-2.4 s each, the children agreeing among themselves
+    (``benchmarks/results/stall.jsonl``). Here every process picks Inductor's choice before its first kernel:
+    nothing where ``TRITON_PTXAS_PATH`` is set or torch bundles none; through ``triton.knobs`` (3.4 and later,
+    ``os.environ`` untouched) or else the variable."""
     if os.environ.get("TRITON_PTXAS_PATH") is not None:
         return
-    ptxas = os.path.join(os.path.dirname(os.path.abspath(torch.__file__)), "_inductor", "bin", "ptxas")
-    if not (os.path.isfile(ptxas) and os.access(ptxas, os.X_OK)):
+    root = os.path.dirname(os.path.abspath(torch.__file__))
+    found = [p for p in (os.path.join(root, "_inductor", "bin", "ptxas"), os.path.join(root, "bin", "ptxas"))
+             if os.path.isfile(p) and os.access(p, os.X_OK)]
+    if not found:
         return
+    ptxas = found[0]
     try:
         from triton import knobs
     except ImportError:  # Triton < 3.4 reads the environment only
