@@ -70,7 +70,8 @@ def _cache_dir() -> str | None:
 def _disk_key_parts(fn, kernel) -> dict:
     """What Triton hashes into a variant's key on disk besides its JIT key: the source's hash (``fn_key``, with the
     sources of what it calls), the cache-invalidating environment (``env_vars``) and the compiled options and target
-    (``metadata``, e.g. ``extern_libs``, ``debug``, the PTX version). Empty parts where this Triton has none."""
+    (``metadata``, e.g. ``extern_libs``, ``debug``, the PTX version), the backend's hash (the ``ptxas`` version) and
+    the ``ptxas`` in use. Empty parts where this Triton has none."""
     parts = {}
     try:
         parts["fn_key"] = str(fn.cache_key)[-24:]
@@ -80,6 +81,16 @@ def _disk_key_parts(fn, kernel) -> dict:
         from triton._C.libtriton import get_cache_invalidating_env_vars
 
         parts["env_vars"] = dict(sorted(get_cache_invalidating_env_vars().items()))
+    except Exception:  # noqa: BLE001
+        pass
+    try:  # the ptxas version (Triton reads it once per process, at its first build) and its path
+        from triton.compiler.compiler import make_backend
+        from triton.runtime.driver import driver
+
+        parts["backend_hash"] = make_backend(driver.active.get_current_target()).hash()
+        from triton import knobs
+
+        parts["ptxas"] = str(getattr(knobs.nvidia.ptxas, "path", knobs.nvidia.ptxas))
     except Exception:  # noqa: BLE001
         pass
     metadata = getattr(kernel, "metadata", None)
@@ -137,7 +148,7 @@ def difference(new: dict, old: dict) -> dict:
             out[names[i] if i < len(names) else f"arg{i}"] = [a, b]
     if new_options != old_options:
         out["options"] = [old_options[:300], new_options[:300]]
-    for field in ("disk_hash", "cache_dir", "fn_key", "env_vars"):  # the same variant, keyed or kept elsewhere
+    for field in ("disk_hash", "cache_dir", "fn_key", "env_vars", "backend_hash", "ptxas"):  # the same variant, keyed or kept elsewhere
         if new.get(field) and old.get(field) and new[field] != old[field]:
             out[field] = [old[field], new[field]]
     if new.get("metadata") and old.get("metadata"):
