@@ -80,7 +80,7 @@ RING_CASES = {
 
 def _ring_worker(rank, world, cases):
     from hf_cascade.parallel._group import resolve_group
-    from hf_cascade.parallel.ring import ring_attention
+    from hf_cascade.parallel.ring import ring_attention, ring_exchange_numel
 
     info = resolve_group()
     errors = {}
@@ -101,6 +101,14 @@ def _ring_worker(rank, world, cases):
         shard = [layout.shard(x, rank, dim=2) for x in (q, k, v)]
         out, lse = ring_attention(*shard, layout=layout, info=info, scale=0.3, key_valid=key_valid)
         assert out.dtype == torch.float32 and lse.dtype == torch.float32
+        # The same through exchange buffers kept from call to call (the prefill's workspace): NaN-filled and larger
+        # than needed, used twice, the same bits.
+        exchange = torch.full((ring_exchange_numel(shard[1]) + 5,), float("nan"))
+        same = []
+        for _ in range(2):
+            out_x, lse_x = ring_attention(*shard, layout=layout, info=info, scale=0.3, key_valid=key_valid,
+                                          exchange=exchange)
+            same.append(torch.equal(out_x, out) and torch.equal(lse_x, lse))
         mine = layout.columns(rank) < T  # drop end padding
         real = layout.real_columns(rank)
         # Rows a query can attend: not a left-padding query.
@@ -113,7 +121,7 @@ def _ring_worker(rank, world, cases):
         pad_rows_ok = bool(((got_lse == float("-inf")) | has_keys[:, None]).all() and
                            (torch.where(has_keys[:, None, :, None], 0.0, got_out.abs()) == 0).all())
         errors[name] = (float(err_out.max()) if err_out.numel() else 0.0,
-                        float(err_lse.max()) if err_lse.numel() else 0.0, pad_rows_ok)
+                        float(err_lse.max()) if err_lse.numel() else 0.0, pad_rows_ok, all(same))
     return errors
 
 
@@ -194,7 +202,8 @@ def distributed_results(request):
 def test_ring_attention_matches_full_causal_attention(distributed_results, case):
     world, ring, _ = distributed_results
     for rank in range(world):
-        err_out, err_lse, pad_rows_ok = ring[rank][case]
+        err_out, err_lse, pad_rows_ok, exchange_same = ring[rank][case]
+        assert exchange_same, f"rank {rank}: the ring through kept exchange buffers gave other bits"
         assert err_out < TOL, f"rank {rank}: out max error {err_out}"
         assert err_lse < TOL, f"rank {rank}: lse max error {err_lse}"
         assert pad_rows_ok, f"rank {rank}: left-padding queries must give out 0, lse -inf"

@@ -10,7 +10,12 @@ end) and the free blocks left at the end. Variants:
 
 * ``default``: ``context_parallel_inputs`` as a user calls it;
 * ``chunk8192``: ``prefill_chunk_tokens=8192`` (rounds half as long);
-* ``no_workspace``: the past state's buffers made per layer (the code before the prefill workspace).
+* ``no_workspace``: the past state's buffers and the ring's exchange blocks made per layer (before the workspace);
+* ``no_ring_exchange``: only the ring's exchange blocks made per layer (before they joined the workspace);
+* ``release_every_layer``: the cached segments handed back at every layer's attention (before ``650e078``);
+* ``no_release``: never handed back during the prefill.
+
+Each record also counts the releases (``segment_releases``).
 """
 
 from __future__ import annotations
@@ -62,16 +67,40 @@ def segment_report(snapshot) -> dict:
                 free_total_gib=sum(a for a, _ in free_blocks) / GiB)
 
 
-def old_workspace(self, numel, like):  # the no_workspace variant: a fresh buffer per call, as before
+_WORKSPACE = prefill_plan.PrefillState.workspace
+_RELEASE = prefill_plan.PrefillState.release_cached
+
+
+def per_call_workspace(self, numel, like, use="past"):  # no_workspace: a fresh buffer per call, as before
     return like.new_empty(numel)
+
+
+def per_call_ring_exchange(self, numel, like, use="past"):  # no_ring_exchange: the ring's blocks per call
+    return like.new_empty(numel) if use == "ring" else _WORKSPACE(self, numel, like, use)
+
+
+def release_with(keep):
+    def release(self, device):
+        self.keep_cached = self.keep_cached if keep is None else keep
+        return _RELEASE(self, device)
+    return release
+
+
+VARIANT_PATCHES = {
+    "no_workspace": dict(workspace=per_call_workspace),
+    "no_ring_exchange": dict(workspace=per_call_ring_exchange),
+    "release_every_layer": dict(release_cached=release_with(0)),
+    "no_release": dict(release_cached=release_with(1 << 62)),
+}
 
 
 def run(model, group, length, variant, trace, out_dir):
     ids = cp.prompt(length, model.config.vocab_size)
     kwargs = dict(prefill_chunk_tokens=8192) if variant == "chunk8192" else {}
-    saved = prefill_plan.PrefillState.workspace
-    if variant == "no_workspace":
-        prefill_plan.PrefillState.workspace = old_workspace
+    patches = VARIANT_PATCHES.get(variant, {})
+    saved = {name: getattr(prefill_plan.PrefillState, name) for name in patches}
+    for name, fn in patches.items():
+        setattr(prefill_plan.PrefillState, name, fn)
     cp.reset_peak()
     before_alloc, before_res = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     if trace and dist.get_rank() == 0:
@@ -80,13 +109,15 @@ def run(model, group, length, variant, trace, out_dir):
         seconds, inputs = cp.timed(lambda: hf_cascade.context_parallel_inputs(model, ids, group=group, **kwargs),
                                    group)
     finally:
-        prefill_plan.PrefillState.workspace = saved
+        for name, fn in saved.items():
+            setattr(prefill_plan.PrefillState, name, fn)
     rec = dict(variant=variant, tokens=length, seconds=round(seconds, 3),
                peak_allocated_gib=torch.cuda.max_memory_allocated() / GiB,
                peak_reserved_gib=torch.cuda.max_memory_reserved() / GiB,
                before_allocated_gib=before_alloc / GiB, before_reserved_gib=before_res / GiB)
     rec["ratio"] = rec["peak_reserved_gib"] / rec["peak_allocated_gib"]
     rec["kv_gib"] = inputs[hf_cascade.CACHE_KWARG].nbytes / GiB
+    rec["segment_releases"] = inputs[hf_cascade.CACHE_KWARG].prefill_releases
     if trace and dist.get_rank() == 0:
         snap = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
@@ -106,8 +137,8 @@ def run(model, group, length, variant, trace, out_dir):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--lengths", default="131072,524288")
-    p.add_argument("--variants", default="default,no_workspace,chunk8192")
-    p.add_argument("--trace", default="default,no_workspace", help="variants whose first length is traced")
+    p.add_argument("--variants", default="default,no_ring_exchange,release_every_layer,no_release")
+    p.add_argument("--trace", default="default", help="variants whose first length is traced")
     p.add_argument("--out", default="/tmp/cp_mem")
     args = p.parse_args()
     cp.start_process_group(False, datetime.timedelta(minutes=4))

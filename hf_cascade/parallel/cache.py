@@ -54,7 +54,7 @@ from hf_cascade.parallel.combine import all_gather_kv, check_combine, combine_st
 from hf_cascade.parallel.fixed import DecodeBuffers, attend_fixed, check_max_new_tokens
 from hf_cascade.suffix_layers import SuffixLayer
 from hf_cascade.parallel.prefill_plan import PrefillPlan, PrefillRound, PrefillState
-from hf_cascade.parallel.ring import past_state, past_state_workspace_numel, ring_states
+from hf_cascade.parallel.ring import past_state, past_state_workspace_numel, ring_exchange_numel, ring_states
 
 PLACEMENTS = ("least_loaded", "round_robin")
 _GROW = 256  # columns of spare capacity added when a rank's row KV storage is full
@@ -568,8 +568,10 @@ class ContextParallelCache(Cache):
         prefill, rnd = self._prefill, self._prefill.current
         if query.is_cuda and not torch.compiler.is_compiling():
             prefill.release_cached(query.device)
+        exchange = prefill.workspace(ring_exchange_numel(key), key, use="ring") if self.info.world_size > 1 else None
         out, lse = ring_states(query, key, value, layout=rnd.layout, info=self.info, scale=scaling,
-                               key_valid=prefill.round_valid, softcap=softcap, block_backend=self.kernels)
+                               key_valid=prefill.round_valid, softcap=softcap, block_backend=self.kernels,
+                               exchange=exchange)
         if rnd.start > 0:  # the same on every rank: past_state is a collective
             keys, values = layer.keys[:, :, :rnd.offset], layer.values[:, :, :rnd.offset]
             workspace = prefill.workspace(past_state_workspace_numel(query, self.info.world_size), query)

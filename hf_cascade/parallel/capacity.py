@@ -86,15 +86,17 @@ class MemoryNeed:
 def working_set_bytes(shape: ModelShape, world_size: int, tokens: int) -> int:
     """Peak bytes beyond weights + KV of one prefill round running ``tokens`` (rows x columns) on a rank.
 
-    The larger of the attention phase (the round's fp32 accumulators, the ring's two KV blocks, the past state's
-    workspace of every rank's queries and states plus one block of states) and the MLP phase (gate, up and their
-    product, beside the workspace, which the prefill keeps from layer to layer), plus the residual stream and a
-    fixed slack for kernels' workspaces."""
+    The larger of the attention phase (the round's fp32 accumulators, one block of states, the workspace: the past
+    state's buffers of every rank's queries and states and the ring's two KV blocks) and the MLP phase (gate, up and
+    their product, beside the workspace, which the prefill keeps from layer to layer), plus the residual stream and
+    a fixed slack for kernels' workspaces."""
     b, q_width = shape.dtype_bytes, shape.q_heads * shape.head_dim
     residual = 4 * tokens * shape.hidden * b
-    workspace = 2 * world_size * tokens * q_width * b if world_size > 1 else 0
-    attention = (3 * tokens * q_width * 4 + workspace + tokens * q_width * b
-                 + 4 * tokens * shape.kv_heads * shape.head_dim * b)
+    # Kept from layer to layer (PrefillState.workspace): the past state's gathered queries and states, and the ring's
+    # two K/V exchange blocks.
+    workspace = (2 * world_size * tokens * q_width * b + 4 * tokens * shape.kv_heads * shape.head_dim * b
+                 if world_size > 1 else 0)
+    attention = 3 * tokens * q_width * 4 + workspace + tokens * q_width * b
     mlp = workspace + 3 * tokens * shape.intermediate * b + 2 * tokens * shape.hidden * b
     return residual + max(attention, mlp) + _SLACK_BYTES
 

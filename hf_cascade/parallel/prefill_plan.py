@@ -131,7 +131,7 @@ class PrefillState:
         self.round_valid = None  # bool [B, round padded length] or None
         self.past_valid = None  # bool [B, current.offset] or None
         self._blocks = None  # (keys [layers, B, Hkv, n, D], values [...]): every layer's storage, one allocation each
-        self._workspace: torch.Tensor | None = None  # flat: past_state's buffers, shared by every layer and round
+        self._workspaces: dict[str, torch.Tensor] = {}  # flat, by use: shared by every layer and round
 
     def storage(self, layer_idx: int, num_layers: int, key_states, value_states):
         """Layer ``layer_idx``'s KV storage ``([B, Hkv, n, Dk], [B, Hkv, n, Dv])`` for this rank's ``n`` columns.
@@ -148,14 +148,17 @@ class PrefillState:
             return keys[layer_idx], values[layer_idx]
         return key_states.new_empty(k_shape), value_states.new_empty(v_shape)
 
-    def workspace(self, numel: int, like: torch.Tensor) -> torch.Tensor:
-        """A flat scratch tensor of at least ``numel`` elements of ``like``'s dtype and device, made once and
-        handed to every layer of every round (:func:`~hf_cascade.parallel.ring.past_state`'s buffers): the
-        largest temporaries of a round are not freed and re-made per layer, so they leave no holes behind."""
-        ws = self._workspace
+    def workspace(self, numel: int, like: torch.Tensor, use: str = "past") -> torch.Tensor:
+        """A flat scratch tensor of at least ``numel`` elements of ``like``'s dtype and device for ``use``, made once
+        and handed to every layer of every round: ``"past"``, :func:`~hf_cascade.parallel.ring.past_state`'s
+        gathered queries and states; ``"ring"``, :func:`~hf_cascade.parallel.ring.ring_states`' two exchange
+        buffers. The largest temporaries of a round are then not freed and re-made per layer, so they leave no
+        holes behind; and buffers that NCCL's stream still uses when the host has moved on (an exchange's) are never
+        freed, so the allocator does not make new segments beside them while it waits for the stream."""
+        ws = self._workspaces.get(use)
         if ws is None or ws.numel() < numel or ws.dtype != like.dtype or ws.device != like.device:
-            self._workspace = ws = None  # (the old one goes before the new one is made)
-            self._workspace = ws = like.new_empty(numel)
+            self._workspaces.pop(use, None)  # (the old one goes before the new one is made)
+            self._workspaces[use] = ws = like.new_empty(numel)
         return ws
 
     def release_cached(self, device: torch.device) -> bool:

@@ -47,9 +47,11 @@ def block_attention(query, key, value, *, scale: float, mask=None, causal: bool,
     return suffix_attention(query, key, value, scale=scale, mask=mask, causal=causal, softcap=softcap)
 
 
-def _start_ring_exchange(block: torch.Tensor, info: GroupInfo) -> tuple[torch.Tensor, list]:
-    """Send ``block`` to the next rank and receive the previous rank's block (async). Returns (recv buffer, works)."""
-    recv = torch.empty_like(block)
+def _start_ring_exchange(block: torch.Tensor, info: GroupInfo, recv: torch.Tensor | None = None
+                         ) -> tuple[torch.Tensor, list]:
+    """Send ``block`` to the next rank and receive the previous rank's block (async) into ``recv`` (a new tensor
+    where None). Returns (recv buffer, works)."""
+    recv = torch.empty_like(block) if recv is None else recv
     ops = [
         dist.P2POp(dist.isend, block, info.peer(info.rank + 1), info.group),
         dist.P2POp(dist.irecv, recv, info.peer(info.rank - 1), info.group),
@@ -75,6 +77,7 @@ def ring_states(
     key_valid: torch.Tensor | None = None,
     softcap: float | None = None,
     block_backend: str = "auto",
+    exchange: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact causal attention of this rank's zigzag shard of queries over the whole (sharded) sequence.
 
@@ -89,6 +92,9 @@ def ring_states(
             (left-padded rows) no query may attend. Every rank passes the same tensor. None = all valid.
         softcap: Gemma-2 style score soft-capping.
         block_backend: the kernel of each block (:func:`block_attention`).
+        exchange: optional flat tensor of key's dtype and device with at least :func:`ring_exchange_numel`
+            elements (contents ignored and overwritten): the two K/V blocks that travel round the ring, sent from one
+            and received into the other in turn. None: made per call.
     Returns:
         ``(out [B, Hq, 2c, D] float32, lse [B, Hq, 2c] float32)``. A query that sees no valid key
         (a left-padding query) gets out 0, lse -inf.
@@ -118,11 +124,21 @@ def ring_states(
     def valid(src: int, half: slice) -> torch.Tensor:  # [B, keys of src's block half]
         return key_valid.index_select(1, layout.columns(src, query.device)[half])
 
-    block = torch.stack([key, value])  # [2, B, Hkv, 2c, D]: one message per step
+    shape = (2, *key.shape)  # [2, B, Hkv, 2c, D]: K and V, one message per step
+    if exchange is None:
+        block, spare = torch.stack([key, value]), None
+    else:
+        numel = ring_exchange_numel(key)
+        if exchange.numel() < numel or exchange.dtype != key.dtype or exchange.device != key.device:
+            raise ValueError(f"ring_states: exchange must be {key.dtype} on {key.device} with at least {numel} "
+                             f"elements; got {exchange.dtype} on {exchange.device} with {exchange.numel()}.")
+        block, spare = exchange[:numel // 2].view(shape), exchange[numel // 2:numel].view(shape)
+        block[0].copy_(key)
+        block[1].copy_(value)
     out_acc = lse_acc = None
     for step in range(n):
         src = (rank - step) % n
-        pending = _start_ring_exchange(block, info) if step + 1 < n else None
+        pending = _start_ring_exchange(block, info, spare) if step + 1 < n else None
         k, v = block[0], block[1]
         if step == 0:  # own block: causal over ascending local columns
             mask = None
@@ -147,8 +163,15 @@ def ring_states(
             recv, works = pending
             for work in works:
                 work.wait()
-            block = recv
+            # The block just sent is the next receive's buffer: its send is complete, and a receive into it is
+            # issued after this step's attention on it (NCCL's stream waits for the compute stream).
+            block, spare = recv, (block if spare is not None else None)
     return out_acc, lse_acc
+
+
+def ring_exchange_numel(key: torch.Tensor) -> int:
+    """Elements of :func:`ring_states`' ``exchange`` for this rank's ``key`` ``[B, Hkv, 2c, D]``: two K/V blocks."""
+    return 4 * key.numel()
 
 
 def past_state(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, info: GroupInfo, scale: float,
