@@ -28,6 +28,9 @@ default). Set the timeout where the group is created (torch's defaults: 10 min N
 
 from __future__ import annotations
 
+import dataclasses
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
@@ -44,6 +47,50 @@ from hf_cascade.transformers_compat import CACHE_KWARG
 _OPTIONS = ("placement", "shared_prefix", "min_shared_tokens", "pad_token_id", "sync_rng", "check_inputs",
             "max_new_tokens", "decode_step", "kernels", "prefill_chunk_tokens", "memory_per_rank")
 _PROGRESS_FROM_ROUNDS = 8
+
+
+@dataclass(frozen=True)
+class ParallelOptions:
+    """``context_parallel_inputs``' options, checked once before any collective (see its docstring for each)."""
+
+    combine: str = "all_gather"
+    placement: str = "least_loaded"
+    shared_prefix: object = "auto"
+    min_shared_tokens: int = 16
+    pad_token_id: int | None = None
+    sync_rng: bool = True
+    check_inputs: bool = True
+    max_new_tokens: int | None = None
+    decode_step: str = "auto"
+    kernels: str = "auto"
+    prefill_chunk_tokens: int | None = None
+    memory_per_rank: int | None = None
+
+    @classmethod
+    def of(cls, combine: str, options: dict) -> ParallelOptions:
+        """Check ``options`` (the keyword arguments) with ``combine``; a typo or a bad value raises ValueError on
+        every rank at once, before any collective."""
+        unknown = sorted(set(options) - set(_OPTIONS))
+        if unknown:
+            raise ValueError(f"context_parallel_inputs: unknown option(s) {unknown}; valid options are {_OPTIONS}.")
+        check_combine(combine)
+        opts = cls(combine=combine, **options)
+        max_new_tokens = check_max_new_tokens(opts.max_new_tokens)
+        if max_new_tokens is not None and combine == "all_gather_kv":
+            raise ValueError("context_parallel_inputs: combine='all_gather_kv' (a benchmark baseline) has no "
+                             "fixed-buffer decode; pick 'all_gather', 'tree' or 'all_to_all', or drop `max_new_tokens`.")
+        check_rank_tokens(opts.prefill_chunk_tokens)
+        memory = opts.memory_per_rank
+        if memory is not None and (isinstance(memory, bool) or not isinstance(memory, int) or memory <= 0):
+            raise ValueError(f"`memory_per_rank` must be a positive int (bytes each rank may use for the KV, the "
+                             f"prefill and the decode buffers) or None (measured); got {memory!r}.")
+        decode_step = check_decode_step(opts.decode_step)
+        if decode_step not in ("auto", "eager") and combine == "all_gather_kv":
+            raise ValueError(f"context_parallel_inputs: combine='all_gather_kv' (a benchmark baseline) runs eager "
+                             f"steps only; got decode_step={decode_step!r}.")
+        if opts.shared_prefix not in ("auto", True, False):
+            raise ValueError(f"`shared_prefix` must be 'auto', True or False; got {opts.shared_prefix!r}.")
+        return dataclasses.replace(opts, max_new_tokens=max_new_tokens, decode_step=decode_step)
 
 
 def _validate(model, input_ids, attention_mask):
@@ -243,73 +290,35 @@ def context_parallel_inputs(
             ranks passing different prompts, or a prompt that does not fit the ranks' memory (raised on every rank
             before any work; the message names the longest prompt that fits and how many GPUs this one needs).
     """
-    unknown = sorted(set(options) - set(_OPTIONS))
-    if unknown:
-        raise ValueError(f"context_parallel_inputs: unknown option(s) {unknown}; valid options are {_OPTIONS}.")
-    check_combine(combine)  # before any collective: a typo fails at once on every rank
-    max_new_tokens = check_max_new_tokens(options.get("max_new_tokens"))
-    if max_new_tokens is not None and combine == "all_gather_kv":
-        raise ValueError("context_parallel_inputs: combine='all_gather_kv' (a benchmark baseline) has no fixed-buffer "
-                         "decode; pick 'all_gather', 'tree' or 'all_to_all', or drop `max_new_tokens`.")
-    rank_tokens = check_rank_tokens(options.get("prefill_chunk_tokens"))
-    memory_per_rank = options.get("memory_per_rank")
-    if memory_per_rank is not None and (isinstance(memory_per_rank, bool) or not isinstance(memory_per_rank, int)
-                                        or memory_per_rank <= 0):
-        raise ValueError(f"`memory_per_rank` must be a positive int (bytes each rank may use for the KV, the "
-                         f"prefill and the decode buffers) or None (measured); got {memory_per_rank!r}.")
-    decode_step = check_decode_step(options.get("decode_step", "auto"))
-    if decode_step not in ("auto", "eager") and combine == "all_gather_kv":
-        raise ValueError(f"context_parallel_inputs: combine='all_gather_kv' (a benchmark baseline) runs eager steps "
-                         f"only; got decode_step={decode_step!r}.")
+    opts = ParallelOptions.of(combine, options)  # before any collective: a typo fails at once on every rank
     info = resolve_group(group)
     check_model_uses_cascade(model)
     check_device(info, model.device, "context_parallel_inputs")
     input_ids, mask = _validate(model, input_ids, attention_mask)
-    shared_prefix = options.get("shared_prefix", "auto")
-    if shared_prefix not in ("auto", True, False):
-        raise ValueError(f"`shared_prefix` must be 'auto', True or False; got {shared_prefix!r}.")
-    pad_id = options.get("pad_token_id")
-    pad_id = _default_pad_id(model) if pad_id is None else int(pad_id)
-    if options.get("check_inputs", True):
+    pad_id = _default_pad_id(model) if opts.pad_token_id is None else int(opts.pad_token_id)
+    if opts.check_inputs:
         _check_same_on_all_ranks(input_ids, mask, info)
-    if options.get("sync_rng", True):
+    if opts.sync_rng:
         sync_rng(info, input_ids.device)
 
     prefix = 0
-    if shared_prefix is not False and input_ids.shape[0] > 1:
-        prefix = _shared_prefix_length(input_ids, mask, 1 if shared_prefix is True else
-                                       int(options.get("min_shared_tokens", 16)))
+    if opts.shared_prefix is not False and input_ids.shape[0] > 1:
+        prefix = _shared_prefix_length(input_ids, mask, 1 if opts.shared_prefix is True else
+                                       int(opts.min_shared_tokens))
     if prefix and combine == "all_gather_kv":
         raise ValueError("combine='all_gather_kv' (a benchmark baseline) cannot be used with a shared prefix; "
                          "pass shared_prefix=False.")
     rows = 1 if prefix else input_ids.shape[0]
     length = prefix if prefix else input_ids.shape[1] - 1  # generate() feeds the last column itself
-    plan = PrefillPlan(length, info.world_size, rank_tokens or default_rank_tokens(info.world_size, rows))
-    need = _check_fits(model, plan, info, input_ids, mask, prefix, max_new_tokens, memory_per_rank)
+    plan = PrefillPlan(length, info.world_size, opts.prefill_chunk_tokens or default_rank_tokens(info.world_size, rows))
+    need = _check_fits(model, plan, info, input_ids, mask, prefix, opts.max_new_tokens, opts.memory_per_rank)
 
-    cache = ContextParallelCache(model, info, combine=combine, placement=options.get("placement", "least_loaded"),
-                                 kernels=options.get("kernels", "auto"))
-    cache.decode_step = decode_step
-    if prefix == 0:
-        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
-        body = slice(0, length)
-        key_valid = mask[:, body].bool()
-        key_valid = None if bool(key_valid.all()) else key_valid
-        _ring_prefill(model, cache, plan, input_ids[:, body], positions[:, body], key_valid, shared=False,
-                      keep_cached=need.temporaries)
-        new_ids, new_mask = input_ids, mask
-    else:
-        new_ids, new_mask = _relayout_shared(input_ids, mask, prefix, pad_id)
-        positions = (new_mask.cumsum(-1) - 1).masked_fill(new_mask == 0, 1)
-        _ring_prefill(model, cache, plan, new_ids[:1, :prefix], positions[:1, :prefix], None, shared=True,
-                      keep_cached=need.temporaries)
-        end = new_ids.shape[1] - 1
-        if end > prefix:  # the rows' suffixes but their last token: an ordinary forward, placed on one rank
-            model.base_model(input_ids=new_ids[:, prefix:end], attention_mask=new_mask[:, :end],
-                             position_ids=positions[:, prefix:end], use_cache=True, **{CACHE_KWARG: cache})
+    cache = ContextParallelCache(model, info, combine=combine, placement=opts.placement, kernels=opts.kernels)
+    cache.decode_step = opts.decode_step
+    new_ids, new_mask = _prefill_prompt(model, cache, plan, input_ids, mask, prefix, pad_id, need)
     cache.mark_prompt()
-    if max_new_tokens is not None:
-        cache.use_fixed_buffers(max_new_tokens, new_mask)
+    if opts.max_new_tokens is not None:
+        cache.use_fixed_buffers(opts.max_new_tokens, new_mask)
     if combine == "all_gather_kv":
         cache.decode_step = "eager"
     inputs = {"input_ids": new_ids, "attention_mask": new_mask, CACHE_KWARG: cache,
@@ -317,6 +326,28 @@ def context_parallel_inputs(
     if getattr(getattr(model, "generation_config", None), "cache_implementation", None) is not None:
         inputs["cache_implementation"] = None
     return inputs
+
+
+def _prefill_prompt(model, cache, plan: PrefillPlan, input_ids, mask, prefix: int, pad_id: int, need: MemoryNeed):
+    """Prefill the prompt into ``cache`` (all but its last column; with a shared ``prefix``, the prefix in rounds
+    and then the rows' suffixes on one rank). Returns the rows ``(input_ids, attention_mask)`` generate() gets."""
+    if prefix == 0:
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)
+        body = slice(0, plan.length)
+        key_valid = mask[:, body].bool()
+        key_valid = None if bool(key_valid.all()) else key_valid
+        _ring_prefill(model, cache, plan, input_ids[:, body], positions[:, body], key_valid, shared=False,
+                      keep_cached=need.temporaries)
+        return input_ids, mask
+    new_ids, new_mask = _relayout_shared(input_ids, mask, prefix, pad_id)
+    positions = (new_mask.cumsum(-1) - 1).masked_fill(new_mask == 0, 1)
+    _ring_prefill(model, cache, plan, new_ids[:1, :prefix], positions[:1, :prefix], None, shared=True,
+                  keep_cached=need.temporaries)
+    end = new_ids.shape[1] - 1
+    if end > prefix:  # the rows' suffixes but their last token: an ordinary forward, placed on one rank
+        model.base_model(input_ids=new_ids[:, prefix:end], attention_mask=new_mask[:, :end],
+                         position_ids=positions[:, prefix:end], use_cache=True, **{CACHE_KWARG: cache})
+    return new_ids, new_mask
 
 
 def _relayout_shared(input_ids, mask, prefix: int, pad_id: int):
