@@ -210,16 +210,7 @@ def generate_dataset(
 
     check_model_uses_cascade(model, "model")
     dataset = _check_dataset(dataset, prompt_column, prompt_fn, output_column)
-    pad_token_id = getattr(tokenizer, "pad_token_id", None)
-    if pad_token_id is None:
-        raise ValueError(
-            "The tokenizer has no pad token, which batched generation needs. Set one before calling "
-            "generate_dataset, usually `tokenizer.pad_token = tokenizer.eos_token`."
-        )
-    if max_batch_size < 1 or max_batch_tokens < 1:
-        raise ValueError(
-            f"`max_batch_size` and `max_batch_tokens` must be >= 1; got {max_batch_size} and {max_batch_tokens}."
-        )
+    pad_token_id = _check_batching(tokenizer, max_batch_size, max_batch_tokens)
     gen_kwargs = _generation_kwargs(model, generation_kwargs, pad_token_id)
     num_return = int(gen_kwargs.get("num_return_sequences") or 1)
     max_new_tokens = int(gen_kwargs["max_new_tokens"])
@@ -231,20 +222,14 @@ def generate_dataset(
     if checkpoint_path:
         checkpoint = Checkpoint.for_job(checkpoint_path, rows, gen_kwargs, skip_special_tokens, output_column, model,
                                         tokenizer)
-    completions: list = [None] * num_rows
-    done = checkpoint.load() if checkpoint else {}
-    for index, text in done.items():
-        completions[index] = text
+    done = checkpoint.load() if checkpoint else {}  # {row: completion} of an earlier run of this job
+    completions: list = [done.get(i) for i in range(num_rows)]
 
     stats = GenerationStats(rows=num_rows, rows_resumed=len(done))
     order = sorted((i for i in range(num_rows) if i not in done), key=lambda i: rows[i])
     batches = _make_batches(rows, order, max_batch_tokens, max_batch_size, num_return * max_new_tokens)
 
-    from tqdm.auto import tqdm
-
-    bar = tqdm(
-        total=num_rows, initial=len(done), unit="row", desc="hf_cascade", disable=not progress, dynamic_ncols=True
-    )
+    bar = _progress_bar(num_rows, len(done), progress)
     start = time.perf_counter()
     carried = _CarriedPrefix(model, min_shared_tokens)
     try:
@@ -254,31 +239,11 @@ def generate_dataset(
                 model, tokenizer, rows, batch, next_batch, carried, gen_kwargs, num_return, eos_ids,
                 min_shared_tokens, max_levels, skip_special_tokens, stats,
             )
-            for index, text in zip(batch, texts):
-                completions[index] = text
-            if checkpoint:
-                checkpoint.append({index: completions[index] for index in batch})
-            stats.rows_generated += len(batch)
-            stats.new_tokens += counts
-            stats.batches += 1
-            stats.batch_sizes.append(len(batch))
-            stats.seconds = time.perf_counter() - start
-            bar.update(len(batch))
-            bar.set_postfix_str(f"{stats.new_tokens_per_second:.0f} new tok/s", refresh=False)
+            _record_batch(batch, texts, counts, completions, checkpoint, stats, start, bar)
     except KeyboardInterrupt as interrupt:
-        stats.seconds = time.perf_counter() - start
-        stats.interrupted = True
+        stats.seconds, stats.interrupted = time.perf_counter() - start, True
         bar.close()
-        partial = dataset.add_column(output_column, completions)
-        where = ""
-        if checkpoint:
-            resume = "rerun to resume" if not checkpoint.unverifiable else (
-                f"not resumable: generation_kwargs {', '.join(checkpoint.unverifiable)} cannot be compared between runs")
-            where = f"; saved to {checkpoint.path} ({resume})"
-        finished = stats.rows_generated + stats.rows_resumed
-        message = f"generate_dataset interrupted: {finished}/{num_rows} rows done{where}"
-        logger.warning("%s\n%s", message, stats.summary())
-        raise GenerationInterrupted(message, partial, stats, checkpoint.path if checkpoint else None) from interrupt
+        raise _interruption(dataset, output_column, completions, checkpoint, stats) from interrupt
     finally:
         carried.clear()
         bar.close()
@@ -288,6 +253,58 @@ def generate_dataset(
         bar.write(stats.summary())
     result = dataset.add_column(output_column, completions)
     return (result, stats) if return_stats else result
+
+
+def _progress_bar(rows: int, resumed: int, progress: bool):
+    """generate_dataset's tqdm bar over the dataset's rows (hidden where ``progress`` is False)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(total=rows, initial=resumed, unit="row", desc="hf_cascade", disable=not progress, dynamic_ncols=True)
+
+
+def _check_batching(tokenizer, max_batch_size: int, max_batch_tokens: int) -> int:
+    """The tokenizer's pad token id; raises ValueError without one or with a batch bound below 1."""
+    pad_token_id = getattr(tokenizer, "pad_token_id", None)
+    if pad_token_id is None:
+        raise ValueError(
+            "The tokenizer has no pad token, which batched generation needs. Set one before calling "
+            "generate_dataset, usually `tokenizer.pad_token = tokenizer.eos_token`."
+        )
+    if max_batch_size < 1 or max_batch_tokens < 1:
+        raise ValueError(
+            f"`max_batch_size` and `max_batch_tokens` must be >= 1; got {max_batch_size} and {max_batch_tokens}."
+        )
+    return pad_token_id
+
+
+def _record_batch(batch, texts, counts: int, completions: list, checkpoint, stats, start: float, bar) -> None:
+    """A finished batch: its completions in place (and appended to the checkpoint), the stats and the bar."""
+    for index, text in zip(batch, texts):
+        completions[index] = text
+    if checkpoint:
+        checkpoint.append({index: completions[index] for index in batch})
+    stats.rows_generated += len(batch)
+    stats.new_tokens += counts
+    stats.batches += 1
+    stats.batch_sizes.append(len(batch))
+    stats.seconds = time.perf_counter() - start
+    bar.update(len(batch))
+    bar.set_postfix_str(f"{stats.new_tokens_per_second:.0f} new tok/s", refresh=False)
+
+
+def _interruption(dataset, output_column: str, completions: list, checkpoint, stats) -> GenerationInterrupted:
+    """The GenerationInterrupted a Ctrl-C becomes: the rows finished so far (the others None), where they are
+    saved, and the stats (logged as a warning)."""
+    partial = dataset.add_column(output_column, completions)
+    where = ""
+    if checkpoint:
+        resume = "rerun to resume" if not checkpoint.unverifiable else (
+            f"not resumable: generation_kwargs {', '.join(checkpoint.unverifiable)} cannot be compared between runs")
+        where = f"; saved to {checkpoint.path} ({resume})"
+    finished = stats.rows_generated + stats.rows_resumed
+    message = f"generate_dataset interrupted: {finished}/{stats.rows} rows done{where}"
+    logger.warning("%s\n%s", message, stats.summary())
+    return GenerationInterrupted(message, partial, stats, checkpoint.path if checkpoint else None)
 
 
 # ---------------------------------------------------------------------------------------------- input handling
