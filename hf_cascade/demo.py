@@ -198,7 +198,6 @@ def run_demo(
     """
     import torch
 
-    import hf_cascade
     from hf_cascade.tiny import load_model_and_tokenizer, reference_attn_implementation
 
     device = resolve_device(device)
@@ -222,42 +221,13 @@ def run_demo(
         questions = [p[p.rindex("Q:") :].replace("\n", " ") for p in prompts]
     reference = reference_attn_implementation(model)
     enc = tokenizer(prompts, return_tensors="pt", padding=True).to(model.device)
-    width = enc["input_ids"].shape[1]
     # The tiny model's random text may hit EOS anywhere: it generates exactly new_tokens, for comparable timings.
     gen = dict(max_new_tokens=new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     if not chat:
         gen["min_new_tokens"] = new_tokens
     options = {} if min_shared_tokens is None else {"cascade_options": {"min_shared_tokens": min_shared_tokens}}
-    caches: list = []
-
-    def run_cascade():
-        caches.clear()
-        out = model.generate(**enc, **gen, custom_generate=hf_cascade.generate, cascade_caches=caches, **options)
-        return out[:, width:]
-
-    def run_reference():
-        from hf_cascade.transformers_compat import output_cache
-
-        out = model.generate(**enc, **gen, return_dict_in_generate=True)
-        return out.sequences[:, width:], output_cache(out)
-
-    warm_up = str(device).startswith("cuda")
-    with torch.inference_mode():
-        # On a GPU, warm up with the timed shapes: Triton compiles a kernel per specialisation (integer arguments
-        # ==1 or divisible by 16 included), so a smaller warm-up would leave compilations inside the timed run.
-        # On the CPU there is nothing to compile: each path runs once.
-        if warm_up:
-            run_cascade()
-        t_cascade, cascade_tokens = _timed(run_cascade, device)
-        model.set_attn_implementation(reference)
-        try:
-            if warm_up:
-                run_reference()
-            t_reference, (reference_tokens, reference_cache) = _timed(run_reference, device)
-        finally:
-            model.set_attn_implementation("cascade")
-
-    cache = caches[0] if caches else None  # None: the planner found nothing worth sharing
+    (t_cascade, cascade_tokens, cache), (t_reference, reference_tokens, reference_cache) = _time_both(
+        model, enc, gen, options, reference, device)
     same_rows = (cascade_tokens == reference_tokens).all(dim=1).tolist()
     tree = getattr(cache, "prefix_tree", None)
     lengths = enc["attention_mask"].sum(1).tolist()
@@ -301,6 +271,45 @@ def run_demo(
         ],
     }
 
+
+
+def _time_both(model, enc, gen: dict, options: dict, reference: str, device):
+    """The demo's two timed ``generate()`` calls on the same batch: ``((seconds, new tokens [B, N], the cascade cache
+    or None where the planner shared nothing), (seconds, new tokens, the reference's cache))``, cascade first, then
+    the model switched to ``reference`` attention and back."""
+    import torch
+
+    import hf_cascade
+    from hf_cascade.transformers_compat import output_cache
+
+    width = enc["input_ids"].shape[1]
+    caches: list = []
+
+    def run_cascade():
+        caches.clear()
+        out = model.generate(**enc, **gen, custom_generate=hf_cascade.generate, cascade_caches=caches, **options)
+        return out[:, width:]
+
+    def run_reference():
+        out = model.generate(**enc, **gen, return_dict_in_generate=True)
+        return out.sequences[:, width:], output_cache(out)
+
+    warm_up = str(device).startswith("cuda")
+    with torch.inference_mode():
+        # On a GPU, warm up with the timed shapes: Triton compiles a kernel per specialisation (integer arguments
+        # ==1 or divisible by 16 included), so a smaller warm-up would leave compilations inside the timed run.
+        # On the CPU there is nothing to compile: each path runs once.
+        if warm_up:
+            run_cascade()
+        t_cascade, cascade_tokens = _timed(run_cascade, device)
+        model.set_attn_implementation(reference)
+        try:
+            if warm_up:
+                run_reference()
+            t_reference, (reference_tokens, reference_cache) = _timed(run_reference, device)
+        finally:
+            model.set_attn_implementation("cascade")
+    return (t_cascade, cascade_tokens, caches[0] if caches else None), (t_reference, reference_tokens, reference_cache)
 
 def _mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f} MiB" if nbytes < 2**30 else f"{nbytes / 2**30:.2f} GiB"
