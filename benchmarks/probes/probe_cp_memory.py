@@ -13,7 +13,8 @@ end) and the free blocks left at the end. Variants:
 * ``no_workspace``: the past state's buffers and the ring's exchange blocks made per layer (before the workspace);
 * ``no_ring_exchange``: only the ring's exchange blocks made per layer (before they joined the workspace);
 * ``release_every_layer``: the cached segments handed back at every layer's attention (before ``650e078``);
-* ``no_release``: never handed back during the prefill.
+* ``no_release``: never handed back during the prefill;
+* ``keep_transient``: handed back past the round's temporaries less the workspace (which is allocated, not cached).
 
 Each record also counts the releases (``segment_releases``).
 """
@@ -86,11 +87,20 @@ def release_with(keep):
     return release
 
 
+def release_past_transients(self, device):  # keep_transient: the threshold less the workspace (allocated, not cached)
+    if not hasattr(self, "_keep_given"):
+        self._keep_given = self.keep_cached
+    kept = sum(w.numel() * w.element_size() for w in self._workspaces.values())
+    self.keep_cached = max(0, self._keep_given - kept)
+    return _RELEASE(self, device)
+
+
 VARIANT_PATCHES = {
     "no_workspace": dict(workspace=per_call_workspace),
     "no_ring_exchange": dict(workspace=per_call_ring_exchange),
     "release_every_layer": dict(release_cached=release_with(0)),
     "no_release": dict(release_cached=release_with(1 << 62)),
+    "keep_transient": dict(release_cached=release_past_transients),
 }
 
 
@@ -137,7 +147,7 @@ def run(model, group, length, variant, trace, out_dir):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--lengths", default="131072,524288")
-    p.add_argument("--variants", default="default,no_ring_exchange,release_every_layer,no_release")
+    p.add_argument("--variants", default="default,no_ring_exchange,release_every_layer,no_release,keep_transient")
     p.add_argument("--trace", default="default", help="variants whose first length is traced")
     p.add_argument("--out", default="/tmp/cp_mem")
     args = p.parse_args()
