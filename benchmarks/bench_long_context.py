@@ -214,8 +214,8 @@ def scaling(args, model, groups, record):
                 started.append(time.time())  # (wall clock: to place Triton builds logged by variant_log)
                 seconds, inputs = cp.timed(lambda: hf_cascade.context_parallel_inputs(model, ids, group=group), group)
                 first = seconds if first is None else first
-                peak = cp.group_max(memory_state()["peak_allocated"], group)
-                reserved = cp.group_max(memory_state()["peak_reserved"], group)
+                mem = memory_state()
+                peak, reserved = cp.group_max(mem["peak_allocated"], group), cp.group_max(mem["peak_reserved"], group)
                 kv = cp.group_max(inputs[hf_cascade.CACHE_KWARG].nbytes, group)
                 releases = cp.group_max(inputs[hf_cascade.CACHE_KWARG].prefill_releases, group)
                 del inputs

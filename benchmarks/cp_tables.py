@@ -222,12 +222,6 @@ def _scaling_and_checks(records) -> str:
         lines += [f"The same code at {sdpa['tokens']:,} tokens ({sdpa['gpu']}, git {_sha(sdpa, *scale)}; each GPU "
                   f"count's second prefill, the first in brackets): {', '.join(cells)}; transformers' sdpa on one "
                   f"GPU {sdpa['seconds']:.2f} s (first {sdpa['first_seconds']:.2f} s)."]
-    elif sdpa and any(scale):
-        cells = ", ".join(f"{r['gpus']} GPU{'s' if r['gpus'] > 1 else ''} {r['seconds']:.2f} s "
-                          f"({r['pct_of_ideal']:.0f}% of ideal)" for r in scale if r)
-        cold = " (each GPU count's first prefill in a fresh process)" if sdpa.get("run_note") else ""
-        lines += [f"The same code at {sdpa['tokens']:,} tokens ({sdpa['gpu']}, git {_sha(sdpa, *scale)}){cold}: {cells}; "
-                  f"transformers' sdpa on one GPU {sdpa['seconds']:.2f} s."]
     peer = latest(records, "ring_attention_vs_torch_cp", tokens=524288)
     if peer:
         lines += [f"One layer's causal attention at 524,288 tokens on {peer['gpus']} GPUs (GQA, git {_sha(peer)}): "

@@ -119,6 +119,11 @@ class ExitGuard:
             self._stop_children()
         return children
 
+    def done(self) -> None:
+        """The thread's build ended on its own: nothing to stop at exit (the handler goes, with what it holds)."""
+        if not self._closed:
+            atexit.unregister(self.close)
+
     def close(self) -> None:
         self._closed = True
         self._stop_children()
@@ -275,6 +280,7 @@ def _build(model, state, input_ids, generation_config, model_kwargs, options, in
     except Exception as err:  # noqa: BLE001 (out of memory, a spec that cannot be written: the calls go on)
         error = f"{type(err).__name__}: {str(err)[:300]}"
     finally:
+        guard.done()
         if error is not None:
             logger.warning(f"hf_cascade: preparing the compiled tier in the background failed ({error}); the calls "
                            "move up only when the time they lost would have paid for compiling.")

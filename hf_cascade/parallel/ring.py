@@ -47,16 +47,25 @@ def block_attention(query, key, value, *, scale: float, mask=None, causal: bool,
     return suffix_attention(query, key, value, scale=scale, mask=mask, causal=causal, softcap=softcap)
 
 
-def _start_ring_exchange(block: torch.Tensor, info: GroupInfo, recv: torch.Tensor | None = None
-                         ) -> tuple[torch.Tensor, list]:
-    """Send ``block`` to the next rank and receive the previous rank's block (async) into ``recv`` (a new tensor
-    where None). Returns (recv buffer, works)."""
-    recv = torch.empty_like(block) if recv is None else recv
+def _scratch(buffer: torch.Tensor | None, numel: int, like: torch.Tensor, who: str) -> torch.Tensor:
+    """``buffer`` (a flat scratch tensor a caller keeps from call to call) checked to hold ``numel`` elements of
+    ``like``'s dtype on its device; a new one where None."""
+    if buffer is None:
+        return like.new_empty(numel)
+    if buffer.numel() < numel or buffer.dtype != like.dtype or buffer.device != like.device:
+        raise ValueError(f"{who}: the buffer must be {like.dtype} on {like.device} with at least {numel} elements; "
+                         f"got {buffer.dtype} on {buffer.device} with {buffer.numel()}.")
+    return buffer
+
+
+def _start_ring_exchange(block: torch.Tensor, info: GroupInfo, recv: torch.Tensor) -> list:
+    """Send ``block`` to the next rank and receive the previous rank's block into ``recv`` (async). Returns the
+    works."""
     ops = [
         dist.P2POp(dist.isend, block, info.peer(info.rank + 1), info.group),
         dist.P2POp(dist.irecv, recv, info.peer(info.rank - 1), info.group),
     ]
-    return recv, dist.batch_isend_irecv(ops)
+    return dist.batch_isend_irecv(ops)
 
 
 def ring_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, **kwargs):
@@ -94,7 +103,7 @@ def ring_states(
         block_backend: the kernel of each block (:func:`block_attention`).
         exchange: optional flat tensor of key's dtype and device with at least :func:`ring_exchange_numel`
             elements (contents ignored and overwritten): the two K/V blocks that travel round the ring, sent from one
-            and received into the other in turn. None: made per call.
+            and received into the other in turn (one block on one rank). None: made per call.
     Returns:
         ``(out [B, Hq, 2c, D] float32, lse [B, Hq, 2c] float32)``. A query that sees no valid key
         (a left-padding query) gets out 0, lse -inf.
@@ -124,21 +133,15 @@ def ring_states(
     def valid(src: int, half: slice) -> torch.Tensor:  # [B, keys of src's block half]
         return key_valid.index_select(1, layout.columns(src, query.device)[half])
 
-    shape = (2, *key.shape)  # [2, B, Hkv, 2c, D]: K and V, one message per step
-    if exchange is None:
-        block, spare = torch.stack([key, value]), None
-    else:
-        numel = ring_exchange_numel(key)
-        if exchange.numel() < numel or exchange.dtype != key.dtype or exchange.device != key.device:
-            raise ValueError(f"ring_states: exchange must be {key.dtype} on {key.device} with at least {numel} "
-                             f"elements; got {exchange.dtype} on {exchange.device} with {exchange.numel()}.")
-        block, spare = exchange[:numel // 2].view(shape), exchange[numel // 2:numel].view(shape)
-        block[0].copy_(key)
-        block[1].copy_(value)
+    shape, half = (2, *key.shape), 2 * key.numel()  # [2, B, Hkv, 2c, D]: K and V, one message per step
+    buffer = _scratch(exchange, ring_exchange_numel(key) if n > 1 else half, key, "ring_states")
+    block, spare = buffer[:half].view(shape), (buffer[half:2 * half].view(shape) if n > 1 else None)
+    block[0].copy_(key)
+    block[1].copy_(value)
     out_acc = lse_acc = None
     for step in range(n):
         src = (rank - step) % n
-        pending = _start_ring_exchange(block, info, spare) if step + 1 < n else None
+        works = _start_ring_exchange(block, info, spare) if step + 1 < n else None
         k, v = block[0], block[1]
         if step == 0:  # own block: causal over ascending local columns
             mask = None
@@ -159,13 +162,12 @@ def ring_states(
             merged_out, merged_lse = merge_attention_states(out_acc[:, :, c:], lse_acc[:, :, c:], o, lse)
             out_acc[:, :, c:] = merged_out
             lse_acc[:, :, c:] = merged_lse
-        if pending is not None:
-            recv, works = pending
+        if works is not None:
             for work in works:
                 work.wait()
             # The block just sent is the next receive's buffer: its send is complete, and a receive into it is
             # issued after this step's attention on it (NCCL's stream waits for the compute stream).
-            block, spare = recv, (block if spare is not None else None)
+            block, spare = spare, block
     return out_acc, lse_acc
 
 
@@ -210,11 +212,7 @@ def past_state(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *,
         out, lse = _attend_past(query, keys, values, valid, scale, softcap, block_backend)
         return out.float(), lse
     numel = n * query.numel()
-    if workspace is None:
-        workspace = query.new_empty(past_state_workspace_numel(query, n))
-    elif workspace.numel() < 2 * numel or workspace.dtype != query.dtype or workspace.device != query.device:
-        raise ValueError(f"past_state: workspace must be {query.dtype} on {query.device} with at least {2 * numel} "
-                         f"elements; got {workspace.dtype} on {workspace.device} with {workspace.numel()}.")
+    workspace = _scratch(workspace, past_state_workspace_numel(query, n), query, "past_state")
     gathered = workspace[:numel].view(n, B, Hq, Lq, D)  # every rank's queries; then the states received
     send = workspace[numel:2 * numel].view(n, B, Hq, Lq, D)  # this rank's states of every rank's queries
     send_lse = query.new_empty((n, B, Hq, Lq), dtype=torch.float32)
