@@ -229,10 +229,6 @@ def run_demo(
     (t_cascade, cascade_tokens, cache), (t_reference, reference_tokens, reference_cache) = _time_both(
         model, enc, gen, options, reference, device)
     same_rows = (cascade_tokens == reference_tokens).all(dim=1).tolist()
-    tree = getattr(cache, "prefix_tree", None)
-    lengths = enc["attention_mask"].sum(1).tolist()
-    shared_per_row = list(tree.row_prefix_len) if tree is not None else [0] * batch
-    prefilled = int(getattr(cache, "prefilled_prefix_tokens", 0))
     config = model.config.get_text_config()
     answers = tokenizer.batch_decode(cascade_tokens, skip_special_tokens=True)
     reference_answers = tokenizer.batch_decode(reference_tokens, skip_special_tokens=True)
@@ -250,15 +246,7 @@ def run_demo(
         "shots": shots,
         "groups": None if chat else groups,
         "new_tokens": new_tokens,
-        "prompt_tokens_min": min(lengths),
-        "prompt_tokens_max": max(lengths),
-        "sharing": tree.describe() if tree is not None else "no shared prefix",
-        "prefix_tokens_prefilled": prefilled,
-        "shared_prompt_tokens": int(sum(shared_per_row)),
-        # Prompt tokens the prefill runs through the model: sdpa every row's whole prompt; cascade each shared
-        # segment once plus every row's own tokens.
-        "prompt_tokens_reference": int(sum(lengths)),
-        "prompt_tokens_cascade": prefilled + int(sum(n - s for n, s in zip(lengths, shared_per_row))),
+        **_prompt_tokens(cache, enc["attention_mask"].sum(1).tolist()),
         "identical_rows": int(sum(same_rows)),
         "identical": all(same_rows),
         "cascade_s": t_cascade,
@@ -271,6 +259,23 @@ def run_demo(
         ],
     }
 
+
+def _prompt_tokens(cache, lengths: list[int]) -> dict:
+    """The demo's prompt-token counts: the rows' lengths, the sharing tree (``cache`` None: nothing shared), and
+    the tokens each prefill runs through the model (sdpa every row's whole prompt; cascade each shared segment once
+    plus every row's own tokens)."""
+    tree = getattr(cache, "prefix_tree", None)
+    shared_per_row = list(tree.row_prefix_len) if tree is not None else [0] * len(lengths)
+    prefilled = int(getattr(cache, "prefilled_prefix_tokens", 0))
+    return {
+        "prompt_tokens_min": min(lengths),
+        "prompt_tokens_max": max(lengths),
+        "sharing": tree.describe() if tree is not None else "no shared prefix",
+        "prefix_tokens_prefilled": prefilled,
+        "shared_prompt_tokens": int(sum(shared_per_row)),
+        "prompt_tokens_reference": int(sum(lengths)),
+        "prompt_tokens_cascade": prefilled + int(sum(n - s for n, s in zip(lengths, shared_per_row))),
+    }
 
 
 def _time_both(model, enc, gen: dict, options: dict, reference: str, device):
