@@ -287,7 +287,9 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--num-generations", type=int, default=8)
     parser.add_argument("--max-completion-length", type=int, default=256)
-    parser.add_argument("--calls", type=int, default=2)
+    parser.add_argument("--calls", type=int, default=2, help="rollouts per peer")
+    parser.add_argument("--paged-calls", type=int, default=None,
+                        help="rollouts of trl_paged where it differs from --calls (its call is the longest)")
     parser.add_argument("--peers", nargs="+", default=list(PEERS), choices=list(PEERS))
     parser.add_argument("--output", default=None, help="append the records (JSON lines) to this file")
     args = parser.parse_args(argv)
@@ -296,7 +298,9 @@ def main(argv=None) -> list[dict]:
     else:
         model = build_model(device=args.device)
         records = run_rollouts(model, "qwen2.5-1.5b", make_prompts("qwen2.5-1.5b", args.prompts), args.num_generations,
-                               args.max_completion_length, args.peers, args.calls)
+                               args.max_completion_length, args.peers,
+                               {peer: args.paged_calls if peer == "trl_paged" and args.paged_calls else args.calls
+                                for peer in args.peers})
     if args.output:
         from common import ResultWriter
 
