@@ -293,20 +293,22 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--peers", nargs="+", default=list(PEERS), choices=list(PEERS))
     parser.add_argument("--output", default=None, help="append the records (JSON lines) to this file")
     args = parser.parse_args(argv)
-    if args.tiny:
-        records = [tiny_check(args.device)]
-    else:
-        model = build_model(device=args.device)
-        records = run_rollouts(model, "qwen2.5-1.5b", make_prompts("qwen2.5-1.5b", args.prompts), args.num_generations,
-                               args.max_completion_length, args.peers,
-                               {peer: args.paged_calls if peer == "trl_paged" and args.paged_calls else args.calls
-                                for peer in args.peers})
+    writer = None
     if args.output:
         from common import ResultWriter
 
         writer = ResultWriter(os.path.basename(args.output), args.output)
-        for record in records:
-            writer.write(record)
+    if args.tiny:
+        records = [tiny_check(args.device)]
+        if writer is not None:
+            writer.write(records[0])
+    else:  # each peer's record written as soon as it is done: a later peer's failure loses nothing
+        model = build_model(device=args.device)
+        records = run_rollouts(model, "qwen2.5-1.5b", make_prompts("qwen2.5-1.5b", args.prompts), args.num_generations,
+                               args.max_completion_length, args.peers,
+                               {peer: args.paged_calls if peer == "trl_paged" and args.paged_calls else args.calls
+                                for peer in args.peers},
+                               on_record=None if writer is None else writer.write)
     for record in records:
         print(json.dumps({k: v for k, v in record.items() if k not in ("generation_config", "prompt_lengths")}))
     return records
