@@ -427,12 +427,18 @@ def _start_children(spec_paths: list[str]) -> list[tuple]:
     import os
     import subprocess
 
+    from hf_cascade.ops._backend import keyed_ptxas
+
+    env = dict(os.environ)
+    ptxas = keyed_ptxas()  # the children key their kernels as this process does, or it builds them again
+    if ptxas is not None:
+        env["TRITON_PTXAS_PATH"] = ptxas
     children = []
     for path in spec_paths:
         stdout, stderr = open(f"{path}.out", "w+"), open(f"{path}.err", "w+")
         try:
             child = subprocess.Popen([sys.executable, "-m", "hf_cascade.tier_build_child", path, str(os.getpid())],
-                                     stdout=stdout, stderr=stderr, text=True)
+                                     stdout=stdout, stderr=stderr, text=True, env=env)
         except OSError as err:
             child = err
         children.append((child, stdout, stderr))

@@ -80,38 +80,106 @@ def share_compiler_kernel_cache() -> None:
 _CACHE_SHARED = False
 
 
-def use_compilers_ptxas() -> None:
-    """Build with the ``ptxas`` that ``torch.compile`` (Inductor) builds with, from the first kernel on.
+def _nvidia_compiler():
+    """Triton's NVIDIA backend compiler module, or None where this Triton has none (CPU builds, other layouts)."""
+    try:
+        from triton.backends.nvidia import compiler
+    except Exception:  # noqa: BLE001 (no Triton, or one without the NVIDIA backend)
+        return None
+    return compiler if hasattr(compiler, "get_ptxas_version") and hasattr(compiler, "get_ptxas") else None
 
-    Inductor points Triton at the ``ptxas`` bundled with torch, where the wheel has one (``torch/bin/ptxas`` or
-    ``torch/_inductor/bin/ptxas``, by torch version), the first time it builds a Triton kernel in a process, as
-    ``TRITON_PTXAS_PATH``. Triton keys every kernel on disk by its ``ptxas`` version, read once per process at its
-    first build. So the background build's children, whose first kernels are hf_cascade's (before any Inductor
-    build), and the calling process, whose first build may be Inductor's (the call that moves up to the compiled tier),
-    would key the same kernels apart: on an H100 (4e047c3) the calls rebuilt variants equal in every argument to the
-    children's, under another disk hash, 1-2.4 s each, the children agreeing among themselves
-    (``benchmarks/results/stall.jsonl``). Here every process picks Inductor's choice before its first kernel:
-    nothing where ``TRITON_PTXAS_PATH`` is set or torch bundles none; through ``triton.knobs`` (3.4 and later,
-    ``os.environ`` untouched) or else the variable."""
-    if os.environ.get("TRITON_PTXAS_PATH") is not None:
+
+def _ptxas_candidates(current: str | None) -> list[str]:
+    """Every ``ptxas`` a process of this install may build with: the one Triton points at now, the one
+    ``TRITON_PTXAS_PATH`` names, torch's bundled one (``torch/bin`` or ``torch/_inductor/bin``, by torch version: the
+    one Inductor picks) and Triton's own."""
+    root = os.path.dirname(os.path.abspath(torch.__file__))
+    paths = [current, os.environ.get("TRITON_PTXAS_PATH"), os.path.join(root, "bin", "ptxas"),
+             os.path.join(root, "_inductor", "bin", "ptxas")]
+    compiler = _nvidia_compiler()
+    if compiler is not None:
+        paths.append(os.path.join(os.path.dirname(os.path.abspath(compiler.__file__)), "bin", "ptxas"))
+    seen = []
+    for path in paths:
+        if path and path not in seen and os.path.isfile(path) and os.access(path, os.X_OK):
+            seen.append(path)
+    return seen
+
+
+def _ptxas_version(path: str) -> str | None:
+    import subprocess
+
+    try:
+        return subprocess.check_output([path, "--version"], timeout=30).decode("utf-8")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _has_built() -> bool:
+    """Whether this process's Triton has read its ``ptxas`` version (it does at the first build, once: the version
+    is part of every kernel's key on disk from then on)."""
+    compiler = _nvidia_compiler()
+    return compiler is not None and compiler.get_ptxas_version.cache_info().currsize > 0
+
+
+def use_compilers_ptxas() -> None:
+    """Before this process's first Triton build: build with the ``ptxas`` that ``torch.compile`` (Inductor) builds
+    with, torch's bundled one (``torch/bin/ptxas`` or ``torch/_inductor/bin/ptxas`` by torch version), so that a later
+    process keys hf_cascade's kernels alike whichever of the two builds first in it.
+
+    Triton keys every kernel on disk by the version of its ``ptxas``, read once per process at its first build.
+    Inductor sets ``TRITON_PTXAS_PATH`` to torch's ``ptxas`` where it builds in the process (and in its compile
+    workers): measured on the device (torch 2.11, ``benchmarks/probes/probe_disk_keys.py``), Triton's own is CUDA
+    12.8's, torch's CUDA 13.0's. Nothing where ``TRITON_PTXAS_PATH`` is set, torch bundles none, or the process has
+    built already (changing the binary then would build under a key that names the other); through ``triton.knobs``
+    (3.4 and later, ``os.environ`` untouched) or else the variable."""
+    if os.environ.get("TRITON_PTXAS_PATH") is not None or _has_built():
         return
     root = os.path.dirname(os.path.abspath(torch.__file__))
     found = [p for p in (os.path.join(root, "_inductor", "bin", "ptxas"), os.path.join(root, "bin", "ptxas"))
              if os.path.isfile(p) and os.access(p, os.X_OK)]
     if not found:
         return
-    ptxas = found[0]
     try:
         from triton import knobs
     except ImportError:  # Triton < 3.4 reads the environment only
-        os.environ["TRITON_PTXAS_PATH"] = ptxas
+        os.environ["TRITON_PTXAS_PATH"] = found[0]
         return
     propagate = knobs.propagate_env
     knobs.propagate_env = False
     try:
-        knobs.nvidia.ptxas = ptxas
+        knobs.nvidia.ptxas = found[0]
     finally:
         knobs.propagate_env = propagate
+
+
+def keyed_ptxas(arch: int | None = None) -> str | None:
+    """The ``ptxas`` binary whose version this process's Triton keys its kernels by on disk (or, before its first
+    build, the one that build will read), for a child process that must build under the same keys: the background
+    build's children get it as ``TRITON_PTXAS_PATH``. Without it, a child keys its kernels by whatever ``ptxas`` it
+    reads first, and the caller builds the same variants again under its own key (measured: the stall bench's calls
+    rebuilt variants the children had built, 1-2.4 s each, ``benchmarks/results/stall.jsonl``). ``arch``: the
+    compute capability as Triton writes it (90 for sm_90; default: the current device's). None where this Triton
+    has no NVIDIA backend or no version matches."""
+    compiler = _nvidia_compiler()
+    if compiler is None or (arch is None and not torch.cuda.is_available()):
+        return None
+    if arch is None:
+        major, minor = torch.cuda.get_device_capability()
+        arch = major * 10 + minor
+    if not _has_built():
+        use_compilers_ptxas()  # what this process's first build will read
+    try:
+        current = compiler.get_ptxas(arch).path
+    except Exception:  # noqa: BLE001 (no ptxas found: a child finds none either)
+        return None
+    if not _has_built():
+        return current
+    keyed = compiler.get_ptxas_version(arch)  # cached: the version the first build read
+    for path in _ptxas_candidates(current):
+        if _ptxas_version(path) == keyed:
+            return path
+    return None
 
 
 _TRITON_KEY_THREAD: threading.Thread | None = None
