@@ -13,7 +13,7 @@ of running one kernel after the other.
 import triton
 import triton.language as tl
 
-from ._jit import jit_options
+from ._jit import jit_options, settle_cache_keys
 from ._prefix_kernel import _prefix_tile
 from ._suffix_kernel import _suffix_tile
 from ._backend import before_first_kernel
@@ -82,3 +82,6 @@ def _cascade_fwd_kernel(
                      o_b, o_kvh, o_g, o_l, 1, l_b, l_kvh, l_g, l_l,
                      MASK_MODE, HAS_SOFTCAP, False, HAS_KEY_LEN, HAS_LOWER, EVEN_D, EVEN_DV, INPUT_PRECISION, BLOCK_MS, BLOCK_N,
                      BLOCK_D, BLOCK_DV)
+
+
+settle_cache_keys(globals())  # the same keys in every process, whichever kernel it launches first

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import inspect
 
 import triton
 
-__all__ = ["jit_options"]
+__all__ = ["jit_options", "settle_cache_keys"]
 
 _ALIGNMENT_OPTION = "do_not_specialize_on_alignment" in inspect.signature(triton.jit).parameters
 
@@ -28,3 +29,43 @@ def jit_options(*, not_specialised=(), not_aligned=()) -> dict:
     if _ALIGNMENT_OPTION and not_aligned:
         options["do_not_specialize_on_alignment"] = list(not_aligned)
     return options
+
+
+def _called_names(fn) -> set[str]:
+    """The names a JIT function's source refers to (its callees among them)."""
+    try:
+        tree = ast.parse(fn.src)
+    except (SyntaxError, TypeError, AttributeError):
+        return set()
+    return {node.id for node in ast.walk(tree) if isinstance(node, ast.Name)}
+
+
+def settle_cache_keys(namespace: dict) -> None:
+    """Compute the Triton cache key of every JIT function in ``namespace`` (a kernel module's globals), each after the
+    JIT functions it calls: called at the end of every kernel module, before any launch.
+
+    Triton (3.6 and earlier) folds into a function's key the global constants of the functions it calls as they are
+    known when the key is first computed, and a callee whose key is not computed yet contributes none. A key then
+    depends on which kernel a process hashed first: the background build's children (prefill kernels first) and the
+    calling process (the fused decode kernel first) keyed ``_prefix_fwd_kernel``, ``_suffix_fwd_kernel`` and
+    ``_cascade_fwd_kernel`` apart and the calls built again variants the children had built (``fn_key`` in
+    ``benchmarks/results/stall.jsonl``, H200, ``e734fe7``; reproduced on the CPU, ``tests/test_kernel_keys.py``).
+    Settling callees first gives every process the same keys. Nothing under the interpreter (no keys)."""
+    from triton.runtime.jit import JITFunction
+
+    settled: set[int] = set()
+
+    def settle(fn, visiting: set[int]) -> None:
+        if id(fn) in settled or id(fn) in visiting:
+            return
+        visiting.add(id(fn))
+        for name in sorted(_called_names(fn)):
+            callee = fn.__globals__.get(name)
+            if isinstance(callee, JITFunction):
+                settle(callee, visiting)
+        fn.cache_key  # noqa: B018 (computed now, callees first; Triton keeps it)
+        settled.add(id(fn))
+
+    for _, fn in sorted(namespace.items()):
+        if isinstance(fn, JITFunction):
+            settle(fn, set())

@@ -4,6 +4,7 @@ import triton
 import triton.language as tl
 
 from ._backend import before_first_kernel
+from ._jit import settle_cache_keys
 
 before_first_kernel()  # the kernel cache shared, Triton's key ready: before the first kernel is built
 
@@ -36,3 +37,6 @@ def _write_suffix_kv_kernel(
     tl.store(values_ptr + b * s_Vb + h * s_Vh + column * s_Vs + cols_v, v, mask=ok_v)
     if (bh == 0) & (q == 0):  # no program reads the length: the positions were computed before the launch
         tl.store(length_ptr, tl.load(length_ptr) + Q)
+
+
+settle_cache_keys(globals())  # the same keys in every process, whichever kernel it launches first

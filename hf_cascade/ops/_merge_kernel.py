@@ -4,6 +4,7 @@ import triton
 import triton.language as tl
 
 from ._backend import before_first_kernel
+from ._jit import settle_cache_keys
 
 before_first_kernel()  # the kernel cache shared, Triton's key ready: before the first kernel is built
 
@@ -94,3 +95,6 @@ def _merge_states_kernel(
     tl.store(out_ptr + rows64[:, None] * stride_out_r + cols[None, :], out.to(out_ptr.dtype.element_ty),
              mask=tile_ok)
     tl.store(lse_out_ptr + rows, tl.where(nonempty, m + tl.log(safe_total), float("-inf")), mask=row_ok)
+
+
+settle_cache_keys(globals())  # the same keys in every process, whichever kernel it launches first

@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from ._backend import before_first_kernel
-from ._jit import jit_options
+from ._jit import jit_options, settle_cache_keys
 
 before_first_kernel()  # the kernel cache shared, Triton's key ready: before the first kernel is built
 
@@ -322,3 +322,6 @@ def _state_combine_kernel(
     tl.store(out_ptr + o_off[:, None] + d[None, :], o.to(out_ptr.dtype.element_ty), mask=o_mask)
     l_off = row * stride_lb + head * stride_lh + pos.to(tl.int64) * stride_ll
     tl.store(lse_ptr + l_off, lse, mask=valid)
+
+
+settle_cache_keys(globals())  # the same keys in every process, whichever kernel it launches first

@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ._backend import before_first_kernel
-from ._jit import jit_options
+from ._jit import jit_options, settle_cache_keys
 
 before_first_kernel()  # the kernel cache shared, Triton's key ready: before the first kernel is built
 
@@ -219,3 +219,6 @@ def _suffix_fwd_kernel(
                  stride_lb, G * stride_lh, stride_lh, stride_ll,
                  MASK_MODE, HAS_SOFTCAP, HAS_PREFIX, HAS_KEY_LEN, HAS_LOWER, EVEN_D, EVEN_DV, INPUT_PRECISION, BLOCK_M, BLOCK_N,
                  BLOCK_D, BLOCK_DV)
+
+
+settle_cache_keys(globals())  # the same keys in every process, whichever kernel it launches first
