@@ -200,7 +200,23 @@ def stall_table(records: list[dict]) -> str:
                               for r in sdpa) + "."]
     if runs_[-1].get("host_load"):
         lines += ["", f"Host: {runs_[-1]['host_load']}."]
+    lines += _newer_partial_stall(records, full[-1])
     return "\n".join(lines)
+
+
+def _newer_partial_stall(records: list[dict], full_summary: dict) -> list[str]:
+    """Lines for the newest GPU run that stopped before its stream, where it is newer than the full run shown."""
+    gpu = [r for r in records if not r.get("tiny") and r.get("device") == "cuda"]
+    partial = [r for r in gpu if r.get("phase") == "summary" and r.get("stream_total_over_steady") is None]
+    if not partial or gpu.index(partial[-1]) < gpu.index(full_summary):
+        return []
+    sha = partial[-1]["git_sha"]
+    run = {r["phase"]: r for r in gpu if r["git_sha"] == sha}
+    shown = "; ".join(f"`{phase}` " + ", ".join(f"{c['s']:.2f}" + _built(c) for c in run[phase]["calls"][:3])
+                      for phase in ("tree64", "prompts16x8") if phase in run)
+    ratios = ", ".join(f"{k} {v:.2f}x" for k, v in partial[-1].get("first_over_steady", {}).items())
+    return ["", f"A newer run without the stream (git `{sha[:7]}`, {run['summary']['gpu']}): {shown}. First call over "
+            f"steady: {ratios}." + (f" Host: {partial[-1]['host_load']}." if partial[-1].get("host_load") else "")]
 
 
 def history_table(records: list[dict], bench: str, workload: str | None, batch: int | None) -> str:
