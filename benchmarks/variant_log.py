@@ -48,13 +48,23 @@ def install(path: str | None = None) -> bool:
                      "arg_names": list(getattr(self, "arg_names", []) or []), "key": str(key),
                      "s": round(time.perf_counter() - started, 3), "t": time.time(),
                      "disk_hash": getattr(kernel, "hash", None), "cache_dir": _cache_dir(),
-                     **_disk_key_parts(self, kernel)}
+                     "launched_from": _launch_path(), **_disk_key_parts(self, kernel)}
             with open(path, "a") as f:
                 f.write(json.dumps(entry) + "\n")
 
     logged._variant_log = path
     JITFunction._do_compile = logged
     return True
+
+
+def _launch_path(depth: int = 8) -> list[str]:
+    """The hf_cascade frames of the launch that built a variant, innermost first (``file:line function``): which
+    forward (a shared node's, the rows') and which path (compiled layers, eager layers, recorded step) asked for it.
+    Not compared between variants (:func:`difference`); read beside them."""
+    import traceback
+
+    frames = [f for f in traceback.extract_stack()[::-1] if "hf_cascade" in f.filename and "/ops/_" not in f.filename]
+    return [f"{f.filename.split('hf_cascade/')[-1]}:{f.lineno} {f.name}" for f in frames[:depth]]
 
 
 def _cache_dir() -> str | None:
@@ -160,12 +170,15 @@ def difference(new: dict, old: dict) -> dict:
 
 def closest_difference(new: dict, others: list[dict]) -> dict | None:
     """How ``new`` differs from the entry of the same kernel in ``others`` closest to it (fewest differing
-    arguments), or None where ``others`` holds none of that kernel."""
-    best = None
+    arguments), with the call paths that launched the two (``launched_from``) where they differ at all, or None
+    where ``others`` holds none of that kernel."""
+    best, nearest = None, None
     for old in others:
         if old["name"] != new["name"]:
             continue
         diff = difference(new, old)
         if best is None or len(diff) < len(best):
-            best = diff
+            best, nearest = diff, old
+    if best and (nearest.get("launched_from") or new.get("launched_from")):  # where each was launched from
+        best = {**best, "launched_from": [nearest.get("launched_from"), new.get("launched_from")]}
     return best
