@@ -142,6 +142,12 @@ class CompileMeter:
                 "triton_kernels": built, "dynamo_graphs": now[1] - mark[1], "cuda_graphs": now[2] - mark[2]}
 
 
+
+def _short(value, limit: int) -> str:
+    """A logged value for the results, at most ``limit`` characters (a list of frames joined by " < ")."""
+    text = " < ".join(value) if isinstance(value, list) else str(value)
+    return text[:limit]
+
 class Runner:
     """The default one-argument call of one model, timed, with what the tiers say about it."""
 
@@ -164,9 +170,12 @@ class Runner:
         before = [e for e in entries if e["pid"] != os.getpid() and e["t"] < since]
         out = []
         for e in mine:
-            diff = variant_log.closest_difference(e, before)
-            out.append({"name": e["name"], "s": e["s"], "differs": None if diff is None else
-                        {k: [str(x)[:120] for x in v] for k, v in diff.items()}})
+            nearest = variant_log.nearest_differences(e, before, 2)
+            shown = [{k: [_short(x, 400 if k == "launched_from" else 120) for x in v] for k, v in diff.items()}
+                     for diff in nearest]
+            out.append({"name": e["name"], "s": e["s"], "differs": shown[0] if shown else None,
+                        "launched_from": e.get("launched_from"),
+                        "next_nearest_differs": sorted(shown[1]) if len(shown) > 1 else None})
         return out
 
     def sync(self):

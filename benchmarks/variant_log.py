@@ -168,17 +168,22 @@ def difference(new: dict, old: dict) -> dict:
     return out
 
 
+def nearest_differences(new: dict, others: list[dict], count: int = 2) -> list[dict]:
+    """How ``new`` differs from the ``count`` entries of the same kernel in ``others`` closest to it (fewest
+    differing arguments first), each with the call paths that launched the two (``launched_from``) where either
+    entry records one; [] where ``others`` holds none of that kernel."""
+    ranked = sorted(((difference(new, old), old) for old in others if old["name"] == new["name"]),
+                    key=lambda pair: len(pair[0]))
+    out = []
+    for diff, old in ranked[:count]:
+        if diff and (old.get("launched_from") or new.get("launched_from")):
+            diff = {**diff, "launched_from": [old.get("launched_from"), new.get("launched_from")]}
+        out.append(diff)
+    return out
+
+
 def closest_difference(new: dict, others: list[dict]) -> dict | None:
-    """How ``new`` differs from the entry of the same kernel in ``others`` closest to it (fewest differing
-    arguments), with the call paths that launched the two (``launched_from``) where they differ at all, or None
-    where ``others`` holds none of that kernel."""
-    best, nearest = None, None
-    for old in others:
-        if old["name"] != new["name"]:
-            continue
-        diff = difference(new, old)
-        if best is None or len(diff) < len(best):
-            best, nearest = diff, old
-    if best and (nearest.get("launched_from") or new.get("launched_from")):  # where each was launched from
-        best = {**best, "launched_from": [nearest.get("launched_from"), new.get("launched_from")]}
-    return best
+    """How ``new`` differs from the entry of the same kernel in ``others`` closest to it (:func:`nearest_differences`),
+    or None where ``others`` holds none of that kernel."""
+    nearest = nearest_differences(new, others, 1)
+    return nearest[0] if nearest else None

@@ -65,3 +65,17 @@ def test_the_reader_takes_complete_lines_only(tmp_path):
     with open(path, "a") as f:
         f.write(first[10:] + "\n")
     assert len(reader.new_entries()) == 1 and len(reader.entries) == 2
+
+
+def test_the_nearest_two_and_where_each_was_launched_from():
+    grid = [dict(_entry(2, ["('*bf16', 'D')", "('i32', '')", "('i32', '')", "('constexpr', 32)"]),
+                 launched_from=["prefill.py:186 prefill_levels"]),
+            dict(_entry(2, ["('*i64', 'D')", "('i32', '')", "('constexpr', 1)", "('constexpr', 64)"]),
+                 launched_from=["cache.py:577 CascadeCache.attend"])]
+    call = dict(_entry(1, ["('*bf16', 'D')", "('i32', '')", "('constexpr', 1)", "('constexpr', 32)"]),
+                launched_from=["cache.py:577 CascadeCache.attend"])
+    first, second = variant_log.nearest_differences(call, grid, 2)
+    assert set(first) == {"n_states", "launched_from"}
+    assert first["launched_from"] == [["prefill.py:186 prefill_levels"], ["cache.py:577 CascadeCache.attend"]]
+    assert set(second) == {"q_ptr", "BLOCK_M", "launched_from"}
+    assert variant_log.nearest_differences(call, [], 2) == []
