@@ -10,7 +10,7 @@ import torch
 
 from hf_cascade.inputs import left_padded
 
-__all__ = ["GRID_OPTIONS", "GRID_PREFIX_TOKENS", "GRID_ROWS", "variant_grid"]
+__all__ = ["GRID_DOCUMENT_TOKENS", "GRID_OPTIONS", "GRID_PREFIX_TOKENS", "GRID_ROWS", "variant_grid"]
 
 # The grid's batch sizes, most common first. With the layers compiled, a decode step's kernel variants follow the
 # batch (its tiles cover rows x query heads per KV head, 16-128; the state merge's blocks follow rows x KV heads
@@ -20,6 +20,11 @@ __all__ = ["GRID_OPTIONS", "GRID_PREFIX_TOKENS", "GRID_ROWS", "variant_grid"]
 # fit) the tiles follow each level's rows per node instead.
 GRID_ROWS = (24, 48, 96, 12, 160, 6, 3)
 GRID_PREFIX_TOKENS = (96, 1536)
+# A second level of long nodes (retrieved documents under a short shared prompt): the rows' forward then runs the
+# suffix pass apart from the prefix passes (the cost model does not fuse a short suffix with a long prefix), with the
+# fixed buffers' written length: a variant the 32-token deeper levels never launch (a 64-row tree's first call built
+# it, results/stall.jsonl, 1d3c5eb).
+GRID_DOCUMENT_TOKENS = 1536
 # The child runs each grid batch on both paths: the compiled layers, and the eager layers (Triton kernels, recorded
 # steps), whose launches pick their tiles from the tree's nodes rather than from the batch.
 GRID_OPTIONS = ({"compile": "now"}, {"decode_step": "graphs"})
@@ -38,28 +43,32 @@ def variant_grid(model, input_ids: torch.Tensor, generation_config) -> list[tupl
     """Batches ``(input_ids [B, L] int64, attention_mask [B, L] int64)``, left-padded, on CPU, that together launch
     the Triton kernel variants of the layouts a stream of calls brings (see :data:`GRID_ROWS`): every batch size of
     :data:`GRID_ROWS` x own tokens of each width of :func:`_own_widths`, the same for every row or ragged (1 to that
-    width) x one shared level or two (a short or long shared prefix) or three (the short one). Random tokens below
-    the model's vocabulary size (or the call's largest id)."""
+    width) x one shared level or two (a short or long shared prefix) or three (the short one), or two under the short
+    one with long second-level nodes (:data:`GRID_DOCUMENT_TOKENS`). Random tokens below the model's vocabulary size
+    (or the call's largest id)."""
     text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     vocab = int(getattr(text, "vocab_size", 0) or int(input_ids.max()) + 1)
     g = torch.Generator().manual_seed(48)
-    trees = [(prefix, levels) for prefix in GRID_PREFIX_TOKENS for levels in (1, 2)] + [(min(GRID_PREFIX_TOKENS), 3)]
+    short = min(GRID_PREFIX_TOKENS)
+    trees = ([(prefix, levels, 32) for prefix in GRID_PREFIX_TOKENS for levels in (1, 2)] + [(short, 3, 32)]
+             + [(short, 2, GRID_DOCUMENT_TOKENS)])
     batches = []
     for rows in GRID_ROWS:
         for width in _own_widths(model):
-            for prefix, levels in trees:
+            for prefix, levels, node_tokens in trees:
                 for ragged in (False, True):
-                    batches.append(_grid_batch(rows, width, prefix, levels, ragged, vocab, g))
+                    batches.append(_grid_batch(rows, width, prefix, levels, ragged, vocab, g, node_tokens))
     return batches
 
 
-def _grid_batch(rows: int, width: int, prefix: int, levels: int, ragged: bool, vocab: int, g) -> tuple:
+def _grid_batch(rows: int, width: int, prefix: int, levels: int, ragged: bool, vocab: int, g,
+                node_tokens: int = 32) -> tuple:
     """One left-padded batch of :func:`variant_grid`: ``rows`` rows sharing ``prefix`` tokens; below it, level
-    ``k >= 2`` splits the rows into ``2 ** (k - 1)`` groups sharing 32 more tokens each (a stream's three-level trees
-    launch variants two levels do not, ``results/stall.jsonl``); then
+    ``k >= 2`` splits the rows into ``2 ** (k - 1)`` groups sharing ``node_tokens`` more tokens each (a stream's
+    three-level trees launch variants two levels do not, ``results/stall.jsonl``); then
     each row's own tokens (``width``, or 1 to ``width`` where ``ragged``)."""
     shared = [torch.randint(3, vocab, (prefix,), generator=g)]
-    shared += [torch.randint(3, vocab, (2 ** (k - 1), 32), generator=g) for k in range(2, levels + 1)]
+    shared += [torch.randint(3, vocab, (2 ** (k - 1), node_tokens), generator=g) for k in range(2, levels + 1)]
     own = torch.randint(1, width + 1, (rows,), generator=g) if ragged else torch.full((rows,), width)
     parts = [torch.cat([shared[0]] + [level[r * level.shape[0] // rows] for level in shared[1:]]
                        + [torch.randint(3, vocab, (int(own[r]),), generator=g)]) for r in range(rows)]

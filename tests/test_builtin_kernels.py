@@ -427,7 +427,8 @@ def test_variant_grid_batches_are_left_padded_trees_of_every_grid_size(tiny_llam
     model = tiny_llama_pair[1]
     grid = build_grid.variant_grid(model, torch.zeros(1, 4, dtype=torch.long), None)
     widths = build_grid._own_widths(model)
-    trees = len(build_grid.GRID_PREFIX_TOKENS) * 2 + 1  # one or two levels of each prefix, three of the short one
+    trees = len(build_grid.GRID_PREFIX_TOKENS) * 2 + 2  # one or two levels of each prefix, three of the short one,
+    # and two of the short one with long documents below it
     assert len(grid) == len(build_grid.GRID_ROWS) * len(widths) * trees * 2
     assert widths[-1] == 64 and len(widths) >= 3
     assert {ids.shape[0] for ids, _ in grid} == set(build_grid.GRID_ROWS)
@@ -444,6 +445,8 @@ def test_variant_grid_batches_are_left_padded_trees_of_every_grid_size(tiny_llam
     depths = {len(find_shared_prefixes([row[m.bool()].tolist() for row, m in zip(ids, mask)]).levels)
               for ids, mask in grid if ids.shape[0] == 24}
     assert depths == {1, 2, 3}
+    longest = max(int(mask.sum(1).max()) for ids, mask in grid if ids.shape[0] == 24)
+    assert longest >= min(build_grid.GRID_PREFIX_TOKENS) + build_grid.GRID_DOCUMENT_TOKENS  # the documents' trees
 
 
 def test_warmup_writes_the_bytecode_of_imported_modules(tmp_path):
