@@ -119,7 +119,8 @@ def _has_built() -> bool:
     """Whether this process's Triton has read its ``ptxas`` version (it does at the first build, once: the version
     is part of every kernel's key on disk from then on)."""
     compiler = _nvidia_compiler()
-    return compiler is not None and compiler.get_ptxas_version.cache_info().currsize > 0
+    cache_info = getattr(getattr(compiler, "get_ptxas_version", None), "cache_info", None)
+    return cache_info is not None and cache_info().currsize > 0
 
 
 def use_compilers_ptxas() -> None:
@@ -175,7 +176,10 @@ def keyed_ptxas(arch: int | None = None) -> str | None:
         return None
     if not _has_built():
         return current
-    keyed = compiler.get_ptxas_version(arch)  # cached: the version the first build read
+    try:
+        keyed = compiler.get_ptxas_version(arch)  # cached: the version the first build read
+    except Exception:  # noqa: BLE001 (another Triton's signature: the child reads its own, as before)
+        return None
     for path in _ptxas_candidates(current):
         if _ptxas_version(path) == keyed:
             return path
