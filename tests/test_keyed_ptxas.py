@@ -20,6 +20,14 @@ knobs = pytest.importorskip("triton.knobs")
 ARCH = 80  # Triton reads ``knobs.nvidia.ptxas`` for this arch in every version that has knobs
 
 
+def _version(arch):  # Triton's own lookup (3.5 and earlier take no arch)
+    return _backend._per_arch(compiler.get_ptxas_version, arch)
+
+
+def _tool(arch):
+    return _backend._per_arch(compiler.get_ptxas, arch)
+
+
 def _fake_ptxas(folder, release: str) -> str:
     path = os.path.join(folder, f"ptxas-{release}")
     with open(path, "w") as f:
@@ -49,10 +57,10 @@ def test_a_child_gets_the_ptxas_the_parent_keyed_by(tmp_path, monkeypatch, fresh
     monkeypatch.setenv("TRITON_PTXAS_PATH", old)
     assert not _backend._has_built()
     assert _backend.keyed_ptxas(ARCH) == old  # before the first build: what that build will read
-    assert "12.8" in compiler.get_ptxas_version(ARCH)  # the first build reads the version: keys carry 12.8 from now on
+    assert "12.8" in _version(ARCH)  # the first build reads the version: keys carry 12.8 from now on
     assert _backend._has_built()
     knobs.nvidia.ptxas = new  # later pointed elsewhere (as Inductor does): the keys still carry 12.8
-    assert compiler.get_ptxas(ARCH).path == new
+    assert _tool(ARCH).path == new
     assert _backend.keyed_ptxas(ARCH) == old
 
 
@@ -60,7 +68,7 @@ def test_no_path_when_no_candidate_has_the_keyed_version(tmp_path, monkeypatch, 
     first, other = _fake_ptxas(tmp_path, "12.4"), _fake_ptxas(tmp_path, "13.1")
     monkeypatch.setattr(_backend, "use_compilers_ptxas", lambda: None)
     knobs.nvidia.ptxas = first
-    compiler.get_ptxas_version(ARCH)
+    _version(ARCH)
     knobs.nvidia.ptxas = other
     os.remove(first)  # the binary the keys name is gone: a child cannot build under them
     assert _backend.keyed_ptxas(ARCH) is None
@@ -69,6 +77,6 @@ def test_no_path_when_no_candidate_has_the_keyed_version(tmp_path, monkeypatch, 
 def test_use_compilers_ptxas_leaves_a_process_that_has_built(tmp_path, fresh_triton):
     keyed = _fake_ptxas(tmp_path, "12.8")
     knobs.nvidia.ptxas = keyed
-    compiler.get_ptxas_version(ARCH)
+    _version(ARCH)
     _backend.use_compilers_ptxas()
-    assert compiler.get_ptxas(ARCH).path == keyed
+    assert _tool(ARCH).path == keyed

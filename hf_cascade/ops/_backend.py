@@ -106,6 +106,13 @@ def _ptxas_candidates(current: str | None) -> list[str]:
     return seen
 
 
+def _per_arch(fn, arch: int):
+    """``fn(arch)``, or ``fn()`` where this Triton's function takes no arch (3.5 and earlier: one ``ptxas``)."""
+    import inspect
+
+    return fn(arch) if inspect.signature(fn).parameters else fn()
+
+
 def _ptxas_version(path: str) -> str | None:
     import subprocess
 
@@ -171,13 +178,13 @@ def keyed_ptxas(arch: int | None = None) -> str | None:
     if not _has_built():
         use_compilers_ptxas()  # what this process's first build will read
     try:
-        current = compiler.get_ptxas(arch).path
+        current = _per_arch(compiler.get_ptxas, arch).path
     except Exception:  # noqa: BLE001 (no ptxas found: a child finds none either)
         return None
     if not _has_built():
         return current
     try:
-        keyed = compiler.get_ptxas_version(arch)  # cached: the version the first build read
+        keyed = _per_arch(compiler.get_ptxas_version, arch)  # cached: the version the first build read
     except Exception:  # noqa: BLE001 (another Triton's signature: the child reads its own, as before)
         return None
     for path in _ptxas_candidates(current):
