@@ -142,11 +142,11 @@ class CompileMeter:
                 "triton_kernels": built, "dynamo_graphs": now[1] - mark[1], "cuda_graphs": now[2] - mark[2]}
 
 
-
 def _short(value, limit: int) -> str:
     """A logged value for the results, at most ``limit`` characters (a list of frames joined by " < ")."""
     text = " < ".join(value) if isinstance(value, list) else str(value)
     return text[:limit]
+
 
 class Runner:
     """The default one-argument call of one model, timed, with what the tiers say about it."""

@@ -20,10 +20,10 @@ __all__ = ["GRID_DOCUMENT_TOKENS", "GRID_OPTIONS", "GRID_PREFIX_TOKENS", "GRID_R
 # fit) the tiles follow each level's rows per node instead.
 GRID_ROWS = (24, 48, 96, 12, 160, 6, 3)
 GRID_PREFIX_TOKENS = (96, 1536)
-# A second level of long nodes (retrieved documents under a short shared prompt): the rows' forward then runs the
-# suffix pass apart from the prefix passes (the cost model does not fuse a short suffix with a long prefix), with the
-# fixed buffers' written length: a variant the 32-token deeper levels never launch (a 64-row tree's first call built
-# it, results/stall.jsonl, 1d3c5eb).
+# A second level of long nodes (retrieved documents under a short shared prompt): the rows' forward then likely runs
+# the suffix pass apart from the prefix passes (the cost model fuses a short suffix only with a short prefix), with the
+# fixed buffers' written length. A 64-row tree of 2,048-token documents still built such a suffix variant in its first
+# call (results/stall.jsonl, 1d3c5eb); whether these batches cover it is not measured yet.
 GRID_DOCUMENT_TOKENS = 1536
 # The child runs each grid batch on both paths: the compiled layers, and the eager layers (Triton kernels, recorded
 # steps), whose launches pick their tiles from the tree's nodes rather than from the batch.
