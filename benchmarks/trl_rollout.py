@@ -148,14 +148,18 @@ def rollout_default(model, prompt_ids, generation_config) -> list[list[int]]:
     return cut_after_eos(out[:, inputs["input_ids"].shape[1]:], generation_config.eos_token_id)
 
 
-def rollout_cascade(model, prompt_ids, generation_config, caches: list | None = None) -> list[list[int]]:
+def rollout_cascade(model, prompt_ids, generation_config, caches: list | None = None,
+                    cascade_options: dict | None = None) -> list[list[int]]:
     """The same call where the checkpoint folder has hf_cascade's ``custom_generate/generate.py`` and TRL loads it
     with ``trust_remote_code=True``: ``checkpoint_generate(model, **inputs, generation_config=...)``. ``caches``
-    (optional): receives the CascadeCache built (an observer list; TRL passes none)."""
+    (optional): receives the CascadeCache built (an observer list; TRL passes none). ``cascade_options``: for probes
+    only (TRL passes none), e.g. ``{"max_levels": 1}``."""
     from hf_cascade.checkpoint import checkpoint_generate
 
     inputs = left_pad(prompt_ids, generation_config.pad_token_id, model.device)
     extra = {} if caches is None else {"cascade_caches": caches}
+    if cascade_options:
+        extra["cascade_options"] = cascade_options
     with torch.no_grad():
         out = checkpoint_generate(model, **inputs, generation_config=generation_config, **extra)
     model.set_attn_implementation("sdpa")
