@@ -40,6 +40,23 @@ def test_trl_rollout_through_hf_cascade_equals_the_default_path():
     assert record["hf_cascade_levels"] == 2  # the shared system prompt, then each prompt for its generations
 
 
+def test_a_probes_cascade_options_reach_the_rollout():
+    """``rollout_cascade(..., cascade_options={"max_levels": 1})`` (probe_trl_step's A/B): one shared level instead of
+    two, and the same completions as TRL's default path in fp32 with the same seed."""
+    import torch
+
+    model = trl_rollout.build_model("tiny", device="cpu", dtype=torch.float32)
+    prompts = trl_rollout.make_prompts("tiny", prompts=3, system=24, own=(6, 14))
+    rows = [p for p in prompts for _ in range(4)]
+    config = trl_rollout.trl_generation_config("tiny", 6)
+    caches = []
+    torch.manual_seed(2)
+    flat = trl_rollout.rollout_cascade(model, rows, config, caches, cascade_options={"max_levels": 1})
+    torch.manual_seed(2)
+    default = trl_rollout.rollout_default(model, rows, config)
+    assert caches[-1].num_levels == 1 and flat == default
+
+
 def test_reproduced_generation_config_is_grpo_trainers(tmp_path, monkeypatch):
     pytest.importorskip("trl")
     import datasets
