@@ -89,21 +89,29 @@ def _nvidia_compiler():
     return compiler if hasattr(compiler, "get_ptxas_version") and hasattr(compiler, "get_ptxas") else None
 
 
-def _ptxas_candidates(current: str | None) -> list[str]:
-    """Every ``ptxas`` a process of this install may build with: the one Triton points at now, the one
-    ``TRITON_PTXAS_PATH`` names, torch's bundled one (``torch/bin`` or ``torch/_inductor/bin``, by torch version: the
-    one Inductor picks) and Triton's own."""
-    root = os.path.dirname(os.path.abspath(torch.__file__))
-    paths = [current, os.environ.get("TRITON_PTXAS_PATH"), os.path.join(root, "bin", "ptxas"),
-             os.path.join(root, "_inductor", "bin", "ptxas")]
-    compiler = _nvidia_compiler()
-    if compiler is not None:
-        paths.append(os.path.join(os.path.dirname(os.path.abspath(compiler.__file__)), "bin", "ptxas"))
+def _executables(paths) -> list[str]:
+    """``paths`` that are executable files, each once, in order."""
     seen = []
     for path in paths:
         if path and path not in seen and os.path.isfile(path) and os.access(path, os.X_OK):
             seen.append(path)
     return seen
+
+
+def _torch_ptxas() -> list[str]:
+    """The ``ptxas`` bundled with torch, where the wheel has one (``torch/_inductor/bin`` or ``torch/bin``, by torch
+    version): the one Inductor points Triton at."""
+    root = os.path.dirname(os.path.abspath(torch.__file__))
+    return _executables([os.path.join(root, "_inductor", "bin", "ptxas"), os.path.join(root, "bin", "ptxas")])
+
+
+def _ptxas_candidates(current: str | None) -> list[str]:
+    """Every ``ptxas`` a process of this install may build with: the one Triton points at now, the one
+    ``TRITON_PTXAS_PATH`` names, torch's bundled one and Triton's own."""
+    compiler = _nvidia_compiler()
+    own = None if compiler is None else os.path.join(os.path.dirname(os.path.abspath(compiler.__file__)), "bin",
+                                                     "ptxas")
+    return _executables([current, os.environ.get("TRITON_PTXAS_PATH"), *_torch_ptxas(), own])
 
 
 def _per_arch(fn, arch: int):
@@ -143,9 +151,7 @@ def use_compilers_ptxas() -> None:
     (3.4 and later, ``os.environ`` untouched) or else the variable."""
     if os.environ.get("TRITON_PTXAS_PATH") is not None or _has_built():
         return
-    root = os.path.dirname(os.path.abspath(torch.__file__))
-    found = [p for p in (os.path.join(root, "_inductor", "bin", "ptxas"), os.path.join(root, "bin", "ptxas"))
-             if os.path.isfile(p) and os.access(p, os.X_OK)]
+    found = _torch_ptxas()
     if not found:
         return
     try:
@@ -175,13 +181,14 @@ def keyed_ptxas(arch: int | None = None) -> str | None:
     if arch is None:
         major, minor = torch.cuda.get_device_capability()
         arch = major * 10 + minor
-    if not _has_built():
+    built = _has_built()
+    if not built:
         use_compilers_ptxas()  # what this process's first build will read
     try:
         current = _per_arch(compiler.get_ptxas, arch).path
     except Exception:  # noqa: BLE001 (no ptxas found: a child finds none either)
         return None
-    if not _has_built():
+    if not built:
         return current
     try:
         keyed = _per_arch(compiler.get_ptxas_version, arch)  # cached: the version the first build read

@@ -44,8 +44,6 @@ from hf_cascade.parallel.generation import check_decode_step, context_parallel_g
 from hf_cascade.parallel.prefill_plan import PrefillPlan, check_rank_tokens, default_rank_tokens
 from hf_cascade.transformers_compat import CACHE_KWARG
 
-_OPTIONS = ("placement", "shared_prefix", "min_shared_tokens", "pad_token_id", "sync_rng", "check_inputs",
-            "max_new_tokens", "decode_step", "kernels", "prefill_chunk_tokens", "memory_per_rank")
 _PROGRESS_FROM_ROUNDS = 8
 
 
@@ -70,9 +68,10 @@ class ParallelOptions:
     def of(cls, combine: str, options: dict) -> ParallelOptions:
         """Check ``options`` (the keyword arguments) with ``combine``; a typo or a bad value raises ValueError on
         every rank at once, before any collective."""
-        unknown = sorted(set(options) - set(_OPTIONS))
+        valid = tuple(f.name for f in dataclasses.fields(cls) if f.name != "combine")  # (combine: its own argument)
+        unknown = sorted(set(options) - set(valid))
         if unknown:
-            raise ValueError(f"context_parallel_inputs: unknown option(s) {unknown}; valid options are {_OPTIONS}.")
+            raise ValueError(f"context_parallel_inputs: unknown option(s) {unknown}; valid options are {valid}.")
         check_combine(combine)
         opts = cls(combine=combine, **options)
         max_new_tokens = check_max_new_tokens(opts.max_new_tokens)
