@@ -166,6 +166,25 @@ def _as_bool_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
     return mask
 
 
+def sdpa_attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                   attention_mask: torch.Tensor | None, *, scaling: float | None, dropout: float = 0.0,
+                   **kwargs) -> torch.Tensor:
+    """transformers' sdpa attention over ``key``/``value`` as given, never through cuDNN's attention outside a
+    compiled graph (see below). ``query`` ``[batch, num_heads, q_len, head_dim]``, ``key``/``value`` ``[batch,
+    num_kv_heads, kv_len, head_dim]``, ``attention_mask`` None (causal, bottom-right) or 4-D ``[batch, 1, q_len,
+    kv_len]``. Returns ``[batch, q_len, num_heads, head_dim]``."""
+    # Never cuDNN's attention outside a compiled graph: it builds an execution plan for every new shape (its first
+    # in a process 1.2 s, H100, torch 2.11: FlashAttention-2's first call 6-12 ms, 0.3 against 0.6 ms warm for a
+    # 4,096-token prefill; benchmarks/results/probe_first_sdpa.jsonl), and a generate() call brings a new key
+    # length at every decode step: a 1-row call of 64 new tokens took 6.8 s the first time, 1.6 s once its
+    # shapes had plans (results/stall.jsonl, the calls with nothing to share).
+    no_cudnn = query.is_cuda and not torch.compiler.is_compiling()
+    with sdpa_kernel(_SDPA_WITHOUT_CUDNN) if no_cudnn else contextlib.nullcontext():
+        out, _ = sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                        **kwargs)
+    return out
+
+
 def plain_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -192,17 +211,7 @@ def plain_attention(
         ``[batch, q_len, num_heads, head_dim]``.
     """
     if softcap is None and sinks is None:
-        # Never cuDNN's attention outside a compiled graph: it builds an execution plan for every new shape (its first
-        # in a process 1.2 s, H100, torch 2.11: FlashAttention-2's first call 6-12 ms, 0.3 against 0.6 ms warm for a
-        # 4,096-token prefill; benchmarks/results/probe_first_sdpa.jsonl), and a generate() call brings a new key
-        # length at every decode step: a 1-row call of 64 new tokens took 6.8 s the first time, 1.6 s once its
-        # shapes had plans (results/stall.jsonl, the calls with nothing to share).
-        no_cudnn = query.is_cuda and not torch.compiler.is_compiling()
-        with sdpa_kernel(_SDPA_WITHOUT_CUDNN) if no_cudnn else contextlib.nullcontext():
-            out, _ = sdpa_attention_forward(
-                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-            )
-        return out
+        return sdpa_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     from hf_cascade.ops.bounded import merge_sink
     from hf_cascade.ops.suffix_attention import suffix_attention
 

@@ -31,18 +31,18 @@ from collections.abc import Sequence
 import torch
 from transformers.cache_utils import Cache
 
-from hf_cascade.attention import ATTENTION_NAME, bind_layer, check_model_uses_cascade, plain_attention
+from hf_cascade.attention import ATTENTION_NAME, bind_layer, check_model_uses_cascade, sdpa_attention
 from hf_cascade.step_context import outside_layer_graphs, static_step
 from hf_cascade.step_buffers import StepBuffers
 from hf_cascade.model_scan import attention_modules
 from hf_cascade.ops._backend import host_to_device
-from hf_cascade.ops.bounded import merge_sink
+from hf_cascade.ops.bounded import WindowRequest, merge_sink
 from hf_cascade.ops.cascade_wrapper import CascadeWrapper
 from hf_cascade.ops.plan import CascadePlan
 from hf_cascade.prefill import PrefixLevel, prefill_levels, validate_token_ids
 from hf_cascade.static_steps import StaticStepMixin
 from hf_cascade.suffix_layers import StaticSuffixLayer, SuffixLayer, append_columns, memoized
-from hf_cascade.windows import RowShifts, bound_columns, layer_sinks, layer_window, row_shifts
+from hf_cascade.windows import layer_sinks, layer_window
 
 # The names these had when they were defined here (kept importable from hf_cascade.cache).
 _SuffixLayer, _StaticSuffixLayer, _append_columns, _memoized = SuffixLayer, StaticSuffixLayer, append_columns, memoized
@@ -388,8 +388,7 @@ class CascadeCache(StaticStepMixin, Cache):
         self._suffix_start_dev = self._window_dev = None
         self._mask_memo = None
         self._step_memo: dict | None = None  # per eager device-only step (see update)
-        self._wrapper.reset()
-        self._shifts = None  # hf_cascade.windows.RowShifts of these rows, built by the first bounded layer
+        self._wrapper.reset()  # (and the rows' window shifts, hf_cascade.windows)
         self._layout_key: tuple | None = None  # static_layout_key, computed once per layout
 
     def _row_state(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
@@ -501,33 +500,29 @@ class CascadeCache(StaticStepMixin, Cache):
         """The attention module of layer ``layer_idx`` of the model this cache was built for."""
         return next(iter(self._modules[layer_idx]))
 
-    def _window_bounds(self, query: torch.Tensor, key_columns: int, *, window: int | None, chunk: int | None,
-                       key_length: torch.Tensor | None, position_ids: torch.Tensor | None,
-                       static: bool) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Each query's first visible key column in a layer of this ``window`` (or ``chunk``): int64 ``[B, Lq]`` per
-        prefix level and over the suffix (:func:`~hf_cascade.windows.bound_columns`). The rows'
-        :class:`~hf_cascade.windows.RowShifts` are built by the layout's first bounded layer and kept; the bounds
-        once per step for every layer of one window. ``key_columns``: the suffix KV's columns ``S``; ``static``: a
-        compiled or recorded step, or the built-in tier (the shifts then are not taken from the step buffers)."""
-        if self._shifts is None:
-            last = (key_columns if key_length is None else key_length.reshape(())) - 1
-            shifts = row_shifts(self.levels, self.row_nodes, self.suffix_start, query.shape[0], query.device,
-                                position_ids, last)
-            buffers = getattr(self, "_step_buffers", None)
-            if buffers is not None and self._wrapper.op_inputs is not None and not static:
-                # Taken from the model's step buffers after the op's index tensors (the order a call gives them
-                # back, see StaticStepMixin.step_buffer_tensors): the next call of these shapes has them at the same
-                # addresses and replays the decode step recorded for this one.
-                take = lambda t: buffers.take(t.shape, t.dtype, t.device).copy_(t)  # noqa: E731
-                shifts = RowShifts(take(shifts.level_shift), take(shifts.suffix_shift), shifts.first_position,
-                                   from_step_buffers=True)
-            self._shifts = shifts
-        in_step = static_step() and not (self.builtin_kernels and not torch.compiler.is_compiling())
+    @staticmethod
+    def _written_suffix(layer, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+                        static: bool) -> tuple:
+        """Fixed buffers: the kernels read the suffix only as far as it is written (the mask hides the rest anyway).
+        Returns ``(key, value, attention_mask, key_length)``: in a compiled or recorded step (or a compiled prefill)
+        the buffers whole and the written count as an int64 device scalar (``key_length``); in an eager forward the
+        buffers cut at the host's count (views; ``key_length`` None), which launches the kernel variants a growing
+        cache's forwards launch (the background build's grid has them: ``hf_cascade.build_grid``)."""
+        if not (isinstance(layer, StaticSuffixLayer) and layer.is_initialized):
+            return key, value, attention_mask, None
+        if static or torch.compiler.is_compiling():
+            return key, value, attention_mask, layer.cumulative_length
+        n = layer.host_length
+        return key[:, :, :n], value[:, :, :n], None if attention_mask is None else attention_mask[..., :n], None
+
+    def _window_request(self, window: int | None, chunk: int | None, position_ids: torch.Tensor | None,
+                        static: bool) -> WindowRequest:
+        """What the wrapper builds a bounded layer's bounds from (:func:`~hf_cascade.ops.bounded.window_bounds`):
+        the rows' layout, and this step's memo (the bounds once per step for every layer of one window) in an
+        eager device-only step."""
+        in_step = static and not (self.builtin_kernels and not torch.compiler.is_compiling())
         memo = self._step_memo if in_step and not torch.compiler.is_compiling() else None
-        written = key_columns if key_length is None else key_length.reshape(())
-        return memoized(memo, ("bounds", window, chunk, query.shape[2], key_columns), lambda: bound_columns(
-            self._shifts, query.shape[2], written, len(self.levels), window=window if chunk is None else None,
-            chunk=chunk))
+        return WindowRequest(window, chunk, self.row_nodes, self.suffix_start, position_ids, memo)
 
     def attend(self, module, query, key, value, attention_mask, *, scaling, softcap=None, sliding_window=None, **kwargs):
         """Cascade attention for one layer: shared-prefix passes (one per level) merged with the suffix pass.
@@ -559,20 +554,14 @@ class CascadeCache(StaticStepMixin, Cache):
                 self._check_positions(attention_mask, kwargs.get("position_ids"))
         # Fixed buffers: None would also admit the columns not written yet; rows' own columns: see _suffix_mask.
         attention_mask = self._suffix_mask(attention_mask, layer, query.shape[2], key.shape[2])
-        # Fixed buffers: the kernels read the suffix only as far as it is written (the mask hides the rest anyway).
-        written = layer.cumulative_length if isinstance(layer, StaticSuffixLayer) and layer.is_initialized else None
-        if not bounded and self._wrapper.prefix_slots is None and not self.levels:  # nothing shared: the fastest
-            mask = None if attention_mask is None else attention_mask[:, None]  # exact kernel
-            return plain_attention(module, query, key, value, mask, scaling=scaling, softcap=softcap, sinks=sinks,
-                                   backend="torch" if self.builtin_kernels else "auto")
-        if not torch.compiler.is_compiling():  # (planned by the layout's first forward; here if not yet)
+        key, value, attention_mask, written = self._written_suffix(layer, key, value, attention_mask, static)
+        shared = bounded or self._wrapper.prefix_slots is not None or bool(self.levels)
+        if not shared and softcap is None and sinks is None:  # nothing shared: sdpa, the fastest exact kernel
+            mask = None if attention_mask is None else attention_mask[:, None]
+            return sdpa_attention(module, query, key, value, mask, scaling=scaling)
+        if not torch.compiler.is_compiling() and self.levels:  # (planned by the layout's first forward; if not yet)
             self._plan_for(query.shape[0], query.device)
-        bounds = None
-        if bounded:  # each query's first visible key column (hf_cascade.windows)
-            if not (static or self.builtin_kernels):  # the op's index tensors first (their step-buffer order)
-                self._wrapper.plan_step(layer_idx, query, key)
-            bounds = self._window_bounds(query, key.shape[2], window=window, chunk=chunk, key_length=written,
-                                         position_ids=kwargs.get("position_ids"), static=static or self.builtin_kernels)
+        request = self._window_request(window, chunk, kwargs.get("position_ids"), static) if bounded else None
         out, lse = self._wrapper.run(layer_idx, query, key, value, self.levels, scale=scaling, mask=attention_mask,
-                                     softcap=softcap, key_length=written, static=static, bounds=bounds)
+                                     softcap=softcap, key_length=written, static=static, window=request)
         return out if sinks is None else merge_sink(out, lse, sinks, heads_dim=2)[0]

@@ -108,8 +108,9 @@ class StaticStepMixin:
         tensors += [t for layer in self.layers if layer.is_initialized
                     for t in (layer.keys, layer.values, layer.cumulative_length)]
         tensors += list(self._wrapper.op_inputs or ())
-        if self._shifts is not None and self._shifts.from_step_buffers:  # taken after the op's (hf_cascade.windows)
-            tensors += [self._shifts.level_shift, self._shifts.suffix_shift]
+        shifts = self._wrapper.shifts  # a window's rows (hf_cascade.windows): taken after the op's
+        if shifts is not None and shifts.from_step_buffers:
+            tensors += [shifts.level_shift, shifts.suffix_shift]
         return tensors
 
     def static_step_tensors(self) -> list[torch.Tensor]:
@@ -118,8 +119,9 @@ class StaticStepMixin:
         tensors = self.step_buffer_tensors()
         if self._window_dev is None and self._suffix_start_dev is not None:  # read by _suffix_mask only then
             tensors.append(self._suffix_start_dev)
-        if self._shifts is not None:  # layers whose window is shorter than the sequence (hf_cascade.windows)
-            tensors += [self._shifts.level_shift, self._shifts.suffix_shift]
+        shifts = self._wrapper.shifts
+        if shifts is not None:  # layers whose window is shorter than the sequence (hf_cascade.windows)
+            tensors += [shifts.level_shift, shifts.suffix_shift]
             plan = self._wrapper.layout
             if plan is not None and (self.builtin_kernels or self._wrapper.op_inputs is None):
                 # read by the PyTorch path (the bounded op reads the layout from the op's index tensors instead)

@@ -18,13 +18,10 @@ Attention sinks (GPT-OSS ``s_aux``) are merged into the final state: :func:`~hf_
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import Tensor
 
-from hf_cascade.ops._backend import host_to_device
-from hf_cascade.ops.bounded import BOUNDED_PATHS, lower_positions  # noqa: F401
+from hf_cascade.ops.bounded import BOUNDED_PATHS, RowShifts, bound_columns, lower_positions, row_shifts  # noqa: F401
 from hf_cascade.ops.cascade_wrapper import bounded_planned_attention
 
 
@@ -50,70 +47,6 @@ def layer_sinks(module: torch.nn.Module, s_aux: Tensor | None = None) -> Tensor 
     if isinstance(sinks, Tensor) and getattr(getattr(module, "config", None), "model_type", None) == "gpt_oss":
         return sinks
     return None
-
-
-@dataclass(eq=False)
-class RowShifts:
-    """Per row, where its tokens' positions sit in the cascade's columns (see the module docstring).
-
-    Attributes:
-        level_shift: int64 ``[L, B]`` on the device: position = column - level_shift (inside the row's node).
-        suffix_shift: int64 ``[B]`` on the device: position = suffix column + suffix_shift.
-        first_position: host list of ``B`` ints, the position of each row's first own token (its chain length).
-        from_step_buffers: the two device tensors were taken from the model's step buffers (a fixed-buffer cache's
-            decode step reads them; the call gives them back with the others).
-    """
-
-    level_shift: Tensor
-    suffix_shift: Tensor
-    first_position: list[int]
-    from_step_buffers: bool = False  # the two tensors were taken from a model's StepBuffers (given back with it)
-
-
-def row_shifts(levels, row_nodes: Tensor | None, suffix_start: Tensor | None, batch_size: int,
-               device: torch.device, position_ids: Tensor | None = None,
-               last_column: int | Tensor | None = None) -> RowShifts:
-    """The :class:`RowShifts` of a batch layout: ``levels`` the cache's :class:`~hf_cascade.prefill.PrefixLevel` list,
-    ``row_nodes`` int64 ``[L, B]`` on the host (None: node 0 of every level), ``suffix_start`` int64 ``[B]`` (None: 0).
-
-    ``position_ids`` ``[B or 1, Lq]`` (the forward's, when the model passes them) and ``last_column`` (the suffix
-    column of the forward's last query: written columns - 1): the suffix shift is read from them on the device (the
-    last query of every row is a real token), which also covers padding at the start of a row's suffix columns (a
-    :meth:`~hf_cascade.CascadeCache.from_prefix` cache given rows ``[prefix | pads | suffix]``)."""
-    L = len(levels)
-    nodes = torch.zeros((L, batch_size), dtype=torch.int64) if row_nodes is None else row_nodes.to(torch.int64)
-    node_start = torch.zeros((L, batch_size), dtype=torch.int64)
-    node_len = torch.zeros((L, batch_size), dtype=torch.int64)
-    for level_idx, (level, level_nodes) in enumerate(zip(levels, nodes)):
-        starts = torch.tensor(list(level.node_starts), dtype=torch.int64)
-        has = level_nodes >= 0
-        index = level_nodes.clamp(min=0)
-        node_start[level_idx] = torch.where(has, starts[index], 0)
-        node_len[level_idx] = torch.where(has, starts[index + 1] - starts[index], 0)
-    before = node_len.cumsum(0) - node_len  # the row's chain tokens before each level
-    chain = node_len.sum(0)
-    start = torch.zeros(batch_size, dtype=torch.int64) if suffix_start is None else suffix_start.to(torch.int64)
-    suffix_shift = host_to_device(chain - start, device)
-    if position_ids is not None and last_column is not None:
-        suffix_shift = (position_ids[:, -1].to(device, torch.int64) - last_column).expand(batch_size).clone()
-    return RowShifts(
-        level_shift=host_to_device(node_start - before, device),
-        suffix_shift=suffix_shift,
-        first_position=chain.tolist(),
-    )
-
-
-def bound_columns(shifts: RowShifts, query_length: int, written, levels: int, *, window: int | None,
-                  chunk: int | None) -> tuple[list[Tensor], Tensor]:
-    """The first visible column of each query: per prefix level (``key_lower``) and over the suffix
-    (``suffix_lower``), int64 ``[B, Lq]`` on the device, for a forward whose last query is suffix column
-    ``written - 1`` (``written``: an int, or the int64 device scalar of fixed buffers: then no host data at all)."""
-    device = shifts.suffix_shift.device
-    query_columns = written - query_length + torch.arange(query_length, device=device)  # [Lq]
-    positions = query_columns[None, :] + shifts.suffix_shift[:, None]  # [B, Lq]
-    lower = lower_positions(positions, window=window, chunk=chunk)
-    key_lower = [lower + shifts.level_shift[level, :, None] for level in range(levels)]
-    return key_lower, lower - shifts.suffix_shift[:, None]
 
 
 def bounded_attend(

@@ -93,10 +93,11 @@ def test_builtin_cascade_bf16_within_eager_rounding():
 def test_generate_on_builtin_kernels_gives_sdpa_tokens(tiny_llama_pair, monkeypatch):
     """A cache on the built-in kernels (fixed buffers and growing ones) gives sdpa's greedy tokens, fp32."""
     import hf_cascade
-    import hf_cascade.ops.cascade_wrapper as wrapper_module
+    import importlib
 
+    cascade_module = importlib.import_module("hf_cascade.ops.cascade_attention")  # (the package names the function)
     calls = []
-    monkeypatch.setattr(wrapper_module, "builtin_cascade_attention",
+    monkeypatch.setattr(cascade_module, "builtin_cascade_attention",
                         lambda *a, **k: calls.append(1) or builtin_cascade_attention(*a, **k))
     from hf_cascade.transformers_compat import CACHE_KWARG
 

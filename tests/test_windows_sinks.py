@@ -305,7 +305,7 @@ def test_windowed_models_in_the_recorded_step_path(family):
     assert len(entered) == gen["max_new_tokens"] - 1
     assert torch.equal(got, want)
     read = {t.data_ptr() for t in caches[0].static_step_tensors()}
-    assert caches[0]._shifts.level_shift.data_ptr() in read and caches[0]._shifts.suffix_shift.data_ptr() in read
+    assert caches[0]._wrapper.shifts.level_shift.data_ptr() in read and caches[0]._wrapper.shifts.suffix_shift.data_ptr() in read
 
 
 @pytest.mark.parametrize("family", ["gemma3", "gpt_oss"])

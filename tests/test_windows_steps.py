@@ -81,9 +81,9 @@ def test_recorded_step_of_a_windowed_model_replays_in_the_next_call(family):
     for seed in (86, 87):
         ids, mask = pad_batch(tree_prompts(*layout, rows=6, seed=seed))
         cache = _call(cas, ids, mask)
-        assert cache._shifts is not None and cache._shifts.from_step_buffers and cache._wrapper.op_inputs is not None
+        assert cache._wrapper.shifts is not None and cache._wrapper.shifts.from_step_buffers and cache._wrapper.op_inputs is not None
         read = {t.data_ptr() for t in cache.static_step_tensors()}
-        assert cache._shifts.level_shift.data_ptr() in read and cache._shifts.suffix_shift.data_ptr() in read
+        assert cache._wrapper.shifts.level_shift.data_ptr() in read and cache._wrapper.shifts.suffix_shift.data_ptr() in read
         assert not any(t.data_ptr() in read for t in cache._wrapper.layout.row_node)
         keys.append(CapturedDecodeStep(cas, cache)._key(_step_inputs(cache, cache.layers[0].keys.shape[0]))[0])
     assert keys[0] == keys[1]

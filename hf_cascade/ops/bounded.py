@@ -26,13 +26,17 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from ._backend import host_to_device
 from .reference import cascade_attention_ref
 
-__all__ = ["BOUNDED_PATHS", "bounded_cascade_attention", "count_path", "lower_positions", "merge_sink"]
+__all__ = ["BOUNDED_PATHS", "RowShifts", "WindowRequest", "bound_columns", "bounded_cascade_attention", "count_path",
+           "lower_positions", "merge_sink", "row_shifts", "window_bounds"]
 
 _OP = "bounded_cascade_attention"
 
@@ -51,6 +55,118 @@ def lower_positions(query_positions: Tensor, *, window: int | None = None, chunk
     if window is not None:
         return query_positions - (window - 1)
     return query_positions - torch.remainder(query_positions, chunk)
+
+
+@dataclass(eq=False)
+class RowShifts:
+    """Per row, where its tokens' positions sit in the cascade's columns (see :mod:`hf_cascade.windows`).
+
+    Attributes:
+        level_shift: int64 ``[L, B]`` on the device: position = column - level_shift (inside the row's node).
+        suffix_shift: int64 ``[B]`` on the device: position = suffix column + suffix_shift.
+        first_position: host list of ``B`` ints, the position of each row's first own token (its chain length).
+        from_step_buffers: the two device tensors were taken from the model's step buffers (a fixed-buffer cache's
+            decode step reads them; the call gives them back with the others).
+    """
+
+    level_shift: Tensor
+    suffix_shift: Tensor
+    first_position: list[int]
+    from_step_buffers: bool = False  # the two tensors were taken from a model's StepBuffers (given back with it)
+
+
+def row_shifts(levels, row_nodes: Tensor | None, suffix_start: Tensor | None, batch_size: int,
+               device: torch.device, position_ids: Tensor | None = None,
+               last_column: int | Tensor | None = None) -> RowShifts:
+    """The :class:`RowShifts` of a batch layout: ``levels`` the cache's :class:`~hf_cascade.prefill.PrefixLevel` list,
+    ``row_nodes`` int64 ``[L, B]`` on the host (None: node 0 of every level), ``suffix_start`` int64 ``[B]`` (None: 0).
+
+    ``position_ids`` ``[B or 1, Lq]`` (the forward's, when the model passes them) and ``last_column`` (the suffix
+    column of the forward's last query: written columns - 1): the suffix shift is read from them on the device (the
+    last query of every row is a real token), which also covers padding at the start of a row's suffix columns (a
+    :meth:`~hf_cascade.CascadeCache.from_prefix` cache given rows ``[prefix | pads | suffix]``)."""
+    L = len(levels)
+    nodes = torch.zeros((L, batch_size), dtype=torch.int64) if row_nodes is None else row_nodes.to(torch.int64)
+    node_start = torch.zeros((L, batch_size), dtype=torch.int64)
+    node_len = torch.zeros((L, batch_size), dtype=torch.int64)
+    for level_idx, (level, level_nodes) in enumerate(zip(levels, nodes)):
+        starts = torch.tensor(list(level.node_starts), dtype=torch.int64)
+        has = level_nodes >= 0
+        index = level_nodes.clamp(min=0)
+        node_start[level_idx] = torch.where(has, starts[index], 0)
+        node_len[level_idx] = torch.where(has, starts[index + 1] - starts[index], 0)
+    before = node_len.cumsum(0) - node_len  # the row's chain tokens before each level
+    chain = node_len.sum(0)
+    start = torch.zeros(batch_size, dtype=torch.int64) if suffix_start is None else suffix_start.to(torch.int64)
+    suffix_shift = host_to_device(chain - start, device)
+    if position_ids is not None and last_column is not None:
+        suffix_shift = (position_ids[:, -1].to(device, torch.int64) - last_column).expand(batch_size).clone()
+    return RowShifts(
+        level_shift=host_to_device(node_start - before, device),
+        suffix_shift=suffix_shift,
+        first_position=chain.tolist(),
+    )
+
+
+def bound_columns(shifts: RowShifts, query_length: int, written, levels: int, *, window: int | None,
+                  chunk: int | None) -> tuple[list[Tensor], Tensor]:
+    """The first visible column of each query: per prefix level (``key_lower``) and over the suffix
+    (``suffix_lower``), int64 ``[B, Lq]`` on the device, for a forward whose last query is suffix column
+    ``written - 1`` (``written``: an int, or the int64 device scalar of fixed buffers: then no host data at all)."""
+    device = shifts.suffix_shift.device
+    query_columns = written - query_length + torch.arange(query_length, device=device)  # [Lq]
+    positions = query_columns[None, :] + shifts.suffix_shift[:, None]  # [B, Lq]
+    lower = lower_positions(positions, window=window, chunk=chunk)
+    key_lower = [lower + shifts.level_shift[level, :, None] for level in range(levels)]
+    return key_lower, lower - shifts.suffix_shift[:, None]
+
+
+class WindowRequest(NamedTuple):
+    """A layer's sliding window (or chunk) as a cache asks for it (:meth:`~hf_cascade.ops.cascade_wrapper
+    .CascadeWrapper.run`): exactly one of ``window`` / ``chunk``, and what the rows' bounds are built from.
+
+    Attributes:
+        window, chunk: the layer's window or chunk (one of them; the other None).
+        row_nodes: int64 ``[L, B]`` on the host (None: node 0 of every level); suffix_start: int64 ``[B]`` (None: 0).
+        position_ids: the forward's ``[B or 1, Lq]``, or None (see :func:`row_shifts`).
+        memo: a dict the bounds of one step are kept in (one per eager device-only step), or None.
+    """
+
+    window: int | None
+    chunk: int | None
+    row_nodes: Tensor | None
+    suffix_start: Tensor | None
+    position_ids: Tensor | None = None
+    memo: dict | None = None
+
+
+def window_bounds(shifts: RowShifts | None, request: WindowRequest, levels, query: Tensor, key_columns: int,
+                  key_length: Tensor | None, buffers=None) -> tuple[RowShifts, tuple[list[Tensor], Tensor]]:
+    """The rows' :class:`RowShifts` (``shifts``, or built now when None: the layout's first bounded layer) and each
+    query's first visible column per prefix level and over the suffix (:func:`bound_columns`), int64 ``[B, Lq]``.
+
+    ``levels``: the cache's prefix levels (their ``node_starts``); ``key_columns``: the suffix KV's columns ``S``;
+    ``key_length``: the written columns (fixed buffers, int64 device scalar) or None (all ``S``). ``buffers``: a
+    :class:`~hf_cascade.step_buffers.StepBuffers` new shifts are taken from (after the op's index tensors, the order
+    a call gives them back: the next call of these shapes then has them at the same addresses and replays the decode
+    step recorded for this one), or None. The bounds are kept in ``request.memo`` for every layer of one window.
+    """
+    written = key_columns if key_length is None else key_length.reshape(())
+    if shifts is None:
+        shifts = row_shifts(levels, request.row_nodes, request.suffix_start, query.shape[0], query.device,
+                            request.position_ids, written - 1)
+        if buffers is not None:
+            take = lambda t: buffers.take(t.shape, t.dtype, t.device).copy_(t)  # noqa: E731
+            shifts = RowShifts(take(shifts.level_shift), take(shifts.suffix_shift), shifts.first_position,
+                               from_step_buffers=True)
+    memo_key = ("bounds", request.window, request.chunk, query.shape[2], key_columns)
+    bounds = None if request.memo is None else request.memo.get(memo_key)
+    if bounds is None:
+        bounds = bound_columns(shifts, query.shape[2], written, len(levels),
+                               window=request.window if request.chunk is None else None, chunk=request.chunk)
+        if request.memo is not None:
+            request.memo[memo_key] = bounds
+    return shifts, bounds
 
 
 def merge_sink(out: Tensor, lse: Tensor, sinks: Tensor, *, heads_dim: int = 1) -> tuple[Tensor, Tensor]:

@@ -10,6 +10,7 @@ from torch import Tensor
 
 from ._backend import resolve_backend
 from ._launch import cascade_triton
+from .builtin_cascade import builtin_cascade_attention
 from .plan import PrefixPlan
 from .prefix_attention import _check_plan
 from .prefix_attention import _validate as _validate_prefix
@@ -50,10 +51,14 @@ def cascade_attention(
         key, value: the per-row suffix KV [B, Hkv, S, D] / [B, Hkv, S, Dv] (S may be 0; Dv may differ from D,
             MLA-style), query's dtype and device.
         prefixes: per level ``(prefix_key [Hkv, T, D], prefix_value [Hkv, T, Dv], plan)``, with
-            ``plan = plan_shared_prefix(row_node, node_starts)`` built once per batch layout.
+            ``plan = plan_shared_prefix(row_node, node_starts)`` built once per batch layout; on the torch backend
+            ``plan`` may instead be ``(node_starts, row_node)``, int64 device tensors ``[N + 1]`` / ``[B]`` (no
+            host data: what a compiled step has).
         scale, mask, causal, softcap: as in :func:`suffix_attention` (mask and causal apply to the
             suffix keys only; every query sees all keys of its prefix nodes).
-        backend: "auto" (Triton on CUDA when available, else torch), "triton" or "torch".
+        backend: "auto" (Triton on CUDA when available, else torch), "triton", "torch", or "builtin":
+            PyTorch's own kernels, which need no build (:mod:`~hf_cascade.ops.builtin_cascade`; causal, no
+            ``key_length`` or bounds).
         key_length: None, or an int64 tensor of one element on the device: the suffix keys from this index on
             are not written yet (fixed buffers) and never visible, as if masked; the Triton kernels stop reading
             there (a decode step's buffers are read only as far as they are written).
@@ -72,6 +77,7 @@ def cascade_attention(
     """
     mask = _validate_suffix(query, key, value, scale, mask, softcap, None, None)
     _check_key_length(key_length, key)
+    backend = "builtin" if backend == "builtin" else resolve_backend(backend, query.device, _OP)
     for k_pre, v_pre, plan in prefixes:
         _validate_prefix(query, k_pre, v_pre, scale, softcap)
         if k_pre.shape[0] != key.shape[1]:
@@ -84,17 +90,44 @@ def cascade_attention(
                 f"{_OP}: prefix values' head_dim ({v_pre.shape[-1]}) must equal the suffix values' "
                 f"({value.shape[-1]}); prefix value {tuple(v_pre.shape)}, suffix value {tuple(value.shape)}."
             )
-        if not isinstance(plan, PrefixPlan):
-            raise ValueError(f"{_OP}: each prefix level needs a PrefixPlan (plan_shared_prefix); got {type(plan)}.")
-        _check_plan(plan, query, k_pre)
+        _check_layout(plan, query, k_pre, backend)
     _check_bounds(key_lower, suffix_lower, query, prefixes)
-    if resolve_backend(backend, query.device, _OP) == "torch":
+    if backend == "builtin":
+        if key_length is not None or key_lower is not None or not causal:
+            raise ValueError(f"{_OP}: backend='builtin' is causal and takes no `key_length`, `key_lower` or "
+                             "`suffix_lower`; use backend='torch' or 'triton'.")
+        out, lse = builtin_cascade_attention(query, key, value, prefixes, scale=scale, mask=mask, softcap=softcap)
+        return out.transpose(1, 2), lse
+    if backend == "torch":
         out, lse = cascade_attention_ref(query, key, value, prefixes, scale=scale, mask=mask, causal=causal,
                                          softcap=softcap, key_length=key_length, key_lower=key_lower,
                                          suffix_lower=suffix_lower)
         return out.to(query.dtype), lse
     return cascade_triton(query, key, value, prefixes, scale=scale, mask=mask, causal=causal, softcap=softcap,
                           key_length=key_length, key_lower=key_lower, suffix_lower=suffix_lower)
+
+
+def _check_layout(plan, query: Tensor, k_pre: Tensor, backend: str) -> None:
+    """A level's layout: a :class:`PrefixPlan` of this batch, or on the torch backend ``(node_starts, row_node)``
+    int64 tensors on the query's device."""
+    if isinstance(plan, PrefixPlan):
+        _check_plan(plan, query, k_pre)
+        return
+    is_pair = isinstance(plan, tuple) and len(plan) == 2 and all(isinstance(t, Tensor) for t in plan)
+    if not is_pair or backend != "torch":
+        raise ValueError(
+            f"{_OP}: each prefix level needs a PrefixPlan (plan_shared_prefix), or on the torch backend a pair "
+            f"(node_starts int64 [N + 1], row_node int64 [B]); got {type(plan).__name__} on the {backend} backend."
+        )
+    node_starts, row_node = plan
+    if (node_starts.dtype != torch.int64 or row_node.dtype != torch.int64 or node_starts.dim() != 1
+            or tuple(row_node.shape) != (query.shape[0],) or node_starts.device != query.device
+            or row_node.device != query.device):
+        raise ValueError(
+            f"{_OP}: a level's (node_starts, row_node) must be int64 [N + 1] and [B={query.shape[0]}] on "
+            f"{query.device}; got {node_starts.dtype} {tuple(node_starts.shape)} on {node_starts.device} and "
+            f"{row_node.dtype} {tuple(row_node.shape)} on {row_node.device}."
+        )
 
 
 def _check_bounds(key_lower, suffix_lower, query: Tensor, prefixes) -> None:

@@ -23,13 +23,12 @@ from torch import Tensor
 
 from ._backend import resolve_backend
 from ._launch import launch_cascade, launch_configs
-from .bounded import bounded_cascade_attention, count_path
-from .builtin_cascade import builtin_cascade_attention
+from .bounded import RowShifts, WindowRequest, count_path, window_bounds
 from .cascade_attention import cascade_attention
 from .plan import CascadePlan, _Schedule, plan_cascade, plan_shared_prefix
 from .reference import cascade_attention_ref
 
-__all__ = ["COMPILED_LEVELS", "CascadeWrapper", "LevelKV", "LevelTensors", "PrefixSlots", "bounded_planned_attention",
+__all__ = ["COMPILED_LEVELS", "CascadeWrapper", "LevelKV", "LevelTensors", "PrefixSlots", "bounded_planned_attention", "bounded_prefixes",
            "padded_level_count", "planned_attention", "step_inputs"]
 
 # A compiled step takes at least this many prefix levels: a tree with fewer is padded with empty levels in front
@@ -95,6 +94,8 @@ class CascadeWrapper:
             by the first eager :meth:`run` after the slots are set, before any step is compiled or recorded; or None.
         buffers: a :class:`~hf_cascade.step_buffers.StepBuffers` the index tensors are taken from, or None.
         builtin: attend with PyTorch's own kernels (:mod:`~hf_cascade.ops.builtin_cascade`) outside ``torch.compile``.
+        shifts: the rows' :class:`~hf_cascade.ops.bounded.RowShifts`, built by the layout's first bounded layer
+            (sliding windows, chunks), or None.
     """
 
     def __init__(self):
@@ -105,10 +106,12 @@ class CascadeWrapper:
         self.op_inputs: list[Tensor] | None = None
         self.buffers = None
         self.builtin = False
+        self.shifts: RowShifts | None = None
 
     def reset(self) -> None:
-        """The rows' layout changed: drop the plan and the op's index tensors (the prefix slots stay)."""
-        self.layout = self._row_nodes = self._planned_for = self.op_inputs = None
+        """The rows' layout changed: drop the plan, the op's index tensors and the rows' shifts (the prefix slots
+        stay)."""
+        self.layout = self._row_nodes = self._planned_for = self.op_inputs = self.shifts = None
 
     def plan(self, row_nodes: Tensor | None, node_starts: Sequence[Sequence[int]], batch_size: int,
              device: torch.device) -> CascadePlan:
@@ -125,8 +128,8 @@ class CascadeWrapper:
     def run(self, layer: int, query: Tensor, key: Tensor, value: Tensor, levels: Sequence[LevelKV], *, scale: float,
             mask: Tensor | None = None, causal: bool = True, softcap: float | None = None,
             key_length: Tensor | None = None, static: bool = False,
-            bounds: tuple[Sequence[Tensor], Tensor] | None = None) -> tuple[Tensor, Tensor]:
-        """Cascade attention of layer ``layer`` on the planned layout.
+            window: WindowRequest | None = None) -> tuple[Tensor, Tensor]:
+        """Cascade attention of layer ``layer`` on the planned layout (no level: each row over its own suffix).
 
         Args:
             query: ``[B, Hq, Lq, D]``; key, value: the rows' suffix KV ``[B, Hkv, S, D / Dv]``.
@@ -135,14 +138,19 @@ class CascadeWrapper:
             key_length: the written suffix keys (int64 device scalar; fixed buffers), as in ``cascade_attention``.
             static: a compiled or recorded decode step: with prefix slots, the op on the index tensors (device
                 work only, no plan read on the host; a causal suffix).
-            bounds: a sliding window's or chunk's first visible column of each query (``hf_cascade.windows``):
-                int64 ``[B, Lq]`` per level and over the suffix; None: no lower bound.
+            window: a sliding window's or chunk's :class:`~hf_cascade.ops.bounded.WindowRequest` (each query's keys
+                start at a lower bound, ``hf_cascade.windows``; causal); None: no lower bound.
         Returns:
             ``(out [B, Lq, Hq, Dv] contiguous in query.dtype, lse [B, Hq, Lq] fp32)``.
         """
         builtin = self.builtin and not torch.compiler.is_compiling()
         if not (static or builtin):
             self.plan_step(layer, query, key)
+        bounds = None
+        if window is not None:  # each query's first visible column (the op's index tensors first: buffer order)
+            in_buffers = self.buffers is not None and self.op_inputs is not None and not (static or self.builtin)
+            self.shifts, bounds = window_bounds(self.shifts, window, levels, query, key.shape[2], key_length,
+                                                self.buffers if in_buffers else None)
         op = static and self.prefix_slots is not None and not builtin
         if op and bounds is None:
             # The padded levels: the graph reads no level count (a tree of 1 to 4 levels is the same graph).
@@ -153,20 +161,29 @@ class CascadeWrapper:
             return torch.ops.hf_cascade.bounded_cascade_attention(
                 query, key, value, self.prefix_slots.keys, self.prefix_slots.values, self.op_inputs, mask, scale,
                 softcap, layer, key_length, list(bounds[0]), bounds[1])
+        prefixes, backend = self._eager_prefixes(layer, levels, query.device, static, builtin, bounds is not None)
+        out, lse = cascade_attention(query, key, value, prefixes, scale=scale, mask=mask,
+                                     causal=causal or bounds is not None, softcap=softcap, backend=backend,
+                                     key_length=None if backend == "builtin" else key_length,
+                                     key_lower=None if bounds is None else list(bounds[0]),
+                                     suffix_lower=None if bounds is None else bounds[1])
+        return out.to(query.dtype).transpose(1, 2).contiguous(), lse
+
+    def _eager_prefixes(self, layer: int, levels: Sequence[LevelKV], device: torch.device, static: bool,
+                        builtin: bool, bounded: bool) -> tuple[list, str]:
+        """The prefix levels and backend of a :func:`cascade_attention` call outside the op: ``(prefixes, backend)``.
+
+        Bounded (a window or chunk): the Triton kernels where they run eagerly, else the PyTorch path on the
+        layout's device index tensors (no host data: a compiled or recorded step, the built-in tier, CPUs).
+        Unbounded: the Triton kernels (PyTorch on CPUs), or in the built-in tier PyTorch's own kernels (the fp32
+        PyTorch path for a batch sharing nothing)."""
         prefix_keys, prefix_values = [lv.keys[layer] for lv in levels], [lv.values[layer] for lv in levels]
-        if bounds is not None:  # the PyTorch path in a step the op does not take, and in the built-in tier
-            backend = "torch" if static or builtin else "auto"
-            count_path(f"{'step' if static else 'eager'}:" + resolve_backend(backend, query.device,
-                                                                             "cascade_attention"))
-            return bounded_planned_attention(query, key, value, self.layout, prefix_keys, prefix_values, mask,
-                                             scale=scale, softcap=softcap, key_length=key_length,
-                                             key_lower=bounds[0], suffix_lower=bounds[1], backend=backend)
-        prefixes = self.layout.prefixes(prefix_keys, prefix_values)
-        if not builtin:
-            out, lse = cascade_attention(query, key, value, prefixes, scale=scale, mask=mask, causal=causal,
-                                         softcap=softcap, key_length=key_length)
-            return out.transpose(1, 2).contiguous(), lse
-        return builtin_cascade_attention(query, key, value, prefixes, scale=scale, mask=mask, softcap=softcap)
+        if not bounded:
+            prefixes = self.layout.prefixes(prefix_keys, prefix_values) if levels else []
+            return prefixes, ("builtin" if levels else "torch") if builtin else "auto"
+        backend = resolve_backend("torch" if static or builtin else "auto", device, "cascade_attention")
+        count_path(f"{'step' if static else 'eager'}:{backend}")
+        return bounded_prefixes(self.layout, prefix_keys, prefix_values, backend), backend
 
     def plan_step(self, layer: int, query: Tensor, key: Tensor) -> None:
         """Plan the decode step's index tensors (:attr:`op_inputs`, one query position) now, eagerly, outside its
@@ -178,12 +195,26 @@ class CascadeWrapper:
             self.op_inputs = [t for level in tensors for t in level]
 
 
+def bounded_prefixes(plan: CascadePlan | None, prefix_keys: Sequence[Tensor], prefix_values: Sequence[Tensor],
+                     backend: str) -> list[tuple]:
+    """The prefix levels of a bounded :func:`cascade_attention` call on ``plan`` (None without prefix levels): with
+    the plan's :class:`~hf_cascade.ops.plan.PrefixPlan` per level on Triton, with its device index tensors
+    ``(node_starts [N + 1], row_node [B])`` on PyTorch (no host data, as a compiled step needs)."""
+    if plan is None:
+        return []
+    if backend == "triton":
+        return plan.prefixes(prefix_keys, prefix_values)
+    return [(k, v, (level.node_starts_dev, row_node))
+            for k, v, level, row_node in zip(prefix_keys, prefix_values, plan.levels, plan.row_node)]
+
+
 def bounded_planned_attention(query: Tensor, key: Tensor, value: Tensor, plan: CascadePlan | None,
                               prefix_keys: Sequence[Tensor], prefix_values: Sequence[Tensor], mask: Tensor | None, *,
                               scale: float, softcap: float | None, key_length: Tensor | None,
                               key_lower: Sequence[Tensor], suffix_lower: Tensor,
                               backend: str = "auto") -> tuple[Tensor, Tensor]:
-    """Causal cascade attention on ``plan`` with a lower bound on every query's keys (a sliding window or a chunk).
+    """Causal cascade attention on ``plan`` with a lower bound on every query's keys (a sliding window or a chunk),
+    for a layout given by hand (:func:`hf_cascade.windows.bounded_attend`; a cache runs :meth:`CascadeWrapper.run`).
 
     Args:
         query: ``[B, Hq, Lq, D]``; key, value: the suffix KV ``[B, Hkv, S, D / Dv]``; prefix_keys/values: per level
@@ -197,17 +228,10 @@ def bounded_planned_attention(query: Tensor, key: Tensor, value: Tensor, plan: C
     Returns:
         ``(out [B, Lq, Hq, Dv] contiguous in query.dtype, lse [B, Hq, Lq] fp32)``.
     """
-    if resolve_backend(backend, query.device, "cascade_attention") == "triton":
-        prefixes = plan.prefixes(prefix_keys, prefix_values) if plan is not None else []
-        out, lse = cascade_attention(query, key, value, prefixes, scale=scale, mask=mask, causal=True, softcap=softcap,
-                                     backend="triton", key_length=key_length, key_lower=list(key_lower),
-                                     suffix_lower=suffix_lower)
-    else:
-        node_starts = [p.node_starts_dev for p in plan.levels] if plan is not None else []
-        row_node = list(plan.row_node) if plan is not None else []
-        out, lse = bounded_cascade_attention(
-            query, key, value, list(prefix_keys), list(prefix_values), node_starts, row_node, list(key_lower),
-            suffix_lower, scale=scale, mask=mask, causal=True, softcap=softcap, key_length=key_length)
+    backend = resolve_backend(backend, query.device, "cascade_attention")
+    out, lse = cascade_attention(query, key, value, bounded_prefixes(plan, prefix_keys, prefix_values, backend),
+                                 scale=scale, mask=mask, causal=True, softcap=softcap, backend=backend,
+                                 key_length=key_length, key_lower=list(key_lower), suffix_lower=suffix_lower)
     return out.to(query.dtype).transpose(1, 2).contiguous(), lse
 
 
