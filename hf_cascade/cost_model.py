@@ -19,6 +19,13 @@ Two costs decide it, per segment of ``n`` tokens shared by ``r`` rows:
   ``B·(P+S)/(P+B·S) >= 1.9`` cascade beat SDPA on per-row KV at every measured point; at B=1 it never did
   (0.39–0.99x), and at B=8, P=1K, S=1K it broke even (0.99x).
 
+**The first tier** (``builtin=True``: PyTorch's own kernels, :mod:`hf_cascade.ops.builtin_cascade`, the tier a
+process's first calls run on) attends node by node: every node of a level is one more attention call per layer and
+step, so a node is charged the whole of ``builtin_node_us_per_step``, not a share of its level's cost. Measured (H200,
+a TRL GRPO rollout: Qwen2.5-1.5B shape, 16 prompts of ~250 tokens x 8 samples x 256 new tokens,
+``benchmarks/results/probe_trl_step.jsonl``): storing each prompt once took 3.69 s a call, folding the prompts into
+the rows (the system prompt still shared) 2.63 s: ~310 µs per node and step for its 28 layers, ~350 µs for 32.
+
 A segment becomes a level when either view says so. :meth:`CascadeCostModel.for_model` scales the two prefill
 constants to a model (prefill cost with its non-embedding parameters, the level's cost with its layers).
 """
@@ -50,6 +57,9 @@ class CascadeCostModel:
         level_us_per_step: decode time one more prefix level adds to a step (µs; H100, Llama-3-8B: 540).
         batch_rows: rows of the batch (a node is charged ``rows / batch_rows`` of its level's cost); None: the
             whole cost.
+        builtin: the call attends on the first tier's built-in kernels, node by node (see the module docstring).
+        builtin_node_us_per_step: decode time one more node adds to a step on the first tier (µs; H200, 32
+            layers: 350).
     """
 
     min_rows: int = 8
@@ -59,6 +69,8 @@ class CascadeCostModel:
     prefill_us_per_token: float = 36.0
     level_us_per_step: float = 540.0
     batch_rows: int | None = None
+    builtin: bool = False
+    builtin_node_us_per_step: float = 350.0
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, *, new_tokens: int | None = None, batch_rows: int | None = None,
@@ -71,6 +83,7 @@ class CascadeCostModel:
         scaled = dict(
             prefill_us_per_token=cls.prefill_us_per_token * parameters / _REFERENCE_PARAMETERS,
             level_us_per_step=cls.level_us_per_step * layers / _REFERENCE_LAYERS,
+            builtin_node_us_per_step=cls.builtin_node_us_per_step * layers / _REFERENCE_LAYERS,
         )
         if new_tokens:
             scaled["new_tokens"] = new_tokens
@@ -83,8 +96,11 @@ class CascadeCostModel:
         saved = (rows - 1) * tokens  # prompt tokens prefilled and stored once instead of once per row
         if saved >= self.min_saved_tokens:
             return True
-        share_of_level = 1.0 if not self.batch_rows else min(1.0, rows / self.batch_rows)
-        if saved * self.prefill_us_per_token >= self.new_tokens * self.level_us_per_step * share_of_level:
+        if self.builtin:  # node by node: the node's own attention calls
+            step_cost = self.builtin_node_us_per_step
+        else:  # one launch per level: the node's share of it
+            step_cost = self.level_us_per_step * (1.0 if not self.batch_rows else min(1.0, rows / self.batch_rows))
+        if saved * self.prefill_us_per_token >= self.new_tokens * step_cost:
             return True
         if rows < self.min_rows:
             return False

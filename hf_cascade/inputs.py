@@ -184,7 +184,7 @@ def plan_cascade_batch(
     offset = len(base_tokens)
     if cost_model == "auto":
         cost_model = (
-            CascadeCostModel.for_model(model, new_tokens=max_new_tokens, batch_rows=batch)
+            CascadeCostModel.for_model(model, new_tokens=max_new_tokens, batch_rows=batch, builtin=builtin_kernels)
             if input_ids.device.type == "cuda" else None
         )
     elif cost_model is not None and not isinstance(cost_model, CascadeCostModel):
