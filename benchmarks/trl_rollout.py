@@ -192,6 +192,14 @@ def _kv_gib(model, prompt_ids, new_tokens: int) -> float:
     return len(prompt_ids) * (max(map(len, prompt_ids)) + new_tokens - 1) * per_token / 2**30
 
 
+def _last_tier(model) -> str | None:
+    """The tier hf_cascade's last call ran on (``hf_cascade.tiers.tier_report``), or None."""
+    from hf_cascade.tiers import tier_report
+
+    calls = tier_report(model)["calls"]
+    return calls[-1][0] if calls else None
+
+
 def time_peer(model, peer: str, prompt_ids, generation_config, calls: int = 2, seed: int = 0,
               cb_settings: dict | None = None) -> dict:
     """``calls`` rollouts of ``peer`` (each after ``torch.manual_seed(seed)``): ``calls_s``, ``first_call_s``,
@@ -199,6 +207,7 @@ def time_peer(model, peer: str, prompt_ids, generation_config, calls: int = 2, s
     the caller to pop. ``cb_settings``: the paged path's ``transformers_continuous_batching_config``."""
     record = {"bench": "trl_rollout", "peer": peer, "rows": len(prompt_ids), "calls": calls}
     calls_s, completions, caches, observer = [], None, [], None
+    call_tiers, call_levels = [], []  # hf_cascade: each call's tier and its tree's levels
     try:
         for _ in range(calls):
             cb_peer._reset_memory()
@@ -214,6 +223,9 @@ def time_peer(model, peer: str, prompt_ids, generation_config, calls: int = 2, s
                     seconds, completions = cb_peer._timed(lambda: rollout_paged(
                         model, prompt_ids, generation_config, cb_settings))
             calls_s.append(seconds)
+            if peer == "trl_hf_cascade":
+                call_tiers.append(_last_tier(model))
+                call_levels.append(caches[-1].num_levels if caches else None)
             record["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30 if torch.cuda.is_available() else None
         record["status"] = "ok"
     except torch.OutOfMemoryError:
@@ -230,7 +242,8 @@ def time_peer(model, peer: str, prompt_ids, generation_config, calls: int = 2, s
         record["kv_gib"] = _kv_gib(model, prompt_ids, new_tokens)
     elif caches:
         record.update(kv_gib=caches[-1].nbytes / 2**30, levels=caches[-1].num_levels,
-                      prefix_tree=caches[-1].prefix_tree.describe())
+                      prefix_tree=caches[-1].prefix_tree.describe(), call_tiers=call_tiers,
+                      call_levels=call_levels)
     elif observer is not None:
         record.update(observer.summary(), settings={"max_memory_percent": 0.5, **(cb_settings or {})})
         record["kv_gib"] = record["kv_used_peak_gib"]

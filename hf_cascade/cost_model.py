@@ -22,9 +22,13 @@ Two costs decide it, per segment of ``n`` tokens shared by ``r`` rows:
 **The first tier** (``builtin=True``: PyTorch's own kernels, :mod:`hf_cascade.ops.builtin_cascade`, the tier a
 process's first calls run on) attends node by node: every node of a level is one more attention call per layer and
 step, so a node is charged the whole of ``builtin_node_us_per_step``, not a share of its level's cost. Measured (H200,
-a TRL GRPO rollout: Qwen2.5-1.5B shape, 16 prompts of ~250 tokens x 8 samples x 256 new tokens,
-``benchmarks/results/probe_trl_step.jsonl``): storing each prompt once took 3.69 s a call, folding the prompts into
-the rows (the system prompt still shared) 2.63 s: ~310 µs per node and step for its 28 layers, ~350 µs for 32.
+a TRL GRPO rollout: Qwen2.5-1.5B shape, 28 layers, 16 prompts of ~250 tokens x 8 samples x 256 new tokens, a profile
+of one call, ``benchmarks/results/probe_trl_step.jsonl``, ``e734fe7``): PyTorch's flash-decoding and its combines
+took 0.54 s of GPU time over 256 steps x 252 node calls, ~8.4 µs a call: ~235 µs per node and step for 28 layers,
+~270 µs for 32. With it that rollout's prompts are folded into their rows on the first tier (the system prompt stays
+shared; 8 rows x 250 tokens save 11 ms of prefill against 60 ms of node calls). Its second call took 3.38 s against
+3.59 s before (two launches on one H200, ``benchmarks/results/trl_rollout.jsonl``, which did not yet record each
+call's tree).
 
 A segment becomes a level when either view says so. :meth:`CascadeCostModel.for_model` scales the two prefill
 constants to a model (prefill cost with its non-embedding parameters, the level's cost with its layers).
@@ -59,7 +63,7 @@ class CascadeCostModel:
             whole cost.
         builtin: the call attends on the first tier's built-in kernels, node by node (see the module docstring).
         builtin_node_us_per_step: decode time one more node adds to a step on the first tier (µs; H200, 32
-            layers: 350).
+            layers: 270).
     """
 
     min_rows: int = 8
@@ -70,7 +74,7 @@ class CascadeCostModel:
     level_us_per_step: float = 540.0
     batch_rows: int | None = None
     builtin: bool = False
-    builtin_node_us_per_step: float = 350.0
+    builtin_node_us_per_step: float = 270.0
 
     @classmethod
     def for_model(cls, model: torch.nn.Module, *, new_tokens: int | None = None, batch_rows: int | None = None,
