@@ -12,14 +12,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from hf_cascade.cpu_threads import DEFAULT_CPU_DECODE_THREADS, check_threads
-from hf_cascade.tiers import COMPILE_CHOICES
 
-__all__ = ["DECODE_STEPS", "CascadeOptions"]
+__all__ = ["COMPILE_CHOICES", "DECODE_STEPS", "CascadeOptions"]
 
 # "auto": the tiers (hf_cascade.tiers) on CUDA, "layers" elsewhere; the others name one decode step (benchmarks,
 # and users who want one): "layers" (recorded, decoder layers compiled), "graphs" (recorded, eager layers),
 # "compile" (transformers' compiled step), "eager".
 DECODE_STEPS = ("auto", "compile", "layers", "graphs", "eager")
+# When the decoder layers compile (hf_cascade.tiers): by the ski rental, from the first call, never.
+COMPILE_CHOICES = ("auto", "now", "never")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -62,11 +62,11 @@ import torch
 from hf_cascade._env import cache_root, is_off
 from hf_cascade.decode.compiled_layers import NewShapes
 from hf_cascade.engine import engine_of
+from hf_cascade.options import COMPILE_CHOICES
 
 __all__ = ["COMPILE_CHOICES", "NEW_SHAPES_COST_S", "SAVED_FRACTION", "Tier", "choose_tier", "note_caches_warm",
            "raise_regret", "record_call", "shape_policy", "tier_report", "tier_state"]
 
-COMPILE_CHOICES = ("auto", "now", "never")
 
 
 # What each tier saves over the one below it, as a fraction of a call's seconds there (Llama-3-8B shape, H100,

@@ -30,11 +30,11 @@ import functools
 
 import torch
 
+from hf_cascade.options import DECODE_STEPS
 from hf_cascade.parallel._group import sync_rng
 from hf_cascade.parallel.cache import ContextParallelCache
 from hf_cascade.transformers_compat import CACHE_KWARG
 
-DECODE_STEPS = ("auto", "layers", "graphs", "compile", "eager")
 _MIN_BUFFER_TOKENS = 32
 
 
