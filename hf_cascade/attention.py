@@ -283,7 +283,7 @@ def cascade_attention_forward(
 def layer_step_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                          attention_mask: torch.Tensor | None, layer_idx: int, scaling: float,
                          softcap: float | None) -> torch.Tensor:
-    """One decoder layer's attention inside :func:`~hf_cascade.decode.compiled_layers.compiled_layers` (a decode step or a
+    """One decoder layer's attention inside :func:`~hf_cascade.compiled_layers.compiled_layers` (a decode step or a
     prefill forward): the new columns' KV written into the cache (``CascadeCache.update``) and the cascade attention
     over it, as the eager layer runs them. One op in the layer's graph (no graph break), ``layer_idx`` a symbol, so
     one compiled graph serves every layer. The cache is the one :func:`compiled_layers` was entered with (the op only

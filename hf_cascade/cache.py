@@ -195,6 +195,12 @@ class CascadeCache(StaticStepMixin, Cache):
             if isinstance(layer, StaticSuffixLayer):
                 layer.builtin_kernels = bool(value)
 
+    @property
+    def fixed_decode_buffers(self) -> bool:
+        """The rows' suffix KV lives in fixed buffers (``max_suffix_length``): a decode step may be compiled or
+        recorded into a CUDA graph (what :mod:`hf_cascade.decode` asks of a cache)."""
+        return self.max_suffix_length is not None
+
     # ------------------------------------------------------------------ construction
     @classmethod
     def from_prefix(

@@ -39,7 +39,7 @@ class Engine:
         :class:`hf_cascade.step_buffers.StepBuffers`: the device buffers the latest call gave back, for the
         next call's compiled step to read at the same addresses.
     ``layer_calls``
-        :class:`hf_cascade.decode.compiled_layers._LayerCalls`: the decoder layers' compiled calls (decode step and
+        :class:`hf_cascade.compiled_layers._LayerCalls`: the decoder layers' compiled calls (decode step and
         prefill) and their counters.
     ``graphs``
         :class:`hf_cascade.decode.captured_step._ModelGraphs`: the decode steps recorded into CUDA graphs, by key.

@@ -37,7 +37,7 @@ from transformers.utils import logging
 from hf_cascade.attention import check_model_uses_cascade
 from hf_cascade.cache import CascadeCache
 from hf_cascade.cpu_threads import ContentionProbe, cpu_decode_threads
-from hf_cascade.decode.compiled_layers import new_shapes
+from hf_cascade.compiled_layers import new_shapes
 from hf_cascade.decode.sampling import sample
 from hf_cascade.step_buffers import step_buffers
 from hf_cascade.step_context import step_context
@@ -96,7 +96,7 @@ def generate(
             False): greedy search and sampling read the "every row finished" flag one step late instead of waiting
             for the GPU at every step (:mod:`hf_cascade.decode.sampling`; the same tokens). ``decode_step`` (greedy search
             and sampling on CUDA with fixed buffers): ``"layers"`` (the step recorded into a CUDA graph, the
-            decoder layers compiled once per model for all layers and layouts: :mod:`hf_cascade.decode.compiled_layers`),
+            decoder layers compiled once per model for all layers and layouts: :mod:`hf_cascade.compiled_layers`),
             ``"graphs"`` (the eager step recorded, no compilation: :mod:`hf_cascade.decode.captured_step`),
             ``"compile"`` (transformers' compiled step: as fast as ``"layers"`` after a compilation of about a
             minute for an 8B model), ``"eager"``, or ``"auto"`` (default): on CUDA the tier :mod:`hf_cascade.tiers` picks
@@ -106,7 +106,7 @@ def generate(
             ``"never"`` (no compiled layers); only with the default ``decode_step`` and ``compile_prefill``.
             ``compile_prefill``: run
             the prefill forwards (each shared segment's, then the rows' first forward) with the decoder layers
-            compiled for any batch and length (:func:`~hf_cascade.decode.compiled_layers.compiled_forward`: one
+            compiled for any batch and length (:func:`~hf_cascade.compiled_layers.compiled_forward`: one
             compilation per model fuses the model's norms, rotary and activations). None (default): where the
             decode step is ``"layers"``; True (any device); False. ``cpu_decode_threads``: on CPU, ``"auto"``
             (default): the rows' first forward and the decode steps run single-threaded when the shared prefill

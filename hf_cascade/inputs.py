@@ -165,7 +165,7 @@ def plan_cascade_batch(
         fixed_buffers: keep suffixes in fixed buffers of ``sw + max_new_tokens`` columns (compileable).
         bucket_buffers: round that up (:func:`suffix_capacity`), so that calls of one bucket reuse buffers.
         compile_layers: prefill the shared segments with the decoder layers compiled for any length (see
-            :func:`~hf_cascade.decode.compiled_layers.compiled_forward`).
+            :func:`~hf_cascade.compiled_layers.compiled_forward`).
         builtin_kernels: attend with PyTorch's own kernels, not Triton's (the prefill and the returned cache; see
             :attr:`CascadeCache.builtin_kernels`).
     Returns:

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from hf_cascade.decode.compiled_layers import compiled_forward
+from hf_cascade.compiled_layers import compiled_forward
 from hf_cascade.ops._backend import host_to_device
 from hf_cascade.transformers_compat import CACHE_KWARG
 
@@ -145,7 +145,7 @@ def prefill_levels(
         base_parents: the parent index of each node of ``base_levels``.
         cache_class: :class:`~hf_cascade.cache.CascadeCache` (passed in: the cache imports this module).
         compile_layers: run each level's forward with the decoder layers compiled for any length
-            (:func:`~hf_cascade.decode.compiled_layers.compiled_forward`; eager where compiling fails).
+            (:func:`~hf_cascade.compiled_layers.compiled_forward`; eager where compiling fails).
         builtin_kernels: the levels below the first attend with PyTorch's own kernels (no Triton build).
     Returns:
         ``base_levels`` followed by the new levels.

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from hf_cascade.cache import CascadeCache
-from hf_cascade.decode.compiled_layers import NewShapes
+from hf_cascade.compiled_layers import NewShapes
 from hf_cascade.options import CascadeOptions
 from hf_cascade.tiers import Tier, choose_tier, shape_policy
 

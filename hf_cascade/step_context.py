@@ -87,7 +87,7 @@ def static_step() -> bool:
 
 
 def outside_layer_graphs() -> bool:
-    """True while dynamo traces a decoder layer for :func:`~hf_cascade.decode.compiled_layers.compiled_layers`:
+    """True while dynamo traces a decoder layer for :func:`~hf_cascade.compiled_layers.compiled_layers`:
     hf_cascade's cache update then hands K and V on, and the attention calls ``hf_cascade::layer_step_attention``
     (one op in the graph)."""
     return torch.compiler.is_compiling() and TRACE.layers
@@ -102,7 +102,7 @@ def layer_step_cache():
 def note_layer_written(layer_idx: int, tokens: int) -> None:
     """Called by the attention op of a compiled layer after it wrote ``tokens`` new columns of the layer's KV into the
     cache (so that a forward that fails part-way can take exactly those writes back, see
-    :func:`~hf_cascade.decode.compiled_layers.compiled_forward`)."""
+    :func:`~hf_cascade.compiled_layers.compiled_forward`)."""
     written = _CONTEXT.get().layer_written
     if written is not None:
         written.append((layer_idx, tokens))

@@ -11,7 +11,7 @@ Three tiers, each faster once ready and each costing more to get ready:
     second each with an empty Triton cache; from a warm cache it loads them in milliseconds.
 ``compiled``
     The decoder layers compiled by ``torch.compile`` for the decode step and the prefill
-    (:mod:`hf_cascade.decode.compiled_layers`): the model's small kernels fused, ~20% off a decode step (Llama-3-8B shape,
+    (:mod:`hf_cascade.compiled_layers`): the model's small kernels fused, ~20% off a decode step (Llama-3-8B shape,
     H100), after 10-25 s of compilation with empty caches, 7-10 s in a new process with warm ones.
 
 The policy (``cascade_options={"compile": "auto"}``, the default) is ski rental: a call runs the best tier that is
@@ -38,7 +38,7 @@ compiles the layers from the warm caches.
 **Shapes new to the compiled tier** (:func:`shape_policy`): once the compiled tier is ready, a call whose shapes the
 compiled layers were not compiled for (the decode step's graph is specialised to the batch size until a second one
 makes it symbolic; a prefill forward of a new kind) does not compile them: those layer calls run uncompiled
-(:class:`~hf_cascade.decode.compiled_layers.NewShapes`). A ski rental per shape: such a call adds what compiling
+(:class:`~hf_cascade.compiled_layers.NewShapes`). A ski rental per shape: such a call adds what compiling
 would have saved it to a regret, and once the regret reaches :data:`NEW_SHAPES_COST_S` the next call compiles what
 it needs itself (and clears the regret).
 
@@ -60,7 +60,7 @@ import warnings
 import torch
 
 from hf_cascade._env import cache_root, is_off
-from hf_cascade.decode.compiled_layers import NewShapes
+from hf_cascade.compiled_layers import NewShapes
 from hf_cascade.engine import engine_of
 from hf_cascade.options import COMPILE_CHOICES
 

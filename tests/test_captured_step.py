@@ -131,13 +131,13 @@ def test_decode_steps_in_the_recorded_path_match_the_reference(family, levels):
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 def test_compiled_layers_path_matches_reference_and_compiles_once(family):
     """decode_step="layers" as it runs a step once before recording it, on CPU: every decode step inside
-    static_step_mode() with the decoder layers compiled (hf_cascade.decode.compiled_layers; inductor). fp32 tokens equal to
+    static_step_mode() with the decoder layers compiled (hf_cascade.compiled_layers; inductor). fp32 tokens equal to
     the reference for trees of 1-3 levels and two buffer buckets; the layers compile during the first call only,
     one code for all three layers (the layer index symbolic), and every later layout reuses it."""
     from torch._dynamo.utils import counters
 
     from hf_cascade.decode.captured_step import static_step_mode
-    from hf_cascade.decode.compiled_layers import compiled_layers, layer_compilations
+    from hf_cascade.compiled_layers import compiled_layers, layer_compilations
     from test_compiled_generate import LAYOUT_STREAM
 
     ref, cas = model_pair(family, num_hidden_layers=3)
@@ -173,11 +173,11 @@ def test_compiled_layers_path_matches_reference_and_compiles_once(family):
 def test_compiled_prefill_matches_reference_and_compiles_per_model(family):
     """cascade_options compile_prefill=True (the CUDA default with the compiled decode step; forced here on CPU):
     every shared segment's forward and the rows' first forward run with the decoder layers compiled for any batch
-    and length (hf_cascade.decode.compiled_layers.compiled_forward). fp32 tokens and logits equal the reference for trees of
+    and length (hf_cascade.compiled_layers.compiled_forward). fp32 tokens and logits equal the reference for trees of
     1-3 levels, padded rows included; the graphs compiled for the first layouts serve the last ones."""
     from torch._dynamo.utils import counters
 
-    from hf_cascade.decode.compiled_layers import compiled_prefills
+    from hf_cascade.compiled_layers import compiled_prefills
     from test_compiled_generate import LAYOUT_STREAM
 
     ref, cas = model_pair(family, num_hidden_layers=3)
@@ -225,8 +225,8 @@ def test_compiled_prefill_failure_loses_nothing(monkeypatch):
     writes are taken back, the forward runs eagerly, the tokens are exact, and this model's prefill stays eager."""
     import torch._dynamo.exc
 
-    import hf_cascade.decode.compiled_layers as compiled
-    from hf_cascade.decode.compiled_layers import layer_calls
+    import hf_cascade.compiled_layers as compiled
+    from hf_cascade.compiled_layers import layer_calls
 
     ref, cas = model_pair("llama", num_hidden_layers=3)
     real = compiled.compiled_layers
@@ -279,7 +279,7 @@ def test_compiled_layers_are_installed_for_their_own_thread_only():
 
     from torch._dynamo.utils import counters
 
-    from hf_cascade.decode.compiled_layers import _ThreadCompiledCall, compiled_layers, decoder_layers
+    from hf_cascade.compiled_layers import _ThreadCompiledCall, compiled_layers, decoder_layers
 
     ref, cas = model_pair("llama", num_hidden_layers=3)
     ids, mask = pad_batch(make_prompts(seed=5, system=23, block=9))

@@ -278,13 +278,13 @@ def _layers_options(**extra):
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gemma2"])
 @pytest.mark.parametrize("mode", ["greedy", "samples"])
 def test_gpu_compiled_layers_decode_step_matches_reference(family, mode):
-    """decode_step="layers": the recorded step with the decoder layers compiled (hf_cascade.decode.compiled_layers), fp32
+    """decode_step="layers": the recorded step with the decoder layers compiled (hf_cascade.compiled_layers), fp32
     tokens equal to the reference; the layers compile at the first call only (a second call with other tokens
     replays the recorded step, compiling nothing)."""
     from torch._dynamo.utils import counters
 
     from hf_cascade.decode.captured_step import recorded_steps
-    from hf_cascade.decode.compiled_layers import layer_compilations
+    from hf_cascade.compiled_layers import layer_compilations
 
     ref = tiny_model(family, reference_attention(family), device="cuda", num_hidden_layers=3)
     cas = tiny_model(family, "cascade", device="cuda", num_hidden_layers=3)

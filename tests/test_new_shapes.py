@@ -1,7 +1,7 @@
 """Shapes new to a ready compiled tier (issue 48, item 2): the call runs them uncompiled instead of waiting for the
 compiler, until the time lost pays for compiling them in a call (a ski rental per shape).
 
-CPU: the mechanism of ``hf_cascade.decode.compiled_layers.NewShapes`` with real compiled layers (inductor, as
+CPU: the mechanism of ``hf_cascade.compiled_layers.NewShapes`` with real compiled layers (inductor, as
 test_captured_step.py runs them), and the decisions of ``hf_cascade.tiers`` on a model's tier state (as
 test_builtin_kernels.py tests the ski rental). The CUDA path end to end: tests/test_gpu_generate.py and
 benchmarks/bench_stall.py.
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import hf_cascade
-from hf_cascade.decode.compiled_layers import NewShapes, compiled_layers, new_shapes
+from hf_cascade.compiled_layers import NewShapes, compiled_layers, new_shapes
 from hf_cascade.transformers_compat import CACHE_KWARG
 
 from test_captured_step import _in_decode_steps

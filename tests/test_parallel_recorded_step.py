@@ -40,7 +40,7 @@ def _batch(vocab: int):
 
 def _recorded_path_worker(rank, world):
     from hf_cascade.decode.captured_step import static_step_mode
-    from hf_cascade.decode.compiled_layers import compiled_layers, layer_compilations
+    from hf_cascade.compiled_layers import compiled_layers, layer_compilations
 
     model = tiny_model("llama", "cascade", seed=0)
     ids, mask = _batch(model.config.vocab_size)

@@ -136,7 +136,7 @@ def test_decode_step_masks_are_built_in_the_decoding_loop():
 
 
 def test_torch_surfaces_the_compiled_layers_rely_on():
-    """hf_cascade.decode.compiled_layers and ops._backend use three torch internals: ``Module._compiled_call_impl`` (what
+    """hf_cascade.compiled_layers and ops._backend use three torch internals: ``Module._compiled_call_impl`` (what
     ``Module.compile()`` sets and ``Module.__call__`` runs instead of ``_call_impl``), dynamo's
     ``allow_unspec_int_on_nn_module`` config, and Inductor's ``triton_cache_dir``."""
     from torch._inductor.runtime.cache_dir_utils import triton_cache_dir
@@ -163,7 +163,7 @@ def test_triton_and_dynamo_surfaces_the_cold_start_relies_on():
     Where torch has no ``dynamic_sources`` the patch is a no-op context."""
     import re
 
-    from hf_cascade.decode.compiled_layers import _LAYER_INDEX_SOURCES, _layer_index_symbolic
+    from hf_cascade.compiled_layers import _LAYER_INDEX_SOURCES, _layer_index_symbolic
     from hf_cascade.ops._backend import _triton_key_function, triton_available
 
     if triton_available():

@@ -133,7 +133,7 @@ def test_compiled_layers_step_on_windowed_models(family):
     if family not in _AVAILABLE:
         pytest.skip(f"no {family} config in this transformers")
     from hf_cascade.decode.captured_step import static_step_mode
-    from hf_cascade.decode.compiled_layers import compiled_layers
+    from hf_cascade.compiled_layers import compiled_layers
     from hf_cascade.transformers_compat import CACHE_KWARG
     from test_captured_step import _in_decode_steps
 

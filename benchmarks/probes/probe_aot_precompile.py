@@ -177,8 +177,8 @@ class AOTLayers:
 
 def run_prefill(args, timings, result):
     import hf_cascade
-    from hf_cascade.decode.compiled_layers import _VARYING_DIMS, _with_symbolic_dims, compiled_prefills
-    from hf_cascade.decode.compiled_layers import layer_calls
+    from hf_cascade.compiled_layers import _VARYING_DIMS, _with_symbolic_dims, compiled_prefills
+    from hf_cascade.compiled_layers import layer_calls
     from hf_cascade.model_zoo import tiny_model
 
     model = tiny_model("llama", "cascade", num_hidden_layers=2)

@@ -1,7 +1,7 @@
 """How fast are the prefill's compiled layers, under which inductor settings? (GPU; issue 11)
 
 The default path compiles the decoder layers for the prefill forwards with symbolic batch and length
-(``hf_cascade.decode.compiled_layers.compiled_forward``). This probe compiles them afresh under each inductor variant, then
+(``hf_cascade.compiled_layers.compiled_forward``). This probe compiles them afresh under each inductor variant, then
 profiles a warm one-token call of the shared workload (the prefill, the same call as ``prefill_s`` in
 ``bench_generate.py``) and reports, per variant: the call's wall time (median of 3), the GPU time of the
 inductor-generated kernels (``triton_*``) and of the slowest few, and the whole GPU time. ``static`` compiles with
@@ -26,8 +26,8 @@ from bench_generate import build_model, make_batch  # noqa: E402
 from common import ResultWriter, add_shared_workload_args, wall_time  # noqa: E402
 
 import hf_cascade  # noqa: E402
-from hf_cascade.decode.compiled_layers import compiled_prefills, decoder_layers  # noqa: E402
-from hf_cascade.decode.compiled_layers import layer_calls  # noqa: E402
+from hf_cascade.compiled_layers import compiled_prefills, decoder_layers  # noqa: E402
+from hf_cascade.compiled_layers import layer_calls  # noqa: E402
 
 VARIANTS = {
     "default": {},

@@ -22,7 +22,7 @@ A new key is first run eagerly in this mode on the recording stream (Triton kern
 stream), and recorded at the next step with that key.
 
 With ``compile_layers`` (``decode_step="layers"``, the default) the model's decoder layers run compiled while a
-step is run once and recorded (:mod:`hf_cascade.decode.compiled_layers`): they compile at that first run, once per model,
+step is run once and recorded (:mod:`hf_cascade.compiled_layers`): they compile at that first run, once per model,
 and the recorded graph holds their fused kernels. Where the call says not to compile shapes that are new to them
 (``compiled_layers.NewShapes``) and its first step found no compiled code for its shapes, the call's steps record
 the eager layers instead.
@@ -37,7 +37,7 @@ from collections import OrderedDict
 import torch
 from transformers.utils import logging
 
-from hf_cascade.decode.compiled_layers import compiled_layers
+from hf_cascade.compiled_layers import compiled_layers
 from hf_cascade.step_context import current as _step, step_context
 from hf_cascade.engine import engine_of
 from hf_cascade.transformers_compat import CACHE_KWARG
@@ -108,7 +108,7 @@ class CapturedDecodeStep:
         self.model = model
         self.cache = cache
         self._store = _model_graphs(model)
-        # The decoder layers compiled inside the recorded step (hf_cascade.decode.compiled_layers), unless that failed
+        # The decoder layers compiled inside the recorded step (hf_cascade.compiled_layers), unless that failed
         # for this model before.
         self.compile_layers = compile_layers and not self._store.layers_failed
         self._cache_key: tuple | None = None  # the cache's and the model's tensors: fixed for one call

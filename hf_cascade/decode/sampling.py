@@ -21,7 +21,7 @@ import copy
 
 import torch
 
-from hf_cascade.decode.compiled_layers import compiled_forward
+from hf_cascade.compiled_layers import compiled_forward
 from hf_cascade.step_context import step_context
 from hf_cascade.transformers_compat import CACHE_KWARG
 
@@ -84,11 +84,11 @@ def sample(
         decode_step: how the decode steps run on a CUDA fixed-buffer :class:`~hf_cascade.cache.CascadeCache`:
             ``"compile"`` (transformers' compiled step where generate() would compile it), ``"layers"`` (the
             step recorded into a CUDA graph with the decoder layers compiled once for all layers:
-            :mod:`hf_cascade.decode.compiled_layers`), ``"graphs"`` (the eager step recorded, no compilation:
+            :mod:`hf_cascade.compiled_layers`), ``"graphs"`` (the eager step recorded, no compilation:
             :mod:`hf_cascade.decode.captured_step`) or ``"eager"``. Other caches and devices: transformers' choice
             (``"layers"`` and ``"graphs"`` are ``"compile"`` there).
         compile_prefill: run the first forward with the decoder layers compiled for any batch and length
-            (:func:`~hf_cascade.decode.compiled_layers.compiled_forward`) when the cache is a
+            (:func:`~hf_cascade.compiled_layers.compiled_forward`) when the cache is a
             :class:`~hf_cascade.cache.CascadeCache` and the prefill is not chunked.
         model_kwargs: generate()'s model kwargs (the cache, ``attention_mask``, ``use_cache``, ...).
     Returns:
@@ -211,14 +211,11 @@ def _first_forward(model, input_ids, generation_config, model_kwargs: dict, comp
 def _decode_forward(model, model_kwargs: dict, generation_config, decode_step: str):
     """The callable that runs the decode steps (see :func:`sample`'s ``decode_step``; ``"auto"`` is resolved by
     ``hf_cascade.generate`` before the loop starts)."""
-    from hf_cascade.cache import CascadeCache
-    from hf_cascade.parallel.cache import ContextParallelCache
-
     if decode_step not in ("compile", "layers", "graphs", "eager"):
         raise ValueError(f"`decode_step` must be 'compile', 'layers', 'graphs' or 'eager'; got {decode_step!r}.")
     cache = model_kwargs.get(CACHE_KWARG)
-    fixed = ((isinstance(cache, CascadeCache) and cache.max_suffix_length is not None)
-             or (isinstance(cache, ContextParallelCache) and cache.max_new_tokens is not None))
+    # A cascade or context-parallel cache with fixed buffers (their `fixed_decode_buffers`; transformers' own: no).
+    fixed = bool(getattr(cache, "fixed_decode_buffers", False))
     fixed_cascade = fixed and model.device.type == "cuda"
     if fixed_cascade and decode_step == "eager":
         return model.__call__

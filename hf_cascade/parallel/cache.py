@@ -318,6 +318,12 @@ class ContextParallelCache(Cache):
                     torch._dynamo.mark_static_address(tensor, guard=False)
         self.max_new_tokens = max_new_tokens
 
+    @property
+    def fixed_decode_buffers(self) -> bool:
+        """Fixed decode buffers were set (:meth:`use_fixed_buffers`): a decode step may be compiled or recorded into
+        a CUDA graph (what :mod:`hf_cascade.decode` asks of a cache)."""
+        return self.max_new_tokens is not None
+
     # ------------------------------------------------------------------ placement of new columns
     def rank_token_counts(self) -> list[int]:
         """Columns (keys) held by every rank, shared prefix included; identical on every rank."""

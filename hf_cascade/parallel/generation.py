@@ -9,7 +9,7 @@ does its usual preparation (generation config, logits processors, stopping crite
   single-GPU path does (:class:`~hf_cascade.decode.captured_step.CapturedDecodeStep`): the cache gets fixed decode buffers
   sized for this call (:meth:`ContextParallelCache.use_fixed_buffers`, ``max_new_tokens`` read from the generation
   config, rounded up to a power of two so that later calls reuse them), the decoder layers run compiled once per
-  model (:mod:`hf_cascade.decode.compiled_layers`; ``decode_step="layers"``) with each layer's attention one opaque op, and
+  model (:mod:`hf_cascade.compiled_layers`; ``decode_step="layers"``) with each layer's attention one opaque op, and
   that op's per-layer combine (one NCCL all-gather) is recorded in the graph with the rest of the step. A step then
   costs one graph launch instead of ~1,500 kernel launches and 32 host-driven collectives.
 * **The same tokens on every rank**: every step's scores are broadcast from rank 0 (the ranks' logits agree only to
