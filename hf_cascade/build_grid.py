@@ -20,10 +20,12 @@ __all__ = ["GRID_DOCUMENT_TOKENS", "GRID_OPTIONS", "GRID_PREFIX_TOKENS", "GRID_R
 # fit) the tiles follow each level's rows per node instead.
 GRID_ROWS = (24, 48, 96, 12, 160, 6, 3)
 GRID_PREFIX_TOKENS = (96, 1536)
-# A second level of long nodes (retrieved documents under a short shared prompt): the rows' forward then likely runs
-# the suffix pass apart from the prefix passes (the cost model fuses a short suffix only with a short prefix), with the
-# fixed buffers' written length. A 64-row tree of 2,048-token documents still built such a suffix variant in its first
-# call (results/stall.jsonl, 1d3c5eb); whether these batches cover it is not measured yet.
+# A second level of long nodes (retrieved documents under a short shared prompt): the rows' forward then runs the
+# suffix pass apart from the prefix passes (the cost model fuses a short suffix only with a short prefix). The suffix
+# variant a 64-row tree of 2,048-token documents still built in its first call (results/stall.jsonl, 5df3df4) came
+# from an eager forward on fixed buffers; those now read the buffers cut at the written count
+# (CascadeCache._written_suffix), and with both that tree's first call built nothing (361882d). What these batches
+# add alone is not measured.
 GRID_DOCUMENT_TOKENS = 1536
 # The child runs each grid batch on both paths: the compiled layers, and the eager layers (Triton kernels, recorded
 # steps), whose launches pick their tiles from the tree's nodes rather than from the batch.

@@ -26,9 +26,9 @@ a TRL GRPO rollout: Qwen2.5-1.5B shape, 28 layers, 16 prompts of ~250 tokens x 8
 of one call, ``benchmarks/results/probe_trl_step.jsonl``, ``e734fe7``): PyTorch's flash-decoding and its combines
 took 0.54 s of GPU time over 256 steps x 252 node calls, ~8.4 µs a call: ~235 µs per node and step for 28 layers,
 ~270 µs for 32. With it that rollout's prompts are folded into their rows on the first tier (the system prompt stays
-shared; 8 rows x 250 tokens save 11 ms of prefill against 60 ms of node calls). Its second call took 3.38 s against
-3.59 s before (two launches on one H200, ``benchmarks/results/trl_rollout.jsonl``, which did not yet record each
-call's tree).
+shared; 8 rows x 250 tokens save 11 ms of prefill against 60 ms of node calls): three first-tier calls took 4.59,
+3.41 and 3.40 s with 2 of its 16 prompts still shared, against 3.59-3.65 s with all shared (one H200,
+``benchmarks/results/trl_rollout.jsonl``, ``111fb41`` against ``fae54ca``).
 
 A segment becomes a level when either view says so. :meth:`CascadeCostModel.for_model` scales the two prefill
 constants to a model (prefill cost with its non-embedding parameters, the level's cost with its layers).

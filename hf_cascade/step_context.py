@@ -20,7 +20,7 @@ import dataclasses
 
 import torch
 
-__all__ = ["StepContext", "TRACE", "current", "layer_step_cache", "note_layer_written", "outside_layer_graphs",
+__all__ = ["StepContext", "TRACE", "current", "layer_step_cache", "memoized", "note_layer_written", "outside_layer_graphs",
            "static_step", "step_context"]
 
 
@@ -106,3 +106,13 @@ def note_layer_written(layer_idx: int, tokens: int) -> None:
     written = _CONTEXT.get().layer_written
     if written is not None:
         written.append((layer_idx, tokens))
+
+
+def memoized(memo: dict | None, key: tuple, compute):
+    """``memo[key]``, computed by ``compute()`` and stored on first use; ``compute()`` every time without a memo."""
+    value = None if memo is None else memo.get(key)
+    if value is None:
+        value = compute()
+        if memo is not None:
+            memo[key] = value
+    return value

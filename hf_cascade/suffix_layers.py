@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from hf_cascade.step_context import static_step
+from hf_cascade.step_context import memoized, static_step
 from hf_cascade.step_buffers import take_or_new
 from hf_cascade.ops.kv_write import write_suffix_kv
 from hf_cascade.ops.reference import write_suffix_kv_ref
@@ -247,13 +247,3 @@ class StaticSuffixLayer(SuffixLayer):
         columns = torch.arange(self.capacity, device=self.device)
         last = self.cumulative_length - query_length + torch.arange(query_length, device=self.device)
         return (columns[None, :] <= last[:, None])[None]
-
-
-def memoized(memo: dict | None, key: tuple, compute):
-    """``memo[key]``, computed by ``compute()`` and stored on first use; ``compute()`` every time without a memo."""
-    value = None if memo is None else memo.get(key)
-    if value is None:
-        value = compute()
-        if memo is not None:
-            memo[key] = value
-    return value

@@ -32,6 +32,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from hf_cascade.step_context import memoized
+
 from ._backend import host_to_device
 from .reference import cascade_attention_ref
 
@@ -159,14 +161,10 @@ def window_bounds(shifts: RowShifts | None, request: WindowRequest, levels, quer
             take = lambda t: buffers.take(t.shape, t.dtype, t.device).copy_(t)  # noqa: E731
             shifts = RowShifts(take(shifts.level_shift), take(shifts.suffix_shift), shifts.first_position,
                                from_step_buffers=True)
-    memo_key = ("bounds", request.window, request.chunk, query.shape[2], key_columns)
-    bounds = None if request.memo is None else request.memo.get(memo_key)
-    if bounds is None:
-        bounds = bound_columns(shifts, query.shape[2], written, len(levels),
-                               window=request.window if request.chunk is None else None, chunk=request.chunk)
-        if request.memo is not None:
-            request.memo[memo_key] = bounds
-    return shifts, bounds
+    return shifts, memoized(request.memo, ("bounds", request.window, request.chunk, query.shape[2], key_columns),
+                            lambda: bound_columns(shifts, query.shape[2], written, len(levels),
+                                                  window=request.window if request.chunk is None else None,
+                                                  chunk=request.chunk))
 
 
 def merge_sink(out: Tensor, lse: Tensor, sinks: Tensor, *, heads_dim: int = 1) -> tuple[Tensor, Tensor]:

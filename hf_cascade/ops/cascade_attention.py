@@ -78,19 +78,7 @@ def cascade_attention(
     mask = _validate_suffix(query, key, value, scale, mask, softcap, None, None)
     _check_key_length(key_length, key)
     backend = "builtin" if backend == "builtin" else resolve_backend(backend, query.device, _OP)
-    for k_pre, v_pre, plan in prefixes:
-        _validate_prefix(query, k_pre, v_pre, scale, softcap)
-        if k_pre.shape[0] != key.shape[1]:
-            raise ValueError(
-                f"{_OP}: prefix key heads ({k_pre.shape[0]}) must equal suffix key heads ({key.shape[1]}); "
-                f"prefix key {tuple(k_pre.shape)}, suffix key {tuple(key.shape)}."
-            )
-        if v_pre.shape[-1] != value.shape[-1]:
-            raise ValueError(
-                f"{_OP}: prefix values' head_dim ({v_pre.shape[-1]}) must equal the suffix values' "
-                f"({value.shape[-1]}); prefix value {tuple(v_pre.shape)}, suffix value {tuple(value.shape)}."
-            )
-        _check_layout(plan, query, k_pre, backend)
+    _check_levels(query, key, value, prefixes, scale, softcap, backend)
     _check_bounds(key_lower, suffix_lower, query, prefixes)
     if backend == "builtin":
         if key_length is not None or key_lower is not None or not causal:
@@ -105,6 +93,24 @@ def cascade_attention(
         return out.to(query.dtype), lse
     return cascade_triton(query, key, value, prefixes, scale=scale, mask=mask, causal=causal, softcap=softcap,
                           key_length=key_length, key_lower=key_lower, suffix_lower=suffix_lower)
+
+
+def _check_levels(query: Tensor, key: Tensor, value: Tensor, prefixes, scale: float, softcap: float | None,
+                  backend: str) -> None:
+    """Validate each prefix level against the query and the suffix KV (see :func:`cascade_attention`)."""
+    for k_pre, v_pre, plan in prefixes:
+        _validate_prefix(query, k_pre, v_pre, scale, softcap)
+        if k_pre.shape[0] != key.shape[1]:
+            raise ValueError(
+                f"{_OP}: prefix key heads ({k_pre.shape[0]}) must equal suffix key heads ({key.shape[1]}); "
+                f"prefix key {tuple(k_pre.shape)}, suffix key {tuple(key.shape)}."
+            )
+        if v_pre.shape[-1] != value.shape[-1]:
+            raise ValueError(
+                f"{_OP}: prefix values' head_dim ({v_pre.shape[-1]}) must equal the suffix values' "
+                f"({value.shape[-1]}); prefix value {tuple(v_pre.shape)}, suffix value {tuple(value.shape)}."
+            )
+        _check_layout(plan, query, k_pre, backend)
 
 
 def _check_layout(plan, query: Tensor, k_pre: Tensor, backend: str) -> None:

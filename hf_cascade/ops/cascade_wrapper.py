@@ -167,7 +167,7 @@ class CascadeWrapper:
                                      key_length=None if backend == "builtin" else key_length,
                                      key_lower=None if bounds is None else list(bounds[0]),
                                      suffix_lower=None if bounds is None else bounds[1])
-        return out.to(query.dtype).transpose(1, 2).contiguous(), lse
+        return out.transpose(1, 2).contiguous(), lse
 
     def _eager_prefixes(self, layer: int, levels: Sequence[LevelKV], device: torch.device, static: bool,
                         builtin: bool, bounded: bool) -> tuple[list, str]:
@@ -232,7 +232,7 @@ def bounded_planned_attention(query: Tensor, key: Tensor, value: Tensor, plan: C
     out, lse = cascade_attention(query, key, value, bounded_prefixes(plan, prefix_keys, prefix_values, backend),
                                  scale=scale, mask=mask, causal=True, softcap=softcap, backend=backend,
                                  key_length=key_length, key_lower=list(key_lower), suffix_lower=suffix_lower)
-    return out.to(query.dtype).transpose(1, 2).contiguous(), lse
+    return out.transpose(1, 2).contiguous(), lse
 
 
 def step_inputs(plan: CascadePlan, query: Tensor, key: Tensor, prefix_keys: Sequence[Tensor],
