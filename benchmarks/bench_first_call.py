@@ -83,9 +83,7 @@ def _child(args) -> dict:
     torch.cuda.synchronize()
     build_s = time.perf_counter() - t
     if peer == "cascade_no_background":
-        from hf_cascade import tier_build
-
-        tier_build.ENABLED = False
+        os.environ["HF_CASCADE_BACKGROUND"] = "off"
 
     def generate(ids, mask, new_tokens, **extra):
         return model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,

@@ -268,7 +268,7 @@ def main(argv=None) -> None:
         raise SystemExit("bench_peers_gpu.py needs a CUDA GPU (or --tiny).")
     from hf_cascade import tier_build
 
-    tier_build.ENABLED = args.background_build == "on"
+    os.environ["HF_CASCADE_BACKGROUND"] = "on" if args.background_build == "on" else "off"
     device = "cpu" if args.tiny else "cuda"
     ctx = argparse.Namespace(tiny=args.tiny, device=device, size=SIZES["tiny" if args.tiny else "gpu"],
                              workloads=args.workloads, budget=Budget(args.budget_s),
@@ -276,7 +276,7 @@ def main(argv=None) -> None:
                              cb_settings=cb_peer.TINY_POOL if args.tiny else None,  # CPU: a pool of 90% of RAM
                              cb_configs=args.cb_configs)
     ctx.meta = {"run": "bench_peers_gpu", "tiny": args.tiny, "trl": trl_rollout.trl_version(),
-                "background_build": tier_build.ENABLED, "layers": 2 if args.tiny else args.layers,
+                "background_build": tier_build.background_builds_on(), "layers": 2 if args.tiny else args.layers,
                 "model": "tiny llama fp32" if args.tiny else "Llama-3-8B shape, random, bf16"}
     if not args.skip_checks:
         _write(ctx, {"workload": "check", **cb_peer.tokens_check(device, tuple(args.cb_configs))})

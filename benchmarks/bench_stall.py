@@ -283,7 +283,7 @@ def run_stream(runner: Runner, layouts: list[dict], order: list[int], vocab: int
 def steady_per_layout(runner: Runner, layouts, stream: list[dict], vocab: int, device) -> dict[int, float]:
     """Each layout's steady seconds: a repeat now (the builds done), or the least of its later calls in the stream."""
     if runner.cuda:
-        tier_build.wait_for_all_builds(timeout=max(0.0, min(120.0, runner.budget.left() - 60.0)))
+        tier_build.wait_for_build(runner.model, timeout=max(0.0, min(120.0, runner.budget.left() - 60.0)))
     seen: dict[int, list[float]] = {}
     for call in stream:
         seen.setdefault(call["layout"], []).append(call["s"])

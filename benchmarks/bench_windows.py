@@ -299,11 +299,9 @@ def main(argv=None) -> int:
     # The default peer's tiers start from no record of earlier processes (a record would let its first calls
     # skip the built-in tier): compile records in a new folder, unless the caller chose one.
     os.environ.setdefault("HF_CASCADE_RECORDS", tempfile.mkdtemp(prefix="hf_cascade_records_"))
-    from hf_cascade import tier_build
-
     # No background build of the compiled tier: it would compile beside the later peers' timed calls (the default
     # peer's numbers are its first calls' tier; benchmarks/bench_first_call.py measures the build).
-    tier_build.ENABLED = False
+    os.environ["HF_CASCADE_BACKGROUND"] = "off"
     writer = ResultWriter("windows.jsonl", output)
     print(f"records -> {writer.path}", flush=True)
     model = build_model(shape, args.layers, device, dtype)

@@ -32,7 +32,6 @@ DEFAULT_CPU_DECODE_THREADS = "auto"
 BUSY_FRACTION = 0.75  # of torch's threads that must have been running during the prefill, for the CPU to be quiet
 MIN_PROBE_S = 0.05  # a shorter prefill says nothing: the threads are left as they are
 PROBE_S = 0.015  # the probe before the prefill: enough ~1 ms matmuls to tell 2 threads running from 0.7
-_PROBE_MATRIX: list[torch.Tensor] = []
 
 
 def check_threads(value):
@@ -57,9 +56,7 @@ class ContentionProbe:
         threads = torch.get_num_threads()
         if not self.cpu or self.policy != "auto" or threads <= 1:
             return False
-        if not _PROBE_MATRIX:
-            _PROBE_MATRIX.append(torch.ones(256, 256))
-        m = _PROBE_MATRIX[0]
+        m = torch.ones(256, 256)
         torch.mm(m, m)  # wake the thread pool
         wall, cpu = time.perf_counter(), time.process_time()
         while time.perf_counter() - wall < PROBE_S:

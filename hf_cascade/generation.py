@@ -211,7 +211,7 @@ def run(model, plan: RunPlan, request: Request, logits_processor, stopping_crite
         from hf_cascade.tier_build import build_in_background
 
         build_in_background(model, request.input_ids, request.generation_config, request.model_kwargs,
-                            plan.options.user_dict(), plan.batch_buckets, cache.nbytes)
+                            plan.options.user_dict(), plan.batch_buckets, cache.nbytes, tier=plan.background_build)
     return out if plan.bucket is None else _first_rows(out, request.input_ids.shape[0], input_ids.shape[0])
 
 

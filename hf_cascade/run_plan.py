@@ -46,8 +46,9 @@ class RunPlan:
     decode step (None elsewhere). ``shapes``: what the compiled layers do with shapes new to them. ``threads``: the
     CPU thread policy. ``fixed_buffers`` / ``bucket`` (rows added up to it, None: none) / ``batch_buckets``: how a
     cache of this call's own is planned. ``pad_levels``: the planned cache pads its levels (a compiled graph for
-    trees of 1-4 levels). ``background_build``: a call that runs decode steps on fixed buffers starts the compiled
-    tier's background build after it.
+    trees of 1-4 levels). ``background_build``: the tier whose background build a call that runs decode steps on
+    fixed buffers starts after it (``"compiled"``; ``"triton"`` where the step may not compile, as TRL's
+    ``disable_compile=True``, and the call ran the built-in kernels), or None.
     """
 
     options: CascadeOptions
@@ -65,7 +66,7 @@ class RunPlan:
     max_new_tokens: int = 0
     pad_levels: bool = True
     offloaded: bool = False
-    background_build: bool = False
+    background_build: str | None = None
 
     def prefill_compiled(self, fixed: bool) -> bool:
         """Whether the prefill forwards run compiled layers: the option, else with the compiled decode step on
@@ -118,9 +119,17 @@ def resolve(model, options: CascadeOptions, request: Request) -> RunPlan:
         shapes=None if tier is None else shape_policy(model, tier, options.compile), threads=threads,
         fixed_buffers=fixed, bucket=bucket if added else None, batch_buckets=buckets, max_new_tokens=max_new_tokens,
         pad_levels=decode_step not in ("layers", "graphs") or not cuda, offloaded=_offloaded(model),
-        background_build=(tier is not None and not tier.compiled and options.compile == "auto" and compiles
-                          and method_name == "_sample"),
+        background_build=_background_build(tier, options, compiles, records, method_name),
     )
+
+
+def _background_build(tier, options: CascadeOptions, compiles: bool, records: bool, method_name: str) -> str | None:
+    """The tier a background build prepares after this call (:mod:`hf_cascade.tier_build`), or None."""
+    if tier is None or options.compile != "auto" or method_name != "_sample":
+        return None
+    if compiles:
+        return None if tier.compiled else "compiled"
+    return "triton" if records and tier.builtin_kernels else None
 
 
 def _tier_and_step(model, options: CascadeOptions, cuda: bool, compiles: bool, method_name: str):

@@ -1,7 +1,8 @@
-"""The child process of a background build (:func:`hf_cascade.tier_build._prewarm_in_child`): build the model cut to a
+"""The child process of a background build (:func:`hf_cascade.tier_build.start_build`): build the model cut to a
 few layers from the pickled spec, run the build call on the call's rows (where the spec says ``rows``; then print
-``ROWS_DONE``), then on each batch of the spec's grid slice while its time budget lasts (``GRID_DONE`` /
-``GRID_FAILED`` per batch, ``GRID_END <batches> <seconds>``): this fills the compile caches on disk.
+``ROWS_DONE``), then on each batch of the spec's grid slice (its ``grid`` batches, else its ``grid_slice`` of
+:func:`~hf_cascade.build_grid.variant_grid`) while its time budget lasts (``GRID_DONE`` / ``GRID_FAILED`` per batch,
+``GRID_END <batches> <seconds>``): this fills the compile caches on disk.
 
     python -m hf_cascade.tier_build_child SPEC.pt PARENT_PID
 """
@@ -14,6 +15,7 @@ import time
 
 import torch
 
+from hf_cascade.build_grid import variant_grid
 from hf_cascade.generation import generate
 from hf_cascade.tier_build import _build_call, _leave_with_parent
 
@@ -44,7 +46,12 @@ def _run_grid(model, spec: dict, new_tokens: int, device: torch.device) -> None:
     started = time.perf_counter()
     base = {k: v for k, v in spec["options"].items() if k not in ("compile", "decode_step")}
     kwargs = {k: v for k, v in spec["model_kwargs"].items() if not isinstance(v, torch.Tensor)}  # (use_cache, ...)
-    runs = [(ids, mask, {**base, **path, "batch_buckets": False}) for ids, mask in spec.get("grid", ())
+    index, count = spec.get("grid_slice", (0, 0))
+    batches = spec.get("grid")
+    if batches is None:
+        batches = variant_grid(model, spec["input_ids"], spec["generation_config"]) if count else []
+    batches = batches[index::count] if count else batches
+    runs = [(ids, mask, {**base, **path, "batch_buckets": False}) for ids, mask in batches
             for path in spec.get("grid_options", ({"compile": "now"},))]
     for ids, mask, options in runs:
         if time.perf_counter() - started > spec.get("grid_budget_s", 0.0):

@@ -31,7 +31,8 @@ tier ahead (for images and CI) and writes the records.
 
 **In the background** (:mod:`hf_cascade.tier_build`): after the first call that could use the compiled tier, where
 the compile caches are cold, a child process runs that call's rows on the model cut to two layers and fills them
-while the calls go on below (they build nothing themselves meanwhile); then the expected cost is what compiling
+while the calls go on below (they build nothing themselves meanwhile; no thread: each tier choice asks the child
+where it stands); then the expected cost is what compiling
 from warm caches costs (:data:`WARM_COMPILE_COST_S`, or what a process recorded), and the call that moves up
 compiles the layers from the warm caches.
 
@@ -130,14 +131,7 @@ class _ModelTiers:
         self.record_path: str | None = None
         self.record_key: dict | None = None
         self.calls: list[tuple[str, float]] = []  # (tier, seconds) of the calls so far
-        # the background build of the compiled tier (hf_cascade.tier_build): its thread while it runs, its error
-        self.building: threading.Thread | None = None
-        self.build_error: str | None = None
-        self.build_started: float | None = None
-        self.build_s: float | None = None
-        self.build_prewarm: dict | None = None  # the child process that filled the compile caches first
-        self.caches_filled = False  # a child filled the compile caches for this model's calls (tier_build)
-        self.grid_running = False  # ... and goes on with the grid of other layouts (build_grid.variant_grid)
+        self.build = None  # the background build of the compiled tier (hf_cascade.tier_build.BackgroundBuild)
         self.triton_first_s: float | None = None  # this process's first Triton call, on built kernels
         # shapes new to the compiled tier (shape_policy): calls that ran some layers uncompiled, what they lost (the
         # per-shape ski rental)
@@ -174,16 +168,16 @@ def choose_tier(model, compile: str = "auto") -> Tier:
             return _TIERS["compiled"]
         # While the compiled tier builds in the background (hf_cascade.tier_build: it builds the Triton kernels
         # too), the calls do not build anything themselves: they would wait for what the build is making.
-        building = state.building is not None and compile == "auto"
+        building = _rows_building(state) and compile == "auto"
         record = _load_record(model, state)
         triton = state.ready["triton"] or (not building and state.regret["triton"] >= _triton_cost(
-            record, caches_warm(model, state)) + (0.0 if triton_key_ready() else TRITON_KEY_COST_S))
+            record, caches_warm(model, state, "triton")) + (0.0 if triton_key_ready() else TRITON_KEY_COST_S))
         if not triton:
             return _TIERS["builtin"]
         if compile == "never":
             return _TIERS["triton"]
         compiled = state.ready["compiled"] or (
-            state.regret["compiled"] >= _compiled_cost(record, state.caches_filled) and not building)
+            state.regret["compiled"] >= _compiled_cost(record, _caches_filled(state)) and not building)
         return _TIERS["compiled" if compiled else "triton"]
 
 
@@ -218,7 +212,7 @@ def record_call(model, tier: Tier, seconds: float, shapes: NewShapes | None = No
         if not tier.builtin_kernels:
             if not state.ready["triton"]:
                 state.ready["triton"] = True
-                if (record.get("triton_built") or caches_warm(model, state)) and not tier.compiled:
+                if caches_warm(model, state, "triton") and not tier.compiled:
                     # loaded from warm caches: what the next process's first Triton call will cost (the call's
                     # seconds now; less the next Triton call's seconds once there is one)
                     costs = record.setdefault("triton_cost_s", [])
@@ -265,17 +259,37 @@ def tier_report(model) -> dict:
     with state.lock:
         return {"calls": list(state.calls), "ready": dict(state.ready),
                 "regret_s": {k: round(v, 3) for k, v in state.regret.items()}, "record": state.record_path,
-                "background_build": {"running": state.building is not None, "seconds": state.build_s,
-                                     "error": state.build_error, "prewarm": state.build_prewarm,
-                                     "caches_filled": state.caches_filled, "grid_running": state.grid_running},
+                "background_build": state.build.report() if state.build is not None else {
+                    "running": False, "seconds": None, "error": None, "prewarm": None, "caches_filled": False,
+                    "grid_running": False},
                 "new_shapes": {"missed_calls": state.missed_calls, "regret_s": round(state.shapes_regret, 3)}}
 
 
-def caches_warm(model, state: _ModelTiers) -> bool:
-    """Whether the compile caches hold ``model``'s graphs and kernels: an earlier process compiled them (a record
-    says so) or a child of this one filled them. Call with ``state.lock`` held."""
+def caches_warm(model, state: _ModelTiers, tier: str = "compiled") -> bool:
+    """Whether the compile caches hold ``model``'s graphs and kernels for ``tier`` (``"compiled"``: both;
+    ``"triton"``: the Triton kernels): an earlier process built them (a record says so) or a child of this one
+    filled them. Call with ``state.lock`` held."""
     record = _load_record(model, state)
-    return bool(record.get("caches_warm") or record.get("compiled_call_s") or state.caches_filled)
+    if record.get("caches_warm") or record.get("compiled_call_s"):
+        return True
+    return _caches_filled(state, tier) or (tier == "triton" and bool(record.get("triton_built")))
+
+
+def _rows_building(state: _ModelTiers) -> bool:
+    """Whether the background build's rows child still runs (asked of its process now)."""
+    if state.build is None:
+        return False
+    state.build.poll()
+    return state.build.rows_running
+
+
+def _caches_filled(state: _ModelTiers, tier: str = "compiled") -> bool:
+    """Whether a background build of this process filled the compile caches for the model's calls on ``tier``
+    (a build for the compiled tier fills the Triton kernels too)."""
+    if state.build is None or (tier == "compiled" and not state.build.compiled):
+        return False
+    state.build.poll()
+    return state.build.caches_filled
 
 
 def triton_key_ready() -> bool:

@@ -1,17 +1,17 @@
 """``python -m hf_cascade warmup --model PATH``: build every kernel and compiled graph a model's generate() calls
 use, ahead of time, so that later processes start fast (for container images, CI caches, a job's first step).
 
-It loads the model with ``attn_implementation="cascade"`` and runs, for each ``--rows`` size, generate() calls of
-shared-prefix batches on the Triton tier (``compile="never"``: the batch layouts of :func:`warm_up`, one per family
-of kernel variants) and one on the compiled tier (``compile="now"``): hf_cascade's Triton kernels are built into
-Triton's cache (``TRITON_CACHE_DIR``) for both tiers (the compiled graphs launch other specialisations
-than the eager layers do), the decoder layers are compiled into Inductor's (``TORCHINDUCTOR_CACHE_DIR``), and the
-compile records of :mod:`hf_cascade.tiers` are written. A later process on the same machine type, versions and
-cache folders then moves to the Triton kernels after a call or two and to the compiled layers after fewer calls
-(their costs are recorded). Keep those folders in the image (or restore them in CI) at the same paths. Last, it
-writes the Python bytecode of the modules the calls imported where none is up to date (:func:`compile_bytecode`;
-``--no-bytecode`` skips it). Triton builds a kernel again for launch shapes a warm-up did not run (another
-query-block size, say): a first call of such a layout on the Triton tier pays ~1 s per kernel.
+It is the background build of :mod:`hf_cascade.tier_build` run in the foreground, to its end: it loads the model
+with ``attn_implementation="cascade"``, runs for each ``--rows`` size a generate() call of a shared-prefix batch on
+the compiled tier (``compile="now"``: the decoder layers compiled into Inductor's cache, ``TORCHINDUCTOR_CACHE_DIR``),
+then the build's child processes on the model cut to two layers: the call's rows, and the grid of batch layouts
+(:func:`~hf_cascade.build_grid.variant_grid`, with these batches added) on the eager and on the compiled layers, for
+at most ``--grid-budget-s``: hf_cascade's Triton kernels of both tiers built into Triton's cache
+(``TRITON_CACHE_DIR``). It writes the compile record of :mod:`hf_cascade.tiers` (the caches are warm), so a later
+process on the same machine type, versions and cache folders moves to the Triton kernels after a call or two and to
+the compiled layers after fewer calls, and starts no background build. Keep those folders in the image (or restore
+them in CI) at the same paths. Last, it writes the Python bytecode of the modules the calls imported where none is up
+to date (:func:`compile_bytecode`; ``--no-bytecode`` skips it). On a CPU it runs the calls only (nothing compiles).
 """
 
 from __future__ import annotations
@@ -31,97 +31,74 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
                         help="batch sizes to run (each compiles its batch bucket's decode step)")
     parser.add_argument("--prompt-tokens", type=int, default=512, help="shared prompt tokens of each batch")
     parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--grid-budget-s", type=float, default=None,
+                        help="longest seconds each child runs the grid of other layouts (CUDA; default: the background "
+                        "build's, hf_cascade.tier_build.GRID_BUDGET_S)")
     parser.add_argument("--no-bytecode", action="store_true",
                         help="do not write the Python bytecode of the modules the calls imported (see compile_bytecode)")
     return parser
 
 
-def warm_up(model, rows=(1, 8, 32), prompt_tokens: int = 512, new_tokens: int = 16, report=print) -> list[dict]:
-    """Run generate() on ``model`` (loaded with ``attn_implementation="cascade"``) for shared-prefix batches of
-    each size in ``rows``, so that later processes find every kernel variant those sizes launch already built.
-
-    On the Triton tier: plain batches (the shared tokens + 8 own per row, and + 40: the kernels' query-block sizes);
-    from 2 rows a plain batch whose shared prefix is long next to the rows' own buffers (the decode step then runs
-    the prefix pass apart from the suffix pass, with other tiles: see :func:`_two_pass_prefix_tokens`; a stream's
-    8,192-token batch built that variant after a warm-up without it, ``benchmarks/results/first_call.jsonl``), a
-    tree (two 32-token branches after the shared tokens, 3-12 own tokens, left-padded: the masked and multi-level
-    variants) and from 4 rows a three-level tree (four 16-token sub-branches below those). On the compiled tier the
-    plain batch. Returns one ``{"rows", "batch", "seconds", "tier"}`` per call."""
+def warm_up(model, rows=(1, 8, 32), prompt_tokens: int = 512, new_tokens: int = 16, report=print,
+            grid_budget_s: float | None = None) -> list[dict]:
+    """Run generate() on ``model`` (loaded with ``attn_implementation="cascade"``) for a shared-prefix batch of each
+    size in ``rows`` (``prompt_tokens`` shared + 8 own per row) on the compiled tier; on CUDA then the background
+    build's children to their end (:func:`hf_cascade.tier_build.start_build`: the last batch's rows, and the grid
+    of layouts with every batch added, each child for at most ``grid_budget_s``, default
+    :data:`~hf_cascade.tier_build.GRID_BUDGET_S`) and the warm compile measured. Returns one ``{"rows", "batch",
+    "seconds", "tier"}`` per call, then ``{"batch": "background build", "seconds", "grid": {...}}`` and the warm
+    compile's entry (CUDA)."""
     import torch
 
-    from hf_cascade.ops._backend import prepare_triton
     from hf_cascade.tiers import tier_report
 
-    prepare_triton()
     vocab = model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") else \
         model.config.vocab_size
     g = torch.Generator().manual_seed(0)
     shared = torch.randint(3, vocab, (prompt_tokens,), generator=g)
-    results = []
+    results, batches = [], []
     for n in rows:
-        plain = torch.cat([shared.expand(n, -1), torch.randint(3, vocab, (n, 8), generator=g)], dim=1)
-        longer = torch.cat([shared.expand(n, -1), torch.randint(3, vocab, (n, 40), generator=g)], dim=1)
-        # (batch, shared tokens, ids, attention mask or None, compile)
-        runs = [("plain", prompt_tokens, plain, None, "never"), ("plain, 40 own", prompt_tokens, longer, None, "never")]
-        long_tokens = _two_pass_prefix_tokens(model, n, new_tokens)
-        if n >= 2 and long_tokens > prompt_tokens:
-            long_shared = shared.repeat(-(-long_tokens // prompt_tokens))[:long_tokens]
-            runs.append(("plain, long shared", long_tokens,
-                         torch.cat([long_shared.expand(n, -1), plain[:, prompt_tokens:]], 1), None, "never"))
-        if n >= 2:
-            runs.append(("tree", prompt_tokens, *_tree_batch(shared, n, vocab, g), "never"))
-        if n >= 4:  # a deeper tree: levels of all, half and a quarter of the rows (other tiles per level)
-            runs.append(("tree, 3 levels", prompt_tokens, *_tree_batch(shared, n, vocab, g, levels=3), "never"))
-        runs.append(("plain", prompt_tokens, plain, None, "now"))
-        for batch, shared_tokens, ids, mask, compile in runs:
-            if compile == "never":
-                _move_up_to_triton(model)
-            seconds = _call(model, ids.to(model.device), new_tokens, compile,
-                            None if mask is None else mask.to(model.device))
-            calls = tier_report(model)["calls"]
-            results.append({"rows": n, "batch": batch, "seconds": round(seconds, 2),
-                            "tier": calls[-1][0] if calls else "none"})
-            report(f"  {n:>4} rows x {shared_tokens} shared tokens ({batch}), {new_tokens} new: {seconds:.1f} s "
-                   f"({results[-1]['tier']})")
-    if model.device.type == "cuda" and results:
-        results.append(_measure_warm_compile(model, plain.to(model.device), new_tokens, report))
+        ids = torch.cat([shared.expand(n, -1), torch.randint(3, vocab, (n, 8), generator=g)], dim=1)
+        batches.append((ids, torch.ones_like(ids)))
+        seconds = _call(model, ids.to(model.device), new_tokens, "now")
+        calls = tier_report(model)["calls"]
+        results.append({"rows": n, "batch": "plain", "seconds": round(seconds, 2),
+                        "tier": calls[-1][0] if calls else "none"})
+        report(f"  {n:>4} rows x {prompt_tokens} shared tokens, {new_tokens} new: {seconds:.1f} s "
+               f"({results[-1]['tier']})")
+    if model.device.type == "cuda" and batches:
+        results.append(_build_in_foreground(model, batches, new_tokens, grid_budget_s, report))
+        results.append(_measure_warm_compile(model, batches[-1][0].to(model.device), new_tokens, report))
     return results
 
 
-def _two_pass_prefix_tokens(model, rows: int, new_tokens: int) -> int:
-    """Shared tokens enough for ``rows`` rows of 8 own tokens + ``new_tokens`` to run their decode steps' prefix pass
-    apart from the suffix pass (twice the launch cost model's threshold,
-    :func:`hf_cascade.ops._launch.fused_up_to_prefix_keys`), within the model's positions."""
-    from hf_cascade.inputs import suffix_capacity
-    from hf_cascade.ops._launch import fused_up_to_prefix_keys
+def _build_in_foreground(model, batches: list, new_tokens: int, grid_budget_s: float | None, report) -> dict:
+    """The background build's children on the last of ``batches`` (its rows) and on the grid of layouts with every
+    batch of ``batches`` added, waited for to their end."""
+    from hf_cascade import tier_build
+    from hf_cascade.build_grid import variant_grid
 
-    tokens = int(2 * fused_up_to_prefix_keys(rows, suffix_capacity(8 + new_tokens)))
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    positions = getattr(config, "max_position_embeddings", None)
-    return tokens if positions is None else min(tokens, positions - 8 - new_tokens)
+    ids, mask = (t.to(model.device) for t in batches[-1])
+    captured = {}
 
+    def capture(model, input_ids, logits_processor=None, stopping_criteria=None, generation_config=None, **kwargs):
+        captured.update(input_ids=input_ids, generation_config=generation_config, kwargs=kwargs)
+        return input_ids
 
-def _tree_batch(shared, n: int, vocab: int, generator, levels: int = 2):
-    """``(ids [n, W], attention_mask [n, W])``: ``shared``, then one of two 32-token branches (row i: branch i % 2),
-    with ``levels=3`` then one of four 16-token sub-branches (i % 4, nested in i % 2), then 3-12 own tokens;
-    left-padded with 0."""
-    import torch
-
-    from hf_cascade.inputs import left_padded
-
-    branches = torch.randint(3, vocab, (2, 32), generator=generator)
-    twigs = torch.randint(3, vocab, (4, 16), generator=generator)
-    rows = [torch.cat([shared, branches[i % 2], *([twigs[i % 4]] if levels == 3 else []),
-                       torch.randint(3, vocab, (3 + (5 * i) % 10,), generator=generator)]) for i in range(n)]
-    return left_padded(rows)
-
-
-def _move_up_to_triton(model) -> None:
-    """Let the next call of ``model`` take the Triton tier (as if the calls below it had lost what building it
-    costs with empty caches)."""
-    from hf_cascade.tiers import DEFAULT_COST_S, raise_regret
-
-    raise_regret(model, "triton", DEFAULT_COST_S["triton"])
+    model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                   pad_token_id=0, custom_generate=capture)  # the arguments generate() hands hf_cascade.generate
+    grid = batches + variant_grid(model, captured["input_ids"], captured["generation_config"])
+    started = time.perf_counter()
+    build = tier_build.start_build(model, captured["input_ids"], captured["generation_config"], captured["kwargs"],
+                                   {"compile": "now", "batch_buckets": True}, grid_batches=grid,
+                                   grid_budget_s=grid_budget_s)
+    build.wait()
+    seconds = time.perf_counter() - started
+    outcome = build.summary
+    report(f"  background build in the foreground: {seconds:.1f} s; grid {outcome.get('grid')}"
+           + (f"; failed: {build.error}" if build.error else ""))
+    return {"batch": "background build", "seconds": round(seconds, 2), "grid": outcome.get("grid"),
+            "error": build.error}
 
 
 def _call(model, ids, new_tokens: int, compile: str = "now", attention_mask=None) -> float:
@@ -217,7 +194,8 @@ def main(argv=None) -> int:
                          "(its path runs PyTorch's own kernels). Pass --device cpu to run the calls anyway.")
     print(f"warmup: loading {args.model} ({args.dtype}) on {args.device}", flush=True)
     model, _ = load_model_and_tokenizer(args.model, dtype=getattr(torch, args.dtype), device=args.device)
-    warm_up(model, rows=args.rows, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens)
+    warm_up(model, rows=args.rows, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
+            grid_budget_s=args.grid_budget_s)
     if not args.no_bytecode:
         compile_bytecode()
     record = tier_report(model)["record"]

@@ -15,18 +15,17 @@ def _own_compile_records(tmp_path, monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _no_background_builds(request, monkeypatch):
-    """No background build of the compiled tier (``hf_cascade.tier_build``) outlives its test: off unless the test
-    is marked ``background_build`` (then every build it started is waited for at its end). A build left running
-    compiles beside the next tests (their compile counters) and slows the suite."""
+    """No background build of the compiled tier (``hf_cascade.tier_build``) unless the test is marked
+    ``background_build`` (``HF_CASCADE_BACKGROUND=off`` otherwise; such a test waits for its build itself). A build
+    left running compiles beside the next tests (their compile counters) and slows the suite."""
     from hf_cascade import tier_build
 
-    enabled = request.node.get_closest_marker("background_build") is not None
-    monkeypatch.setattr(tier_build, "ENABLED", enabled)
+    if request.node.get_closest_marker("background_build") is None:
+        monkeypatch.setenv("HF_CASCADE_BACKGROUND", "off")
+    else:
+        monkeypatch.delenv("HF_CASCADE_BACKGROUND", raising=False)
     monkeypatch.setattr(tier_build, "GRID_BUDGET_S", 5.0)  # the children's grid of other layouts: a taste, not minutes
     monkeypatch.setattr(tier_build, "GRID_PROCESSES", 2)
-    yield
-    if enabled:
-        tier_build.wait_for_all_builds(timeout=900)
 
 
 @pytest.fixture(scope="session")

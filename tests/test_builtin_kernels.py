@@ -175,22 +175,30 @@ def test_ski_rental_moves_up_when_regret_reaches_cost(records, tiny_llama_pair):
 
 
 def test_calls_build_nothing_while_the_background_build_runs(records, tiny_llama_pair):
-    """While hf_cascade.tier_build fills the compile caches (a thread is set on the state), the calls stay on the
-    tier they have whatever their regret (they would wait for what the build makes); once it ends they move up."""
-    import threading
+    """While hf_cascade.tier_build's rows child fills the compile caches (a real child process, still running), the
+    calls stay on the tier they have whatever their regret (they would wait for what the build makes); once it has
+    ended they move up."""
+    from _build_children import sleeping, stop
 
-    from hf_cascade import tiers
+    from hf_cascade import tier_build, tiers
 
     model = tiny_llama_pair[0]
     _fresh_process(model)
     state = tiers.tier_state(model)
-    state.building = threading.current_thread()
-    for name in ("triton", "compiled"):
-        state.regret[name] = 1e6
-    assert tiers.choose_tier(model).name == "builtin"
-    assert tiers.choose_tier(model, "now").name == "compiled"  # the user's explicit choice is kept
-    state.building = None
-    assert tiers.choose_tier(model).name == "compiled"
+    rows = sleeping()
+    state.build = tier_build.BackgroundBuild([rows])
+    try:
+        for name in ("triton", "compiled"):
+            state.regret[name] = 1e6
+        assert tiers.choose_tier(model).name == "builtin"
+        assert tiers.choose_tier(model, "now").name == "compiled"  # the user's explicit choice is kept
+        assert tiers.tier_report(model)["background_build"]["running"] is True
+    finally:
+        stop(rows)
+    assert tiers.choose_tier(model).name == "compiled"  # (the child was killed: the cold costs, which 1e6 pays)
+    report = tiers.tier_report(model)["background_build"]
+    assert report["running"] is False and report["caches_filled"] is False and "failed" in report["error"]
+    state.build = None
     assert tiers.tier_report(model)["background_build"] == {"running": False, "seconds": None, "error": None,
                                                              "prewarm": None, "caches_filled": False,
                                                              "grid_running": False}
@@ -248,102 +256,109 @@ def test_warmup_command_runs_on_cpu(capsys):
     assert main(["warmup", "--model", "tiny", "--device", "cpu", "--dtype", "float32", "--rows", "2", "3",
                  "--prompt-tokens", "20", "--new-tokens", "3"]) == 0
     out = capsys.readouterr().out
-    assert "2 rows x 20 shared tokens (plain), 3 new" in out and "2 rows x 20 shared tokens (tree), 3 new" in out
-    assert "3 rows" in out and "warmup: done" in out
+    assert "2 rows x 20 shared tokens, 3 new" in out and "3 rows x 20 shared tokens, 3 new" in out
+    assert "warmup: done" in out and "background build" not in out  # (children: CUDA only)
     with pytest.raises(SystemExit, match="no CUDA GPU"):
         main(["warmup", "--model", "tiny", "--device", "cuda"] if not torch.cuda.is_available() else ["--bad"])
 
 
 @pytest.mark.parametrize("child_returncode", [0, 1])
-def test_background_child_fills_the_caches_then_the_ski_rental_moves_up(records, tiny_llama_pair, monkeypatch,
+def test_background_child_fills_the_caches_then_the_ski_rental_moves_up(records, tiny_llama_pair,
                                                                          child_returncode):
-    """The background thread only runs the child process; once it has filled the caches, the compiled tier's expected cost is WARM_COMPILE_COST_S (not the cold default), so the ski rental moves
-    the next call up once the regret reaches it (the call compiles in the foreground, from warm caches); a child
-    that fails is an error in the report, a warning, and the cold cost; nothing is compiled in this process by the
-    thread either way."""
-    import threading
+    """No thread: the calls' tier choice asks the rows child where it stands. Once it has filled the caches, the
+    compiled tier's expected cost is WARM_COMPILE_COST_S (not the cold default), so the ski rental moves the next
+    call up once the regret reaches it (the call compiles in the foreground, from warm caches); a child that fails
+    is an error in the report, a warning, and the cold cost."""
+    from _build_children import child, stop
 
     from hf_cascade import tier_build, tiers
 
     model = tiny_llama_pair[0]
     _fresh_process(model)
-    ran = []
-    monkeypatch.setattr(tier_build, "_prewarm_in_child", lambda *a, **k: {
-        "seconds": 1.0, "returncode": child_returncode, "error": None if child_returncode == 0 else "boom"})
-    monkeypatch.setattr(tier_build, "_build_call", lambda *a: ran.append(a))
     state = tiers.tier_state(model)
-    state.building, state.build_started = threading.current_thread(), 0.0
+    rows = child(f"import sys, time; time.sleep(1.0); print('ROWS_DONE'); sys.exit({child_returncode})")
+    state.build = tier_build.BackgroundBuild([rows])
     state.regret["triton"], state.regret["compiled"] = 2.6, tiers.WARM_COMPILE_COST_S + 0.1
-    assert tiers.choose_tier(model).name == "builtin"  # the child runs: no call builds anything
-    tier_build._build(model, state, torch.zeros(2, 3, dtype=torch.long), None, {}, {}, None)
-    assert ran == []
+    try:
+        assert tiers.choose_tier(model).name == "builtin"  # the child runs: no call builds anything
+        assert tier_build.wait_for_build(model, timeout=60) is (child_returncode == 0)
+    finally:
+        stop(rows)
     report = tiers.tier_report(model)["background_build"]
     assert report["running"] is False and report["caches_filled"] is (child_returncode == 0)
+    assert report["prewarm"]["returncode"] == child_returncode and "grid" not in report["prewarm"]
     if child_returncode == 0:
         assert report["error"] is None
         assert tiers.choose_tier(model).name == "compiled"
         state.regret["compiled"] = tiers.WARM_COMPILE_COST_S - 0.1
         assert tiers.choose_tier(model).name == "triton"  # the Triton kernels are in the caches too
     else:
-        assert "child process" in report["error"] and "boom" in report["error"]
+        assert "child process" in report["error"]
         assert tiers.choose_tier(model).name == "builtin"  # the cold costs: 8 s for Triton
 
 
-def test_calls_move_up_while_the_child_runs_the_grid(records, tiny_llama_pair, monkeypatch):
-    """Once the child has run the call's rows (it says ROWS_DONE), the caches count as filled and the build as done
-    for the calls (the ski rental may move them up, from warm caches) while the child goes on with the grid; the
-    report shows the grid running, then the child's outcome."""
-    import threading
+def test_calls_move_up_while_the_children_run_the_grid(records, tiny_llama_pair):
+    """Once the rows child has succeeded, the caches count as filled and the build as done for the calls (the ski
+    rental may move them up, from warm caches) while the grid's children go on: those beside it from the start,
+    and those the tier choice starts once the rows child is done (told how many early ones still run); the report
+    shows the grid running, then the children's outcome."""
+    from _build_children import child, sleeping, stop
 
     from hf_cascade import tier_build, tiers
 
     model = tiny_llama_pair[0]
     _fresh_process(model)
     state = tiers.tier_state(model)
-    seen = {}
+    rows = child("print('ROWS_DONE')")
+    early = sleeping()
+    late_started = []
 
-    def child(*args, grid=None, on_rows_done=None, guard=None):
-        on_rows_done()
-        seen["tier"] = tiers.choose_tier(model).name  # while the grid runs
-        seen["report"] = tiers.tier_report(model)["background_build"]
-        return {"seconds": 2.0, "returncode": 0, "error": None, "rows_done": True,
-                "grid": {"batches": 3, "done": 3, "failed": 0, "seconds": 1.0}}
+    def start_late(running):
+        late_started.append(running)
+        return [child("print('GRID_DONE'); print('GRID_DONE'); print('GRID_END 2 0.1')")]
 
-    monkeypatch.setattr(tier_build, "_prewarm_in_child", child)
-    state.building, state.build_started = threading.current_thread(), 0.0
+    state.build = tier_build.BackgroundBuild([rows], [early], start_late)
     state.regret["triton"], state.regret["compiled"] = 2.6, tiers.WARM_COMPILE_COST_S + 0.1
-    tier_build._build(model, state, torch.zeros(2, 3, dtype=torch.long), None, {}, {}, None)
-    assert seen["tier"] == "compiled"
-    assert seen["report"]["running"] is False and seen["report"]["grid_running"] is True
-    assert seen["report"]["caches_filled"] is True
+    try:
+        rows[0].wait(60)
+        assert tiers.choose_tier(model).name == "compiled"  # while the grid runs
+        assert late_started == [1]
+        report = tiers.tier_report(model)["background_build"]
+        assert report["running"] is False and report["grid_running"] is True and report["caches_filled"] is True
+    finally:
+        stop(early)
+    assert tier_build.wait_for_build(model, timeout=60)
     report = tiers.tier_report(model)["background_build"]
-    assert report["grid_running"] is False and report["error"] is None and report["prewarm"]["grid"]["done"] == 3
+    assert report["grid_running"] is False and report["error"] is None
+    assert report["prewarm"]["grid"] == {"processes": 2, "batches": 2, "done": 2, "failed": 0}, report
 
 
 def test_background_build_starts_only_where_the_caches_are_cold(records, tiny_llama_pair):
-    """A build (the child) starts where the compile caches are cold and none runs, failed or is done; warm caches
-    (filled, or a record after `warmup`) leave the calls to the ski rental with the warm cost."""
+    """At most one build per model and process (running, failed or done), none where the compiled tier is ready or
+    the compile caches are warm (filled by a build, or a record after `warmup`: the ski rental with the warm cost),
+    none on a CPU or with HF_CASCADE_BACKGROUND=off."""
     from hf_cascade import tier_build, tiers
 
     model = tiny_llama_pair[0]
     _fresh_process(model)
     state = tiers.tier_state(model)
-    assert tier_build._plan_build(model, state)
-    for name, value in (("building", object()), ("build_error", "boom")):
-        setattr(state, name, value)
-        assert not tier_build._plan_build(model, state)
-        setattr(state, name, None)
-    state.ready["compiled"] = True
-    assert not tier_build._plan_build(model, state)
-    state.ready["compiled"], state.caches_filled = False, True
-    assert not tier_build._plan_build(model, state)
+    ids = torch.zeros(2, 3, dtype=torch.long)
+    assert not tier_build.build_in_background(model, ids, None, {}, None, False, 0)  # (conftest: off; and a CPU)
+    failed = tier_build.BackgroundBuild.failed("boom")
+    state.build = failed
+    assert tiers.tier_report(model)["background_build"]["error"] == "boom"
+    assert not tiers.caches_warm(model, state)
+    done = tier_build.BackgroundBuild([])
+    done.rows_outcome = (0, "ROWS_DONE", None)
+    state.build = done
+    assert tiers.caches_warm(model, state)
     assert tiers._compiled_cost(tiers._load_record(model, state), True) == tiers.WARM_COMPILE_COST_S
     # a new process after `warmup`: the record says the caches are warm, the warm cost is expected
     _fresh_process(model)
     tiers.note_caches_warm(model)
     _fresh_process(model)
     state = tiers.tier_state(model)
-    assert tiers.caches_warm(model, state) and not tier_build._plan_build(model, state)
+    assert state.build is None and tiers.caches_warm(model, state)
     assert tiers._compiled_cost(tiers._load_record(model, state)) == tiers.WARM_COMPILE_COST_S
 
 
@@ -386,9 +401,10 @@ time.sleep(0.5)
 
 
 def test_background_build_child_process_runs_the_call_on_a_cut_model(tiny_llama_pair, monkeypatch):
-    """The child process of a background build (hf_cascade.tier_build._prewarm_in_child): the call's rows, prepared
-    generation config and options pickled, the model's config cut to PREWARM_LAYERS layers, the build call run
-    there (here on CPU, nothing compiled: the plumbing a CUDA build uses), exit code 0; the model is untouched."""
+    """The children of a background build (hf_cascade.tier_build.start_build): the call's rows, prepared generation
+    config and options pickled, the model's config cut to PREWARM_LAYERS layers, the build call run there (here on
+    CPU, nothing compiled: the plumbing a CUDA build uses), exit code 0; the grid's children beside it and after it
+    (started by the poll that sees the rows child done); the model is untouched."""
     from hf_cascade import build_grid, tier_build
 
     model = tiny_llama_pair[1]
@@ -407,11 +423,11 @@ def test_background_build_child_process_runs_the_call_on_a_cut_model(tiny_llama_
     monkeypatch.setattr(tier_build, "grid_processes", lambda device, beside=0: 2)  # eager: 1 child, compiled: 2
     grid = build_grid.variant_grid(model, captured["input_ids"], captured["generation_config"])[:3]
     grid.append((torch.full((2, 5), 7), torch.ones(2, 4, dtype=torch.long)))  # a mask of another width: fails
-    rows_done = []
-    outcome = tier_build._prewarm_in_child(model, captured["input_ids"], captured["generation_config"], kwargs,
-                                           {"cost_model": None, "compile": "now", "batch_buckets": True}, None,
-                                           grid=grid, on_rows_done=lambda: rows_done.append(True))
-    assert outcome["returncode"] == 0 and outcome["rows_done"] and rows_done == [True], outcome
+    build = tier_build.start_build(model, captured["input_ids"], captured["generation_config"], kwargs,
+                                   {"cost_model": None, "compile": "now", "batch_buckets": True}, grid_batches=grid)
+    assert build.wait(timeout=600), "the children did not end"
+    outcome = build.summary
+    assert outcome["returncode"] == 0 and outcome["rows_done"] and build.caches_filled, outcome
     runs = len(build_grid.GRID_OPTIONS) * 4  # each batch on the compiled and on the eager layers
     assert outcome["grid"]["processes"] == 3, outcome
     assert outcome["grid"]["done"] == runs - len(build_grid.GRID_OPTIONS), outcome
@@ -487,3 +503,47 @@ def test_first_call_of_a_process_waits_for_no_triton_key(records, tiny_llama_pai
     tiers.record_call(model, tiers._TIERS["triton"], 0.5)
     ready["key"] = False
     assert tiers.choose_tier(model).name == "triton"  # ready: the key no longer counts
+
+
+def test_the_background_build_prepares_the_tier_the_calls_may_reach():
+    """The run plan's background build (hf_cascade.run_plan): after a call on the built-in or Triton tier whose step
+    transformers would compile, a build of the compiled tier; where the step may not compile but may be recorded
+    (TRL's ``disable_compile=True``), a build of the Triton tier after a built-in call (its Triton kernels, recorded
+    steps, nothing compiled: tier_build.TRITON_BUILD_OPTIONS); none with another ``compile`` choice, beam search,
+    or nothing to gain."""
+    from hf_cascade import tier_build, tiers
+    from hf_cascade.options import CascadeOptions
+    from hf_cascade.run_plan import _background_build
+
+    auto = CascadeOptions.from_user(None)
+    builtin, triton, compiled = (tiers._TIERS[n] for n in ("builtin", "triton", "compiled"))
+    assert _background_build(builtin, auto, True, True, "_sample") == "compiled"
+    assert _background_build(triton, auto, True, True, "_sample") == "compiled"
+    assert _background_build(compiled, auto, True, True, "_sample") is None
+    assert _background_build(builtin, auto, False, True, "_sample") == "triton"  # disable_compile
+    assert _background_build(triton, auto, False, True, "_sample") is None
+    assert _background_build(builtin, auto, False, False, "_sample") is None  # nothing recorded either
+    assert _background_build(builtin, auto, True, True, "_beam_search") is None
+    assert _background_build(None, auto, True, True, "_sample") is None  # CPU: no tier
+    for choice in ("now", "never"):
+        assert _background_build(builtin, CascadeOptions.from_user({"compile": choice}), True, True, "_sample") is None
+    assert tier_build.TRITON_BUILD_OPTIONS == {"compile": "never", "decode_step": "graphs"}
+
+
+def test_a_triton_build_fills_the_triton_tier_only(records, tiny_llama_pair):
+    """A build for the Triton tier (compiled=False) that filled the caches makes the Triton tier's expected cost the
+    recorded one (the calls move up after a call or so), not the compiled tier's: that stays cold."""
+    from hf_cascade import tier_build, tiers
+
+    model = tiny_llama_pair[0]
+    _fresh_process(model)
+    state = tiers.tier_state(model)
+    build = tier_build.BackgroundBuild([], compiled=False)
+    build.rows_outcome = (0, "ROWS_DONE", None)
+    state.build = build
+    assert tiers.caches_warm(model, state, "triton") and not tiers.caches_warm(model, state)
+    record = tiers._load_record(model, state)
+    assert tiers._triton_cost(record, tiers.caches_warm(model, state, "triton")) == tiers.RECORDED_TRITON_COST_S
+    assert tiers._compiled_cost(record, tiers._caches_filled(state)) == tiers.DEFAULT_COST_S["compiled"]
+    state.regret["triton"] = tiers.RECORDED_TRITON_COST_S + tiers.TRITON_KEY_COST_S
+    assert tiers.choose_tier(model, "never").name == "triton"

@@ -257,16 +257,3 @@ def test_model_scan_is_kept_per_model_and_redone_after_a_module_is_replaced():
     assert non_embedding_parameters(model) == model.num_parameters(exclude_embeddings=True) != count
 
 
-@pytest.mark.parametrize("levels", [2, 3])
-def test_warmup_tree_batches_plan_the_levels_they_stand_for(levels):
-    """``warmup``'s tree batches (what its Triton-tier calls build kernel variants for) plan into the shared levels
-    they are meant to exercise: the shared tokens and two branches, and with ``levels=3`` four sub-branches below."""
-    from hf_cascade.inputs import plan_cascade_batch
-    from hf_cascade.warmup import _tree_batch
-
-    _, cas = model_pair("llama")
-    shared = torch.randint(3, cas.config.vocab_size, (40,), generator=torch.Generator().manual_seed(1))
-    ids, mask = _tree_batch(shared, 9, cas.config.vocab_size, torch.Generator().manual_seed(2), levels=levels)
-    assert (mask.sum(1) >= 40 + 32 + 3).all() and (mask[:, -1] == 1).all()  # left-padded, every row complete
-    cache, _, _ = plan_cascade_batch(cas, ids, mask, cost_model=None)
-    assert cache is not None and cache.num_levels == levels

@@ -272,7 +272,7 @@ def test_host_length_follows_steps_that_ran_no_python():
 
 
 def test_compiled_layers_are_installed_for_their_own_thread_only():
-    """A thread inside compiled_layers (a background build of the compiled tier: hf_cascade.tier_build) leaves the
+    """A thread inside compiled_layers (another thread's generate(), or a compile beside a serving thread) leaves the
     model as it was for every other thread: a generate() on the main thread meanwhile runs the model's own layers
     (fp32 tokens equal to the reference, nothing compiled), and the layers' previous calls are back afterwards."""
     import threading

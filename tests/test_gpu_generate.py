@@ -453,7 +453,7 @@ def test_gpu_first_calls_compile_nothing_and_move_up_exactly(family, monkeypatch
 
     from hf_cascade import tier_build, tiers
 
-    assert not tier_build.ENABLED  # the ski rental alone (conftest; the background build: below)
+    assert not tier_build.background_builds_on()  # the ski rental alone (conftest; the background build: below)
     ref = tiny_model(family, reference_attention(family), device="cuda", num_hidden_layers=3)
     cas = tiny_model(family, "cascade", device="cuda", num_hidden_layers=3)
     gen = dict(max_new_tokens=7, min_new_tokens=7, pad_token_id=0, do_sample=False)
@@ -529,6 +529,41 @@ def test_gpu_compiled_tier_built_in_the_background(family, do_sample, monkeypatc
     assert set(names[1:-2]) <= {"builtin", "triton"}, names
 
 
+@pytest.mark.background_build
+def test_gpu_triton_tier_built_in_the_background_where_the_step_may_not_compile(monkeypatch):
+    """TRL's rollouts pass ``disable_compile=True``: the steps are recorded, never compiled. After the first call
+    (built-in tier) a child fills the Triton tier's kernels (hf_cascade.tier_build, ``compiled=False``: nothing
+    compiled); once it is done the ski rental moves the calls to the Triton tier with the recorded (small) cost,
+    tokens equal to the reference's in fp32 throughout; the compiled tier is never taken."""
+    from hf_cascade import tiers
+    from hf_cascade.tier_build import wait_for_build
+
+    ref = tiny_model("llama", reference_attention("llama"), device="cuda", num_hidden_layers=3)
+    cas = tiny_model("llama", "cascade", device="cuda", num_hidden_layers=3)
+    gen = dict(max_new_tokens=7, min_new_tokens=7, pad_token_id=0, do_sample=False, disable_compile=True)
+    rows = tree_prompts([(1, 24), (2, 12)], 5, rows=6, seed=93)
+    ids, mask = (t.cuda() for t in pad_batch(rows))
+    want = ref.generate(ids, attention_mask=mask, **gen)
+
+    def call():
+        got = cas.generate(ids, attention_mask=mask, custom_generate=hf_cascade.generate,
+                           cascade_options=dict(cost_model=None, min_shared_tokens=2), **gen)
+        assert torch.equal(got, want)
+        return tiers.tier_report(cas)
+
+    report = call()
+    assert report["calls"][0][0] == "builtin" and report["background_build"]["running"], report
+    assert wait_for_build(cas, timeout=600), tiers.tier_report(cas)
+    report = tiers.tier_report(cas)
+    assert report["background_build"]["caches_filled"] and report["background_build"]["error"] is None, report
+    monkeypatch.setattr(tiers, "RECORDED_TRITON_COST_S", 0.0)  # tiny calls: any regret pays for warm caches
+    monkeypatch.setattr(tiers, "TRITON_KEY_COST_S", 0.0)
+    for _ in range(2):
+        report = call()
+    assert [name for name, _ in report["calls"]][-1] == "triton", report
+    assert "compiled" not in {name for name, _ in report["calls"]}, report
+
+
 def test_gpu_builtin_kernels_bf16_close_to_sdpa():
     """bf16 on the built-in kernels (FlashAttention-2 for the shared prefix): the first step's logits within bf16
     noise of sdpa's, as the Triton path's are (test_gpu_bf16_generate_close_to_sdpa)."""
@@ -543,28 +578,27 @@ def test_gpu_builtin_kernels_bf16_close_to_sdpa():
     assert (got - want).abs().max() <= 0.05 * want.abs().max()
 
 
-def test_gpu_warmup_builds_both_tiers_and_writes_the_record(tmp_path, monkeypatch):
-    """`hf_cascade warmup` (warm_up): per batch size one call on the Triton tier and one compiled, then the warm
-    compile measured again; the record says the Triton kernels are built and the caches warm, so a new process
-    expects the recorded (small) costs, not the cold ones."""
+def test_gpu_warmup_fills_the_caches_and_writes_the_record(tmp_path, monkeypatch):
+    """`hf_cascade warmup` (warm_up): per batch size one compiled call, then the background build's children run
+    in the foreground to their end (the rows, and the grid of layouts with the batches added), then the warm
+    compile measured again; the record says the caches are warm, so a new process expects the warm (small) costs,
+    not the cold ones, and starts no background build."""
     import json
 
     from hf_cascade import tiers
-    from hf_cascade.warmup import _two_pass_prefix_tokens, warm_up
+    from hf_cascade.warmup import warm_up
 
     monkeypatch.setenv("HF_CASCADE_RECORDS", str(tmp_path))
     model = tiny_model("llama", "cascade", device="cuda", num_hidden_layers=2)
     lines = []
-    results = warm_up(model, rows=(3,), prompt_tokens=40, new_tokens=4, report=lines.append)
-    assert _two_pass_prefix_tokens(model, 3, 4) > 40  # (the tiny model has the positions for it)
-    assert [(r["tier"], r.get("batch")) for r in results] == [
-        ("triton", "plain"), ("triton", "plain, 40 own"), ("triton", "plain, long shared"), ("triton", "tree"),
-        ("compiled", "plain"), ("compiled (warm caches)", None)]
-    assert len(lines) == 6
+    results = warm_up(model, rows=(3,), prompt_tokens=40, new_tokens=4, report=lines.append, grid_budget_s=20.0)
+    assert [r.get("tier", r["batch"]) for r in results] == ["compiled", "background build", "compiled (warm caches)"]
+    assert results[1]["error"] is None and results[1]["grid"]["done"] >= 2, results  # the batch, on both paths
+    assert len(lines) == 3
     (path,) = tmp_path.glob("*.json")
     stored = json.loads(path.read_text())["tiers"]
-    assert stored["triton_built"] and stored["caches_warm"]
+    assert stored["caches_warm"]
     assert "triton_cost_s" not in stored and "compiled_call_s" not in stored  # (cold builds: not a later cost)
     # what a later process expects
-    assert tiers._triton_cost(stored, False) == tiers.RECORDED_TRITON_COST_S
+    assert tiers._triton_cost(stored, True) == tiers.RECORDED_TRITON_COST_S
     assert tiers._compiled_cost(stored) == tiers.WARM_COMPILE_COST_S

@@ -8,7 +8,6 @@ benchmarks/bench_stall.py.
 """
 
 import contextlib
-import threading
 
 import pytest
 import torch
@@ -114,20 +113,23 @@ def test_new_shapes_compile_when_the_time_lost_pays(tiny, monkeypatch):
     """Background builds on or off alike: the calls that missed add what compiling would have saved them, and once
     that reaches NEW_SHAPES_COST_S the next call may compile (a ski rental per shape); that call clears the regret.
     A ready compiled tier is taken even while a build runs (none compiles shapes)."""
+    from _build_children import sleeping, stop
+
     from hf_cascade import tier_build, tiers
 
     state = _compiled_ready(tiny)
     compiled = tiers._TIERS["compiled"]
     monkeypatch.delenv("HF_CASCADE_BACKGROUND", raising=False)
-    monkeypatch.setattr(tier_build, "ENABLED", True)
-    assert "no thread compiles" in tier_build.describe()
+    assert tier_build.background_builds_on() and "no thread" in tier_build.describe()
     monkeypatch.setenv("HF_CASCADE_BACKGROUND", "0")
     assert not tier_build.background_builds_on() and "off" in tier_build.describe()
-    state.building = threading.current_thread()
+    rows = sleeping()
+    state.build = tier_build.BackgroundBuild([rows])
     try:
         assert tiers.choose_tier(tiny).name == "compiled"
     finally:
-        state.building = None
+        stop(rows)
+        state.build = None
     calls = 0
     while True:
         policy = tiers.shape_policy(tiny, compiled)

@@ -121,9 +121,7 @@ def main():
 
     writer = ResultWriter("probe_call_timeline.jsonl", args.output)
     if args.cold:
-        from hf_cascade import tier_build
-
-        tier_build.ENABLED = False  # the calls alone, no child process beside calls 2 and 3
+        os.environ["HF_CASCADE_BACKGROUND"] = "off"  # the calls alone, no child process beside calls 2 and 3
         import cProfile
         import io
         import pstats
