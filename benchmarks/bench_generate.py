@@ -38,6 +38,7 @@ import argparse  # noqa: E402
 import functools  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
+import signal  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 
@@ -172,6 +173,9 @@ def _stream_pass(args, writer, model, batches, stream_pass: int, counters) -> No
             except PeerFailed as err:
                 status = err.record["status"]
                 break
+            except KeyboardInterrupt:  # (SIGTERM too: main) the batches so far are written, then it stops
+                status = f"stopped in batch {len(per_batch) + 1} (interrupted)"
+                break
             finally:
                 reset_memory()
         record = {
@@ -198,6 +202,8 @@ def _stream_pass(args, writer, model, batches, stream_pass: int, counters) -> No
             caches.clear()
         totals[peer] = record["total_s"]
         writer.write(record)
+        if status.startswith("stopped"):
+            raise KeyboardInterrupt(status)
         print({k: v for k, v in record.items() if k != "layouts"}, flush=True)
     for ours in CASCADE_GENERATE_PEERS:
         for peer in ("sdpa", "hf_prefix_reuse", *CB_PEERS):
@@ -297,6 +303,10 @@ def main_tree(args, writer, model, runners, out_of_memory: set, rows: list) -> N
     _time_peers(args, writer, model, runners, ids, mask, base, out_of_memory, rows)
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=32)
@@ -334,6 +344,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_generate.py needs a CUDA GPU.")
+    signal.signal(signal.SIGTERM, _interrupt)  # a time limit's SIGTERM: the stream's batches so far are written
     if args.stream_process_per_peer:
         stream_process_per_peer(args, argv if argv is not None else sys.argv[1:])
         return
