@@ -156,18 +156,24 @@ def _built(call: dict) -> str:
 
 
 def stall_table(records: list[dict]) -> str:
-    """The newest full GPU run of bench_stall.py (one that reached its stream): one process, workloads one after
-    another, then a stream of layouts."""
-    runs_ = [r for r in records if not r.get("tiny") and r.get("device") == "cuda"]
-    full = [r for r in runs_ if r.get("phase") == "summary" and r.get("stream_total_over_steady") is not None]
-    if not full:
+    """The newest full GPU run of bench_stall.py (one that reached its stream) with sdpa in the same run: one process,
+    workloads one after another, then a stream of layouts; then a line for each newer full run, and the newest run
+    that stopped before its stream."""
+    gpu = [r for r in records if not r.get("tiny") and r.get("device") == "cuda"]
+    full = [r for r in gpu if r.get("phase") == "summary" and r.get("stream_total_over_steady") is not None]
+    with_sdpa = [r for r in full if any(s.get("phase") == "stream" and s.get("sdpa") and s["git_sha"] == r["git_sha"]
+                                        for s in gpu)]
+    main_run = (with_sdpa or full or [None])[-1]
+    if main_run is None:
         return ""
-    sha = full[-1]["git_sha"]
-    runs_ = [r for r in runs_ if r["git_sha"] == sha]
+    sha = main_run["git_sha"]
+    runs_ = [r for r in gpu if r["git_sha"] == sha]
     run = {r["phase"]: r for r in runs_ if r["git_sha"] == sha}
     summary = run.get("summary", {})
+    caches = summary.get("caches_at_start") or {}
+    empty = "empty compile caches" if not any(caches.values()) else f"compile cache files at the start: {caches}"
     lines = [f"{runs_[-1]['gpu']}, torch {runs_[-1]['torch']}, git `{sha[:7]}`, Llama-3-8B shape, bf16, default options, "
-             "one process, empty compile caches at the start. Each workload's calls in order (seconds, tier):", ""]
+             f"one process, {empty}. Each workload's calls in order (seconds, tier):", ""]
     for phase in ("samples32", "tree64", "prompts16x8"):
         if phase in run:
             calls = run[phase]["calls"]
@@ -200,8 +206,27 @@ def stall_table(records: list[dict]) -> str:
                               for r in sdpa) + "."]
     if runs_[-1].get("host_load"):
         lines += ["", f"Host: {runs_[-1]['host_load']}."]
+    for newer in full[full.index(main_run) + 1:]:
+        stream_calls = next((r.get("calls") or [] for r in gpu
+                             if r.get("phase") == "stream" and r["git_sha"] == newer["git_sha"]), [])
+        lines += ["", _newer_full_stall(newer, [c for c in stream_calls if c.get("over_steady", 0) > 2])]
     lines += _newer_partial_stall(records, full[-1])
     return "\n".join(lines)
+
+
+def _newer_full_stall(summary: dict, slow: list[dict]) -> str:
+    """One line for a full run newer than the one :func:`stall_table` shows (one without sdpa in the run); ``slow``:
+    its stream calls over 2x their steady time."""
+    ratios = ", ".join(f"{k} {v:.2f}x" for k, v in summary.get("first_over_steady", {}).items())
+    build = summary.get("tiers", {}).get("background_build", {})
+    grid = (build.get("prewarm") or {}).get("grid") or {}
+    note = summary.get("run_note") or summary.get("host_load")
+    return (f"A newer run (git `{summary['git_sha'][:7]}`, {summary['gpu']}, without sdpa): first call over steady "
+            f"{ratios}; the stream {summary['stream_total_over_steady']:.2f}x the steady sum, "
+            f"{summary.get('stream_calls_over_2x', 0)} calls over 2x (worst {summary['stream_max_over_steady']:.1f}x"
+            + "".join(f"; layout {c['layout']} {c['s']:.2f} s" + _built(c) for c in slow) + "); "
+            f"the background build's rows in {build.get('seconds')} s, the grid's {grid.get('done')} of "
+            f"{grid.get('batches')} runs in {grid.get('processes')} children." + (f" {note}." if note else ""))
 
 
 def _newer_partial_stall(records: list[dict], full_summary: dict) -> list[str]:

@@ -162,6 +162,7 @@ class BackgroundBuild:
                         "rows_done": code == 0}
         if self.early or len(self.grid):
             self.summary["grid"] = _grid_summary(_collect(self.grid), len(self.grid))
+            self.summary["grid"]["seconds_after_rows"] = round(self.summary["seconds"] - self.rows_s, 3)
         if self._folder is not None:
             self._folder.cleanup()
 
