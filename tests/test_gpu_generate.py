@@ -592,7 +592,7 @@ def test_gpu_warmup_fills_the_caches_and_writes_the_record(tmp_path, monkeypatch
     model = tiny_model("llama", "cascade", device="cuda", num_hidden_layers=2)
     lines = []
     results = warm_up(model, rows=(3,), prompt_tokens=40, new_tokens=4, report=lines.append, grid_budget_s=20.0)
-    assert [r.get("tier", r["batch"]) for r in results] == ["compiled", "background build", "compiled (warm caches)"]
+    assert [r.get("tier") or r["batch"] for r in results] == ["compiled", "background build", "compiled (warm caches)"]
     assert results[1]["error"] is None and results[1]["grid"]["done"] >= 2, results  # the batch, on both paths
     assert len(lines) == 3
     (path,) = tmp_path.glob("*.json")
