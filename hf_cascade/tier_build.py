@@ -42,6 +42,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import torch
@@ -106,6 +107,7 @@ class BackgroundBuild:
     def __init__(self, rows: list, early: list = (), start_late=None, folder=None, compiled: bool = True):
         self.started = time.perf_counter()
         self.deadline = self.started + PREWARM_TIMEOUT_S
+        self._lock = threading.Lock()  # calls of several threads poll it
         self.rows, self.grid, self._start_late, self._folder = rows, list(early), start_late, folder
         self.early = len(self.grid)
         self.compiled = compiled  # the build call compiled the layers (else: the Triton tier's kernels only)
@@ -145,13 +147,22 @@ class BackgroundBuild:
         child has succeeded, start the compiled-layer grid children; once all have ended, the summary."""
         if self.summary is not None:
             return
+        with self._lock:
+            if self.summary is None:
+                self._advance()
+
+    def _advance(self) -> None:
         if self.rows_outcome is None:
             if not _ended(self.rows, self.deadline):
                 return
             self.rows_outcome = _collect(self.rows)[0]
             self.rows_s = round(time.perf_counter() - self.started, 3)
             if self.caches_filled and self._start_late is not None:
-                self.grid += self._start_late(sum(1 for c, *_ in self.grid if _running(c)))
+                try:
+                    self.grid += self._start_late(sum(1 for c, *_ in self.grid if _running(c)))
+                except Exception as err:  # noqa: BLE001 (a spec that cannot be written: the calls must go on)
+                    logger.warning(f"hf_cascade: the compiled-layer grid of the background build did not start "
+                                   f"({type(err).__name__}: {str(err)[:200]}).")
             elif not self.caches_filled:
                 logger.warning(f"hf_cascade: preparing the compiled tier in the background failed ({self.error}); "
                                "the calls move up only when the time they lost would have paid for compiling.")

@@ -330,7 +330,10 @@ def test_calls_move_up_while_the_children_run_the_grid(records, tiny_llama_pair)
     assert tier_build.wait_for_build(model, timeout=60)
     report = tiers.tier_report(model)["background_build"]
     assert report["grid_running"] is False and report["error"] is None
-    assert report["prewarm"]["grid"] == {"processes": 2, "batches": 2, "done": 2, "failed": 0}, report
+    grid = report["prewarm"]["grid"]
+    assert {k: grid[k] for k in ("processes", "batches", "done", "failed")} == {
+        "processes": 2, "batches": 2, "done": 2, "failed": 0}, report
+    assert 0 <= grid["seconds_after_rows"] <= report["prewarm"]["seconds"]
 
 
 def test_background_build_starts_only_where_the_caches_are_cold(records, tiny_llama_pair):
@@ -547,3 +550,28 @@ def test_a_triton_build_fills_the_triton_tier_only(records, tiny_llama_pair):
     assert tiers._compiled_cost(record, tiers._caches_filled(state)) == tiers.DEFAULT_COST_S["compiled"]
     state.regret["triton"] = tiers.RECORDED_TRITON_COST_S + tiers.TRITON_KEY_COST_S
     assert tiers.choose_tier(model, "never").name == "triton"
+
+
+def test_a_grid_that_cannot_start_never_breaks_a_call(records, tiny_llama_pair):
+    """The compiled-layer grid starts from a call's tier choice (BackgroundBuild.poll): where it cannot start (its
+    spec cannot be written, say), the call goes on (a warning) and the build counts as done once the rows child is."""
+    from _build_children import child, stop
+
+    from hf_cascade import tier_build, tiers
+
+    model = tiny_llama_pair[0]
+    _fresh_process(model)
+    state = tiers.tier_state(model)
+    rows = child("print('ROWS_DONE')")
+
+    def start_late(running):
+        raise OSError("No space left on device")
+
+    state.build = tier_build.BackgroundBuild([rows], [], start_late)
+    try:
+        rows[0].wait(60)
+        assert tiers.choose_tier(model).name == "builtin"
+    finally:
+        stop(rows)
+    report = tiers.tier_report(model)["background_build"]
+    assert report["caches_filled"] and report["error"] is None and report["prewarm"]["rows_done"], report
