@@ -11,7 +11,11 @@ disk. Grid children run the batches of :func:`~hf_cascade.build_grid.variant_gri
 levels, short and long prefixes, own tokens of several widths, padded or not; each child makes its slice of the grid
 itself), on the eager layers beside the rows child and on the compiled layers after it, each for at most
 :data:`GRID_BUDGET_S`: the Triton kernel variants of layouts no call has run yet, which a process that had moved up
-built in the call (3-10 s on a new layout's first call, H100, Llama-3-8B shape: results/stall.jsonl).
+built in the call (3-10 s on a new layout's first call, H100, Llama-3-8B shape: results/stall.jsonl). Where the
+calls' step may not compile (TRL's rollouts pass ``disable_compile=True``), the build is for the **Triton tier**
+instead: the build call and the grid run the Triton kernels with recorded steps (:data:`TRITON_BUILD_OPTIONS`),
+compiling nothing; once it is done the Triton tier's expected cost is a warm cache's (TRL's rollout on an H200 moved
+up at call 8 instead of call 10: results/trl_rollout.jsonl, 3a6f84c).
 
 **No thread waits for the children**: a :class:`BackgroundBuild` holds them, and every call's tier choice (and
 :func:`~hf_cascade.tiers.tier_report`, :func:`wait_for_build`) asks it where they stand (:meth:`BackgroundBuild.poll`,
