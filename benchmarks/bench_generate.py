@@ -142,7 +142,11 @@ def _stream_pass(args, writer, model, batches, stream_pass: int, counters) -> No
         graphs_before = counters["stats"]["unique_graphs"]
         per_batch, status, caches, split, compile_per_batch, variants = [], "ok", [], [], [], []
         triton_per_batch = []
+        peer_started = time.perf_counter()
         for ids, mask in batches:
+            if args.peer_budget_s is not None and per_batch and time.perf_counter() - peer_started > args.peer_budget_s:
+                status = f"stopped after {len(per_batch)} of {len(batches)} batches (--peer-budget-s)"
+                break
             try:
                 if peer == "sdpa":
                     model.set_attn_implementation("sdpa")
@@ -200,9 +204,10 @@ def _stream_pass(args, writer, model, batches, stream_pass: int, counters) -> No
             record["planned"] = [{"levels": c.num_levels, "max_suffix_length": c.max_suffix_length,
                                   "compiled": c.is_compileable} for c in caches]
             caches.clear()
-        totals[peer] = record["total_s"]
+        if status == "ok":
+            totals[peer] = record["total_s"]
         writer.write(record)
-        if status.startswith("stopped"):
+        if status.startswith("stopped in"):
             raise KeyboardInterrupt(status)
         print({k: v for k, v in record.items() if k != "layouts"}, flush=True)
     for ours in CASCADE_GENERATE_PEERS:
@@ -340,6 +345,9 @@ def main(argv=None):
     parser.add_argument("--stream-process-per-peer", action="store_true",
                         help="--workload stream: run each peer in a new process of its own (each pays its own "
                         "first-call costs), one after another, and compare their pass-0 totals")
+    parser.add_argument("--peer-budget-s", type=float, default=None,
+                        help="--workload stream: a peer starts no further batch of a pass after this many seconds "
+                        "(its record says how many it ran), so that a slow peer leaves time to the others")
     parser.add_argument("--output", default=None, help="JSON-lines file (default benchmarks/results/generate.jsonl)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
