@@ -181,13 +181,23 @@ class BackgroundBuild:
         if self._folder is not None:
             self._folder.cleanup()
 
-    def wait(self, timeout: float | None = None) -> bool:
-        """Poll until every child has ended (or ``timeout`` seconds); True when they have."""
+    def wait(self, timeout: float | None = None, progress: bool = False) -> bool:
+        """Poll until every child has ended (or ``timeout`` seconds); True when they have. ``progress``: a tqdm bar
+        over the children (``warmup``)."""
+        from tqdm.auto import tqdm
+
         deadline = None if timeout is None else time.perf_counter() + timeout
+        bar = tqdm(total=1, unit="child", desc="background build", disable=not progress, dynamic_ncols=True)
         self.poll()
         while self.summary is None and (deadline is None or time.perf_counter() < deadline):
             time.sleep(0.05)
             self.poll()
+            children = self.rows + self.grid
+            ended = sum(1 for child, *_ in children if not _running(child))
+            if (bar.n, bar.total) != (ended, len(children)):
+                bar.total, bar.n = len(children), ended
+                bar.set_postfix_str("rows" if self.rows_running else "grid")
+        bar.close()
         return self.summary is not None
 
     def report(self) -> dict:

@@ -92,7 +92,7 @@ def _build_in_foreground(model, batches: list, new_tokens: int, grid_budget_s: f
     build = tier_build.start_build(model, captured["input_ids"], captured["generation_config"], captured["kwargs"],
                                    {"compile": "now", "batch_buckets": True}, grid_batches=grid,
                                    grid_budget_s=grid_budget_s)
-    build.wait()
+    build.wait(progress=True)
     seconds = time.perf_counter() - started
     outcome = build.summary
     report(f"  background build in the foreground: {seconds:.1f} s; grid {outcome.get('grid')}"
