@@ -122,8 +122,8 @@ class BackgroundBuild:
     @classmethod
     def failed(cls, error: str) -> "BackgroundBuild":
         """A build that could not start (``error`` says why): reported as failed, never tried again."""
-        logger.warning(f"hf_cascade: no background build of the compiled tier ({error}); the calls move up only when "
-                       "the time they lost would have paid for compiling.")
+        logger.warning(f"hf_cascade: no background build ({error}); the calls move up only when the time they lost "
+                       "would have paid for building the next tier.")
         build = cls([])
         build.rows_outcome, build.rows_s = (None, "", error), 0.0
         build.summary = {"seconds": 0.0, "returncode": None, "error": error, "rows_done": False}
@@ -159,7 +159,7 @@ class BackgroundBuild:
         if self.rows_outcome is None:
             if not _ended(self.rows, self.deadline):
                 return
-            self.rows_outcome = _collect(self.rows)[0]
+            self.rows_outcome = _collect(self.rows)[0] if self.rows else (None, "", "no rows child was started")
             self.rows_s = round(time.perf_counter() - self.started, 3)
             if self.caches_filled and self._start_late is not None:
                 try:
