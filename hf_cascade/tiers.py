@@ -166,9 +166,10 @@ def choose_tier(model, compile: str = "auto") -> Tier:
             return _TIERS["compiled"]
         if state.ready["compiled"] and compile == "auto":
             return _TIERS["compiled"]
-        # While the compiled tier builds in the background (hf_cascade.tier_build: it builds the Triton kernels
-        # too), the calls do not build anything themselves: they would wait for what the build is making.
-        building = _rows_building(state) and compile == "auto"
+        # While a background build runs (hf_cascade.tier_build: the compiled tier's builds the Triton kernels too;
+        # the Triton tier's, where the step may not compile, arrives here as "never"), the calls do not build
+        # anything themselves: they would wait for what the build is making.
+        building = _rows_building(state) and compile != "now"
         record = _load_record(model, state)
         triton = state.ready["triton"] or (not building and state.regret["triton"] >= _triton_cost(
             record, caches_warm(model, state, "triton")) + (0.0 if triton_key_ready() else TRITON_KEY_COST_S))

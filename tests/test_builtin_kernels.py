@@ -191,6 +191,7 @@ def test_calls_build_nothing_while_the_background_build_runs(records, tiny_llama
         for name in ("triton", "compiled"):
             state.regret[name] = 1e6
         assert tiers.choose_tier(model).name == "builtin"
+        assert tiers.choose_tier(model, "never").name == "builtin"  # (a Triton tier's build: TRL's calls)
         assert tiers.choose_tier(model, "now").name == "compiled"  # the user's explicit choice is kept
         assert tiers.tier_report(model)["background_build"]["running"] is True
     finally:
