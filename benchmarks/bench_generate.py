@@ -182,28 +182,10 @@ def _stream_pass(args, writer, model, batches, stream_pass: int, counters) -> No
                 break
             finally:
                 reset_memory()
-        record = {
-            "bench": "generate_layout_stream", "peer": peer, "pass": stream_pass, "layers": args.layers, "batch": 32,
-            "new_tokens": args.new_tokens, "layouts": [[list(l) for l in levels] for levels, _ in LAYOUT_STREAM],
-            "per_batch_s": per_batch, "total_s": sum(per_batch), "status": status,
-            "compiled_graphs": counters["stats"]["unique_graphs"] - graphs_before,
-            # this process so far: imports, model build, earlier peers and passes, this one
-            "process_s": time.perf_counter() - PROCESS_STARTED, "peers_in_process": args.stream_peers,
-        }
-        if split:
-            record["sdpa_parts_per_batch"] = split
-        if peer in CASCADE_GENERATE_PEERS:
-            record["decode_step"] = (CASCADE_GENERATE_PEERS[peer] or {}).get("decode_step", "default")
-            record["cascade_options"] = _options_name(CASCADE_GENERATE_PEERS[peer])
-        if compile_per_batch:  # torch.compile phases per batch (the rest of a compiling batch: Triton, cudagraphs)
-            record["compile_s_per_batch"] = compile_per_batch
-            record["triton_variants_after_batch"] = variants  # hf_cascade's Triton kernels built so far
-            record["triton_per_batch"] = triton_per_batch  # builds (and seconds), loads from Triton's disk cache
-            record["triton_cache_files_at_start"] = args.triton_cache_files_at_start  # 0: a machine-cold stream
-        if caches:  # the trees as planned: prefix levels and fixed-buffer capacity of each batch
-            record["planned"] = [{"levels": c.num_levels, "max_suffix_length": c.max_suffix_length,
-                                  "compiled": c.is_compileable} for c in caches]
-            caches.clear()
+        record = _stream_record(args, peer, stream_pass, per_batch, status, split, caches,
+                                {"compile_s_per_batch": compile_per_batch, "triton_variants_after_batch": variants,
+                                 "triton_per_batch": triton_per_batch})
+        record["compiled_graphs"] = counters["stats"]["unique_graphs"] - graphs_before
         if status == "ok":
             totals[peer] = record["total_s"]
         writer.write(record)
@@ -215,6 +197,31 @@ def _stream_pass(args, writer, model, batches, stream_pass: int, counters) -> No
             if totals.get(peer) and totals.get(ours):
                 print(f"layout stream (pass {stream_pass}): {ours} {totals[ours]:.1f} s, {peer} {totals[peer]:.1f} s "
                       f"({totals[peer] / totals[ours]:.2f}x)")
+
+
+def _stream_record(args, peer: str, stream_pass: int, per_batch: list, status: str, split: list, caches: list,
+                   triton: dict) -> dict:
+    """One peer's record of a stream pass (``triton``: the cascade peers' per-batch compile and Triton lists)."""
+    record = {
+        "bench": "generate_layout_stream", "peer": peer, "pass": stream_pass, "layers": args.layers, "batch": 32,
+        "new_tokens": args.new_tokens, "layouts": [[list(l) for l in levels] for levels, _ in LAYOUT_STREAM],
+        "per_batch_s": per_batch, "total_s": sum(per_batch), "status": status,
+        # this process so far: imports, model build, earlier peers and passes, this one
+        "process_s": time.perf_counter() - PROCESS_STARTED, "peers_in_process": args.stream_peers,
+    }
+    if split:
+        record["sdpa_parts_per_batch"] = split
+    if peer in CASCADE_GENERATE_PEERS:
+        record["decode_step"] = (CASCADE_GENERATE_PEERS[peer] or {}).get("decode_step", "default")
+        record["cascade_options"] = _options_name(CASCADE_GENERATE_PEERS[peer])
+    if triton["compile_s_per_batch"]:  # torch.compile phases per batch (the rest of a compiling batch: Triton, ...)
+        record.update(triton)  # hf_cascade's Triton kernels built so far; builds (and seconds), loads from disk
+        record["triton_cache_files_at_start"] = args.triton_cache_files_at_start  # 0: a machine-cold stream
+    if caches:  # the trees as planned: prefix levels and fixed-buffer capacity of each batch
+        record["planned"] = [{"levels": c.num_levels, "max_suffix_length": c.max_suffix_length,
+                              "compiled": c.is_compileable} for c in caches]
+        caches.clear()
+    return record
 
 
 def stream_process_per_peer(args, argv: list[str]) -> None:
@@ -312,7 +319,7 @@ def _interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--prefix", type=int, default=4096)
@@ -349,10 +356,14 @@ def main(argv=None):
                         help="--workload stream: a peer starts no further batch of a pass after this many seconds "
                         "(its record says how many it ran), so that a slow peer leaves time to the others")
     parser.add_argument("--output", default=None, help="JSON-lines file (default benchmarks/results/generate.jsonl)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("bench_generate.py needs a CUDA GPU.")
-    signal.signal(signal.SIGTERM, _interrupt)  # a time limit's SIGTERM: the stream's batches so far are written
+    signal.signal(signal.SIGTERM, _interrupt)  # a limit's SIGTERM: the stream's batches so far are written
     if args.stream_process_per_peer:
         stream_process_per_peer(args, argv if argv is not None else sys.argv[1:])
         return

@@ -32,7 +32,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from hf_cascade.attention import ATTENTION_NAME, bind_layer, check_model_uses_cascade, sdpa_attention
-from hf_cascade.step_context import outside_layer_graphs, static_step
+from hf_cascade.step_context import memoized, outside_layer_graphs, static_step
 from hf_cascade.step_buffers import StepBuffers
 from hf_cascade.model_scan import attention_modules
 from hf_cascade.ops._backend import host_to_device
@@ -41,7 +41,7 @@ from hf_cascade.ops.cascade_wrapper import CascadeWrapper
 from hf_cascade.ops.plan import CascadePlan
 from hf_cascade.prefill import PrefixLevel, prefill_levels, validate_token_ids
 from hf_cascade.static_steps import StaticStepMixin
-from hf_cascade.suffix_layers import StaticSuffixLayer, SuffixLayer, append_columns, memoized
+from hf_cascade.suffix_layers import StaticSuffixLayer, SuffixLayer, append_columns
 from hf_cascade.windows import layer_sinks, layer_window
 
 # The names these had when they were defined here (kept importable from hf_cascade.cache).

@@ -20,8 +20,8 @@ import dataclasses
 
 import torch
 
-__all__ = ["StepContext", "TRACE", "current", "layer_step_cache", "memoized", "note_layer_written", "outside_layer_graphs",
-           "static_step", "step_context"]
+__all__ = ["StepContext", "TRACE", "current", "layer_step_cache", "memoized", "note_layer_written",
+           "outside_layer_graphs", "static_step", "step_context"]
 
 
 @dataclasses.dataclass(frozen=True)

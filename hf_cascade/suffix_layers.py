@@ -15,7 +15,7 @@ from hf_cascade.step_buffers import take_or_new
 from hf_cascade.ops.kv_write import write_suffix_kv
 from hf_cascade.ops.reference import write_suffix_kv_ref
 
-__all__ = ["StaticSuffixLayer", "SuffixLayer", "append_columns", "memoized"]
+__all__ = ["StaticSuffixLayer", "SuffixLayer", "append_columns"]
 
 
 class SuffixLayer(CacheLayerMixin):

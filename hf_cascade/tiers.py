@@ -169,6 +169,8 @@ def choose_tier(model, compile: str = "auto") -> Tier:
         # While a background build runs (hf_cascade.tier_build: the compiled tier's builds the Triton kernels too;
         # the Triton tier's, where the step may not compile, arrives here as "never"), the calls do not build
         # anything themselves: they would wait for what the build is making.
+        if state.build is not None:
+            state.build.poll()  # (once per choice: the helpers below read what it found)
         building = _rows_building(state) and compile != "now"
         record = _load_record(model, state)
         triton = state.ready["triton"] or (not building and state.regret["triton"] >= _triton_cost(
@@ -277,19 +279,15 @@ def caches_warm(model, state: _ModelTiers, tier: str = "compiled") -> bool:
 
 
 def _rows_building(state: _ModelTiers) -> bool:
-    """Whether the background build's rows child still runs (asked of its process now)."""
-    if state.build is None:
-        return False
-    state.build.poll()
-    return state.build.rows_running
+    """Whether the background build's rows child still ran when it was last polled."""
+    return state.build is not None and state.build.rows_running
 
 
 def _caches_filled(state: _ModelTiers, tier: str = "compiled") -> bool:
     """Whether a background build of this process filled the compile caches for the model's calls on ``tier``
-    (a build for the compiled tier fills the Triton kernels too)."""
+    (a build for the compiled tier fills the Triton kernels too), as it stood when last polled."""
     if state.build is None or (tier == "compiled" and not state.build.compiled):
         return False
-    state.build.poll()
     return state.build.caches_filled
 
 

@@ -11,8 +11,8 @@ as they lie (nodes are consecutive key spans). Not in the product until this pro
 What it checks and times (bf16, CUDA, decode: one query per row; Qwen2.5-1.5B heads by default, Hq=12, Hkv=2,
 D=128): for each level layout, out and LSE of the varlen call against the per-node path (max abs difference; LSE
 layout reported: ``[Hq, total_q]`` or padded ``[N, Hq, max_q]``), and the microseconds of one level per layer,
-eager and replayed from a CUDA graph of ``--layers`` levels (a decode step's worth). Writes one JSON line per layout
-to ``benchmarks/results/probe_builtin_varlen.jsonl``.
+eager (CUDA events) and replayed from CUDA graphs of ``--layers`` levels (a decode step's worth; ``bench_kernels.graph_time``). Writes one JSON line per layout
+(with the GPU, versions and git SHA: ``common.ResultWriter``) to ``benchmarks/results/probe_builtin_varlen.jsonl``.
 
     python benchmarks/probes/probe_builtin_varlen.py            # one GPU, ~1 min
 """
@@ -21,14 +21,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import sys
-import time
 
+import preamble  # noqa: F401  (the repository root and benchmarks/ on sys.path)
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-
+from bench_kernels import graph_time  # noqa: E402
+from common import ResultWriter, cuda_time  # noqa: E402
 from hf_cascade.ops.builtin_cascade import _prefix_level  # noqa: E402
 from hf_cascade.ops.plan import plan_shared_prefix  # noqa: E402
 
@@ -56,35 +54,6 @@ def varlen_level(query, k_pre, v_pre, order, inverse, cu_q, cu_k, max_q: int, ma
     return out, lse.index_select(0, inverse).reshape(B, Hq, Lq).float(), layout
 
 
-def timed_us(fn, layers: int, graph: bool) -> float:
-    """Microseconds per call of ``fn`` (one level), eager or replayed from a CUDA graph of ``layers`` calls."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    if not graph:
-        start = time.perf_counter()
-        for _ in range(layers * 10):
-            fn()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - start) / (layers * 10) * 1e6
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(layers):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(20):
-        g.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / (20 * layers) * 1e6
-
-
 def probe(name: str, nodes: int, rows: int, keys: int, args) -> dict:
     device, dtype = torch.device("cuda"), torch.bfloat16
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -102,8 +71,7 @@ def probe(name: str, nodes: int, rows: int, keys: int, args) -> dict:
                       .to(torch.int32)]).to(device)
     cu_k = starts.to(torch.int32).to(device)
     record = {"bench": "probe_builtin_varlen", "layout": name, "nodes": nodes, "rows": B, "keys_per_node": keys,
-              "hq": args.hq, "hkv": args.hkv, "d": args.d, "gpu": torch.cuda.get_device_name(),
-              "torch": torch.__version__, "git_sha": os.environ.get("GIT_SHA")}
+              "hq": args.hq, "hkv": args.hkv, "d": args.d}
     want_out, want_lse = _prefix_level(query, k_pre, v_pre, plan, scale, None)
     try:
         got_out, got_lse, layout = varlen_level(query, k_pre, v_pre, order, inverse, cu_q, cu_k, rows, keys, scale)
@@ -114,9 +82,9 @@ def probe(name: str, nodes: int, rows: int, keys: int, args) -> dict:
     per_node = lambda: _prefix_level(query, k_pre, v_pre, plan, scale, None)  # noqa: E731
     varlen = lambda: varlen_level(query, k_pre, v_pre, order, inverse, cu_q, cu_k, rows, keys, scale)  # noqa: E731
     for label, fn in (("per_node", per_node), ("varlen", varlen)):
-        record[f"{label}_eager_us"] = round(timed_us(fn, args.layers, graph=False), 1)
-        try:
-            record[f"{label}_graph_us"] = round(timed_us(fn, args.layers, graph=True), 1)
+        record[f"{label}_eager_us"] = round(cuda_time(fn)["ms"] * 1e3, 1)
+        try:  # replayed from CUDA graphs of at least a decode step's worth of levels
+            record[f"{label}_graph_us"] = round(graph_time([fn] * args.layers)["ms"] * 1e3, 1)
         except Exception as err:  # noqa: BLE001 (an op a CUDA graph cannot record: reported)
             record[f"{label}_graph_us"] = f"{type(err).__name__}: {str(err)[:200]}"
     record["status"] = "ok"
@@ -129,16 +97,16 @@ def main(argv=None) -> int:
     parser.add_argument("--hkv", type=int, default=2)
     parser.add_argument("--d", type=int, default=128)
     parser.add_argument("--layers", type=int, default=28, help="levels per recorded graph (a decode step's layers)")
-    parser.add_argument("--output", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                                                         "results", "probe_builtin_varlen.jsonl"))
+    parser.add_argument("--output", default=None, help="results file (default benchmarks/results/"
+                        "probe_builtin_varlen.jsonl)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("probe_builtin_varlen.py needs a CUDA GPU (FlashAttention-2's varlen op is CUDA-only).")
-    with open(args.output, "a") as f:
-        for layout in LAYOUTS:
-            record = probe(*layout, args)
-            print(json.dumps(record), flush=True)
-            f.write(json.dumps(record) + "\n")
+    writer = ResultWriter("probe_builtin_varlen.jsonl", args.output)
+    for layout in LAYOUTS:
+        record = probe(*layout, args)
+        print(json.dumps(record), flush=True)
+        writer.write(record)
     return 0
 
 

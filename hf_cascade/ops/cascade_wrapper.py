@@ -28,8 +28,8 @@ from .cascade_attention import cascade_attention
 from .plan import CascadePlan, _Schedule, plan_cascade, plan_shared_prefix
 from .reference import cascade_attention_ref
 
-__all__ = ["COMPILED_LEVELS", "CascadeWrapper", "LevelKV", "LevelTensors", "PrefixSlots", "bounded_planned_attention", "bounded_prefixes",
-           "padded_level_count", "planned_attention", "step_inputs"]
+__all__ = ["COMPILED_LEVELS", "CascadeWrapper", "LevelKV", "LevelTensors", "PrefixSlots", "bounded_planned_attention",
+           "bounded_prefixes", "padded_level_count", "planned_attention", "step_inputs"]
 
 # A compiled step takes at least this many prefix levels: a tree with fewer is padded with empty levels in front
 # (no node, so the op launches nothing for them), so trees of 1 to 4 levels share one graph. Deeper trees compile
