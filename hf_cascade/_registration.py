@@ -24,8 +24,7 @@ from hf_cascade._own_attention_tables import OWN_ATTENTION_TABLES
 TARGET = "transformers.modeling_utils"
 
 _lock = threading.RLock()
-_registered = False
-_busy = False
+_busy = False  # register() is running (its imports can come back to it on the same thread)
 
 
 def register() -> None:
@@ -33,7 +32,7 @@ def register() -> None:
     ``transformers.modeling_utils``). ``import hf_cascade`` does this by itself, as soon as transformers' registry
     is loaded: call it only to register again (after something removed the entry). It starts nothing and sets
     nothing else (Triton is prepared at the first use: :func:`hf_cascade.ops._backend.prepare_triton`)."""
-    global _registered, _busy
+    global _busy
     with _lock:
         if _busy:
             return
@@ -42,7 +41,6 @@ def register() -> None:
             from hf_cascade import attention
 
             attention.register()
-            _registered = True
         finally:
             _busy = False
 
@@ -129,10 +127,11 @@ def register_when_loaded() -> None:
         for name, _, _ in OWN_ATTENTION_TABLES:
             if name not in sys.modules:  # (a loaded one is given its entry by register())
                 _when_loaded(name, _refuse_in_table_after_load)
-        if _registered:
-            return
         module = sys.modules.get(TARGET)
-        if module is not None and getattr(module, "AttentionInterface", None) is not None:
+        interface = getattr(module, "AttentionInterface", None)
+        if interface is not None and "cascade" in interface():
+            return  # registered already
+        if interface is not None:
             register()
         else:
             _when_loaded(TARGET, lambda module: _register_after_load())

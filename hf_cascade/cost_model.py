@@ -19,9 +19,12 @@ Two costs decide it, per segment of ``n`` tokens shared by ``r`` rows:
   ``B·(P+S)/(P+B·S) >= 1.9`` cascade beat SDPA on per-row KV at every measured point; at B=1 it never did
   (0.39–0.99x), and at B=8, P=1K, S=1K it broke even (0.99x).
 
-**The first tier** (``builtin=True``: PyTorch's own kernels, :mod:`hf_cascade.ops.builtin_cascade`, the tier a
-process's first calls run on) attends node by node: every node of a level is one more attention call per layer and
-step, so a node is charged the whole of ``builtin_node_us_per_step``, not a share of its level's cost. Measured (H200,
+**The first tier where it attends node by node** (``builtin=True``: PyTorch's own kernels,
+:mod:`hf_cascade.ops.builtin_cascade`, the tier a process's first calls run on, where a level cannot be one
+variable-length flash call: fp32, soft-capping, other head sizes,
+:func:`~hf_cascade.ops.builtin_cascade.levels_in_one_call`; where it can, a level is charged as on the other
+tiers): every node of a level is one more attention call per layer and step, so a node is charged the whole of
+``builtin_node_us_per_step``, not a share of its level's cost. Measured (H200,
 a TRL GRPO rollout: Qwen2.5-1.5B shape, 28 layers, 16 prompts of ~250 tokens x 8 samples x 256 new tokens, a profile
 of one call, ``benchmarks/results/probe_trl_step.jsonl``, ``e734fe7``): PyTorch's flash-decoding and its combines
 took 0.54 s of GPU time over 256 steps x 252 node calls, ~8.4 µs a call: ~235 µs per node and step for 28 layers,

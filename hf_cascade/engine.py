@@ -30,8 +30,8 @@ class Engine:
     """What hf_cascade keeps for one model in this process (each part created when first read):
 
     ``tiers``
-        :class:`hf_cascade.tiers._ModelTiers`: which tiers are ready, the regret of the tiers above, the compile
-        record, the calls so far, the background build (:mod:`hf_cascade.tier_build`) and the per-shape regret.
+        :class:`hf_cascade.tiers._ModelTiers`: which tiers are ready, the regret of the tiers above, the
+        markers on disk, the calls so far, the background build (:mod:`hf_cascade.tier_build`) and the per-shape regret.
     ``scan``
         :class:`hf_cascade.model_scan._ModelScan`: the model's attention modules by layer index and its parameter
         count, walked once (again after a module is registered).

@@ -9,6 +9,7 @@ from hf_cascade.attention import check_model_uses_cascade
 from hf_cascade.cache import CascadeCache
 from hf_cascade.cost_model import CascadeCostModel
 from hf_cascade.model_scan import attention_modules
+from hf_cascade.ops.builtin_cascade import levels_in_one_call
 from hf_cascade.prefill import prefill_levels, validate_token_ids
 from hf_cascade.prefix_tree import find_shared_prefixes
 from hf_cascade.transformers_compat import CACHE_KWARG
@@ -184,7 +185,8 @@ def plan_cascade_batch(
     offset = len(base_tokens)
     if cost_model == "auto":
         cost_model = (
-            CascadeCostModel.for_model(model, new_tokens=max_new_tokens, batch_rows=batch, builtin=builtin_kernels)
+            CascadeCostModel.for_model(model, new_tokens=max_new_tokens, batch_rows=batch,
+                                       builtin=builtin_kernels and not levels_in_one_call(model))
             if input_ids.device.type == "cuda" else None
         )
     elif cost_model is not None and not isinstance(cost_model, CascadeCostModel):

@@ -13,7 +13,7 @@ another value in place, ``param.data`` swapped for another shape.
 
 from __future__ import annotations
 
-import threading
+import functools
 import weakref
 
 import torch
@@ -22,8 +22,6 @@ from hf_cascade.engine import engine_of
 
 _generation = 0  # bumped by every module / parameter registration on a watched module (see _registered)
 _watched: weakref.WeakSet = weakref.WeakSet()  # every module of every model scanned so far
-_hooks_lock = threading.Lock()
-_hooks_installed = False
 
 
 def _registered(module: torch.nn.Module, *_args) -> None:
@@ -35,13 +33,12 @@ def _registered(module: torch.nn.Module, *_args) -> None:
         _generation += 1
 
 
+@functools.cache
 def _install_hooks() -> None:
-    global _hooks_installed
-    with _hooks_lock:
-        if not _hooks_installed:
-            torch.nn.modules.module.register_module_module_registration_hook(_registered)
-            torch.nn.modules.module.register_module_parameter_registration_hook(_registered)
-            _hooks_installed = True
+    """torch's global registration hooks, once per process (two threads' first scans at once may both install
+    them: each registration then counts twice, which only makes scans stale sooner)."""
+    torch.nn.modules.module.register_module_module_registration_hook(_registered)
+    torch.nn.modules.module.register_module_parameter_registration_hook(_registered)
 
 
 class _ModelScan:
@@ -56,8 +53,7 @@ class _ModelScan:
 def _scan(model: torch.nn.Module) -> _ModelScan:
     """``model``'s kept scan, walked again (its attention modules found, every module watched) if a module or
     parameter was registered on a watched module since."""
-    if not _hooks_installed:
-        _install_hooks()
+    _install_hooks()
     generation = _generation  # read before the walk: a registration during it leaves the scan stale, not wrong
     try:
         scan = engine_of(model).part("scan", _ModelScan)

@@ -1,42 +1,23 @@
-"""The compiled tier prepared in the background: child processes fill the compile caches while the calls go on.
+"""The next tier prepared in the background: child processes fill the compile caches while the calls go on.
 
-:mod:`hf_cascade.tiers` starts a model's calls on tiers that need no compilation. After such a call (greedy or
-sampling on CUDA, default options), where the compile caches are cold, :func:`build_in_background` starts the
-*build call* (the same rows again through ``hf_cascade.generate`` with ``cascade_options={"compile": "now"}``, same
-options, batch bucket and buffer capacity, so the same graphs; greedy; stopped after :data:`BUILD_STEPS` decode steps)
-in a **child process** (:mod:`hf_cascade.tier_build_child`), on a copy of the model's config cut to
-:data:`PREWARM_LAYERS` decoder layers of random weights, at low CPU priority. The layers compile to one graph for all
-layers, so the cut model makes the same graphs and Triton kernels: the child fills the Triton and Inductor caches on
-disk. Grid children run the batches of :func:`~hf_cascade.build_grid.variant_grid` (batch sizes, one to three shared
-levels, short and long prefixes, own tokens of several widths, padded or not; each child makes its slice of the grid
-itself), on the eager layers beside the rows child and on the compiled layers after it, each for at most
-:data:`GRID_BUDGET_S`: the Triton kernel variants of layouts no call has run yet, which a process that had moved up
-built in the call (3-10 s on a new layout's first call, H100, Llama-3-8B shape: results/stall.jsonl). Where the
-calls' step may not compile (TRL's rollouts pass ``disable_compile=True``), the build is for the **Triton tier**
-instead: the build call and the grid run the Triton kernels with recorded steps (:data:`TRITON_BUILD_OPTIONS`),
-compiling nothing; once it is done the Triton tier's expected cost is a warm cache's (TRL's rollout on an H200 moved
-up at call 8 instead of call 10: results/trl_rollout.jsonl, 3a6f84c).
+After a call on a tier below the one it could reach (greedy or sampling on CUDA, default options, cold caches),
+:func:`build_in_background` starts a **rows child** (:mod:`hf_cascade.tier_build_child`, low CPU priority) that runs
+the call's rows again through ``hf_cascade.generate`` on the model's config cut to :data:`PREWARM_LAYERS` layers of
+random weights (the layers compile to one graph for all layers, so the cut model makes the same graphs and Triton
+kernels), greedy, :data:`BUILD_STEPS` decode steps: with ``compile="now"`` for the compiled tier, or
+:data:`TRITON_BUILD_OPTIONS` (Triton kernels, recorded steps, nothing compiled) where the calls' step may not compile
+(TRL's ``disable_compile=True``). **Grid children** run slices of :func:`~hf_cascade.build_grid.variant_grid` (other
+batch layouts, whose Triton kernel variants a later call would otherwise build: 1-3 s each on an H100) for at most
+:data:`GRID_BUDGET_S`, on the eager layers beside the rows child and on the compiled layers after it.
 
-**No thread waits for the children**: a :class:`BackgroundBuild` holds them, and every call's tier choice (and
-:func:`~hf_cascade.tiers.tier_report`, :func:`wait_for_build`) asks it where they stand (:meth:`BackgroundBuild.poll`,
-a ``waitpid`` per child) and starts the compiled-layer grid once the rows child is done. The calls meanwhile build
-nothing themselves (they would build what the children are building). Once the rows child is done, the compiled
-tier's expected cost is what compiling from warm caches costs (:data:`~hf_cascade.tiers.WARM_COMPILE_COST_S`, or what
-a process recorded), and the ski rental of :mod:`hf_cascade.tiers` moves a call up once the calls' regret reaches it:
-that call compiles the layers in the foreground, from the warm caches. Where a record says the caches are warm, no
-child runs and only the ski rental applies. Nothing compiles in this process outside a call (a compile beside a
-serving thread breaks it: ``make_fx`` replaces ``torch.nn.Module.__call__`` for the whole process while it traces,
-``benchmarks/results/stall_thread_race.log``).
-
-What the children share with the serving process: the GPU (they start only where free device memory is at least
-:data:`MIN_FREE_FRACTION` of the GPU and :data:`CACHE_MULTIPLE` times the call's KV); the caches on disk. A child that
-fails is an error in :func:`hf_cascade.tiers.tier_report` and a warning; the calls then move up by the ski rental
-alone, with the cold costs. The children end with the process (or thread) that started them
-(:func:`_leave_with_parent`). Each start is logged (``logger.info``).
-
-Where this does not start: ``compile="now"`` / ``"never"``, beam search, CPU, a user's own cache, a call without
-decode steps, warm caches, or the environment variable ``HF_CASCADE_BACKGROUND`` set to ``off`` (also ``0``,
-``false``, ``no``; read at every call: :func:`background_builds_on`).
+No thread waits for the children: a :class:`BackgroundBuild` holds them and each call's tier choice polls it (a
+``waitpid`` per child). While the rows child runs the calls build nothing themselves; once it is done the tier's
+expected cost is the warm one (:mod:`hf_cascade.tiers`) and the call that moves up compiles from the warm caches, in
+the foreground (nothing compiles beside a serving thread: torch's tracer patches ``nn.Module.__call__`` process-wide).
+The children need room on the GPU (:data:`MIN_FREE_FRACTION`, :data:`CACHE_MULTIPLE`), end with their parent
+(``PR_SET_PDEATHSIG``), and a failure is a warning and an error in :func:`~hf_cascade.tiers.tier_report`: the calls
+then move up by the ski rental alone. Off with ``HF_CASCADE_BACKGROUND=off`` (read at every call), and with
+``compile="now"`` / ``"never"``, beam search, CPU, a user's cache, warm caches. More: ``docs/internals.md``.
 """
 
 from __future__ import annotations
@@ -211,24 +192,13 @@ class BackgroundBuild:
 def build_in_background(model, input_ids: torch.Tensor, generation_config, model_kwargs: dict,
                         cascade_options: dict | None, batch_buckets: bool, cache_nbytes: int,
                         tier: str = "compiled") -> bool:
-    """Start filling the compile caches for ``model``'s compiled tier from the rows of the call that just ran
-    (module docstring); the build goes on ``model``'s tier state.
-
-    Args:
-        model: the model of the call (on CUDA).
-        input_ids: ``[B, L]`` int64, the rows as generate() handed them to ``hf_cascade.generate``.
-        generation_config: the call's generation config (copied; the build is greedy).
-        model_kwargs: the call's model kwargs as handed in (tensors copied to the CPU; its cache and streamer left out).
-        cascade_options: the user's ``cascade_options`` (the build adds ``compile="now"`` and ``batch_buckets``).
-        batch_buckets: whether the call added rows up to a batch bucket (the build does the same).
-        cache_nbytes: bytes of the call's KV (the memory check).
-        tier: ``"compiled"`` (the build call compiles the layers, the grid runs on both paths) or ``"triton"`` (for
-            calls that may not compile, as TRL's ``disable_compile=True``: the build call and the grid run the
-            Triton kernels with recorded steps, :data:`TRITON_BUILD_OPTIONS`, and compile nothing).
-    Returns:
-        Whether a build started (False: one ran for this model already, the compiled tier is ready, the caches are
-        warm, or it would not fit).
-    """
+    """Start the background build for ``model``'s ``tier`` (``"compiled"``, or ``"triton"`` for calls that may not
+    compile) from the call that just ran, on ``model``'s tier state (module docstring). ``input_ids [B, L]`` int64:
+    the rows as generate() handed them to ``hf_cascade.generate``; ``generation_config`` (copied; the build is
+    greedy), ``model_kwargs`` (tensors copied to the CPU; cache and streamer left out) and ``cascade_options``: the
+    call's; ``batch_buckets``: whether the call added rows up to a bucket; ``cache_nbytes``: its KV's bytes (the
+    memory check). Returns whether a build started (not where one ran for this model already, the tier is ready,
+    the caches are warm or it would not fit)."""
     from hf_cascade.tiers import caches_warm, tier_state
 
     if not background_builds_on() or input_ids.device.type != "cuda":
@@ -253,13 +223,12 @@ def build_in_background(model, input_ids: torch.Tensor, generation_config, model
 def start_build(model, input_ids: torch.Tensor, generation_config, model_kwargs: dict, options: dict, *,
                 grid: bool = True, grid_batches: list | None = None, grid_budget_s: float | None = None,
                 compiled: bool = True) -> BackgroundBuild:
-    """Start the build call's child on the model's config cut to :data:`PREWARM_LAYERS` layers (random weights),
-    which fills the compile caches on disk; with ``grid``, the children of :func:`variant_grid` beside it (eager
-    layers) and after it (compiled layers; vocabulary cut to :data:`GRID_VOCAB`). ``grid_batches``: the grid's
-    ``(input_ids, attention_mask)`` batches instead of the children's own :func:`variant_grid` (``warmup``, tests);
-    ``grid_budget_s``: each grid child's longest run (default :data:`GRID_BUDGET_S`); ``compiled`` False: no grid
-    runs on the compiled layers (a build for the Triton tier). Where the config names no layer count or the spec
-    cannot be written (something in the call cannot be pickled), a :meth:`BackgroundBuild.failed` build."""
+    """Start the rows child (the build call on the model cut to :data:`PREWARM_LAYERS` layers, random weights) and,
+    with ``grid``, the grid's children: beside it on the eager layers, after it on the compiled ones (not where
+    ``compiled`` is False: a build for the Triton tier). ``grid_batches``: the grid's ``(input_ids, attention_mask)``
+    batches instead of the children's own :func:`variant_grid` (``warmup``); ``grid_budget_s``: each grid child's
+    longest run (default :data:`GRID_BUDGET_S`). A :meth:`BackgroundBuild.failed` build where the config names no
+    layer count or the spec cannot be written."""
     config = _cut_config(model.config)
     if config is None:
         return BackgroundBuild.failed("the config names no num_hidden_layers")

@@ -1,17 +1,14 @@
 """``python -m hf_cascade warmup --model PATH``: build every kernel and compiled graph a model's generate() calls
-use, ahead of time, so that later processes start fast (for container images, CI caches, a job's first step).
+use, ahead of time, so that later processes start fast (container images, CI caches, a job's first step).
 
-It is the background build of :mod:`hf_cascade.tier_build` run in the foreground, to its end: it loads the model
-with ``attn_implementation="cascade"``, runs for each ``--rows`` size a generate() call of a shared-prefix batch on
-the compiled tier (``compile="now"``: the decoder layers compiled into Inductor's cache, ``TORCHINDUCTOR_CACHE_DIR``),
-then the build's child processes on the model cut to two layers: the call's rows, and the grid of batch layouts
-(:func:`~hf_cascade.build_grid.variant_grid`, with these batches added) on the eager and on the compiled layers, for
-at most ``--grid-budget-s``: hf_cascade's Triton kernels of both tiers built into Triton's cache
-(``TRITON_CACHE_DIR``). It writes the compile record of :mod:`hf_cascade.tiers` (the caches are warm), so a later
-process on the same machine type, versions and cache folders moves to the Triton kernels after a call or two and to
-the compiled layers after fewer calls, and starts no background build. Keep those folders in the image (or restore
-them in CI) at the same paths. Last, it writes the Python bytecode of the modules the calls imported where none is up
-to date (:func:`compile_bytecode`; ``--no-bytecode`` skips it). On a CPU it runs the calls only (nothing compiles).
+The background build of :mod:`hf_cascade.tier_build` run in the foreground, to its end: for each ``--rows`` size a
+generate() call of a shared-prefix batch on the compiled tier (the layers compiled into Inductor's cache), then the
+build's children on the model cut to two layers (the call's rows, and the grid of layouts with these batches added,
+for at most ``--grid-budget-s``: the Triton kernels into Triton's cache). The calls leave the markers of
+:mod:`hf_cascade.tiers`, so a later process with the same machine type, versions and cache folders expects the warm
+costs and starts no build: keep ``TRITON_CACHE_DIR`` and ``TORCHINDUCTOR_CACHE_DIR`` in the image at the same paths.
+Last, the bytecode of the imported modules where none is up to date (:func:`compile_bytecode`). On a CPU it runs the
+calls only.
 """
 
 from __future__ import annotations
@@ -45,9 +42,8 @@ def warm_up(model, rows=(1, 8, 32), prompt_tokens: int = 512, new_tokens: int = 
     size in ``rows`` (``prompt_tokens`` shared + 8 own per row) on the compiled tier; on CUDA then the background
     build's children to their end (:func:`hf_cascade.tier_build.start_build`: the last batch's rows, and the grid
     of layouts with every batch added, each child for at most ``grid_budget_s``, default
-    :data:`~hf_cascade.tier_build.GRID_BUDGET_S`) and the warm compile measured. Returns one ``{"rows", "batch",
-    "seconds", "tier"}`` per call, then ``{"batch": "background build", "seconds", "grid": {...}}`` and the warm
-    compile's entry (CUDA)."""
+    :data:`~hf_cascade.tier_build.GRID_BUDGET_S`). Returns one ``{"rows", "batch", "seconds", "tier"}`` per call,
+    then ``{"batch": "background build", "seconds", "grid": {...}, "error"}`` (CUDA)."""
     import torch
 
     from hf_cascade.tiers import tier_report
@@ -68,7 +64,6 @@ def warm_up(model, rows=(1, 8, 32), prompt_tokens: int = 512, new_tokens: int = 
                f"({results[-1]['tier']})")
     if model.device.type == "cuda" and batches:
         results.append(_build_in_foreground(model, batches, new_tokens, grid_budget_s, report))
-        results.append(_measure_warm_compile(model, batches[-1][0].to(model.device), new_tokens, report))
     return results
 
 
@@ -116,29 +111,6 @@ def _call(model, ids, new_tokens: int, compile: str = "now", attention_mask=None
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
     return time.perf_counter() - started
-
-
-def _measure_warm_compile(model, ids, new_tokens: int, report) -> dict:
-    """What compiling the layers again from the warm caches costs: the last batch again (all hot), then once more
-    after dropping this process's compiled code (dynamo's, the model's compiled layers and recorded steps). A new
-    process pays more (it also imports the compile stack: ~10 s in all against ~2 s here, H100, Llama-3-8B shape,
-    ``benchmarks/results/probe_warm_compile.jsonl``), so the record only says the caches are warm
-    (:func:`hf_cascade.tiers.note_caches_warm`); the first process that compiles records what it paid."""
-    import torch
-
-    from hf_cascade.engine import engine_of
-    from hf_cascade.tiers import note_caches_warm
-
-    hot = _call(model, ids, new_tokens)
-    torch._dynamo.reset()
-    engine_of(model).forget("layer_calls", "graphs")
-    again = _call(model, ids, new_tokens)
-    cost = max(again - hot, 0.0)
-    note_caches_warm(model)
-    report(f"  compiling again from the warm caches in this process: {cost:.1f} s (a new process also imports the "
-           "compile stack)")
-    return {"rows": int(ids.shape[0]), "seconds": round(again, 2), "tier": "compiled (warm caches)",
-            "warm_compile_s": round(cost, 2)}
 
 
 def compile_bytecode(files=None, report=print) -> dict:
@@ -199,7 +171,7 @@ def main(argv=None) -> int:
     if not args.no_bytecode:
         compile_bytecode()
     record = tier_report(model)["record"]
-    print(f"warmup: done; compile record: {record or 'none (CPU, or HF_CASCADE_RECORDS=off)'}")
+    print(f"warmup: done; markers: {record + '.*' if record else 'none (CPU, or HF_CASCADE_RECORDS=off)'}")
     return 0
 
 

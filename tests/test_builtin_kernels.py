@@ -2,7 +2,7 @@
 (``hf_cascade.tiers``): the path against float64 attention per row (odd shapes, GQA and MHA, multi-node levels, rows
 without a node, empty nodes, an empty suffix, masks, soft-capping, K/V of different head sizes); generate() with a
 cache on the built-in kernels gives sdpa's greedy tokens; the ski-rental policy moves up only when the regret
-reaches the cost, reads and writes its records, and refuses unknown choices."""
+reaches the cost, reads and writes its markers, and refuses unknown choices."""
 
 import pytest
 import torch
@@ -90,6 +90,51 @@ def test_builtin_cascade_bf16_within_eager_rounding():
     assert ours <= 2 * (eager - want).abs().max() + 1e-3
 
 
+def _emulated_varlen_flash(padded_lse: bool):
+    """``aten._flash_attention_forward`` (CUDA only) emulated in fp32 on the CPU, node by node, with either LSE
+    layout: ``[Hq, total_q]`` (torch 2.11's, measured on an H200) or ``[N, Hq, max_q]`` padded per node."""
+    def varlen(q, k, v, q_offsets, key_offsets, max_q, max_k, scale):
+        groups = q.shape[1] // k.shape[1]
+        out, lse = torch.zeros_like(q), torch.full((q.shape[1], q.shape[0]), float("-inf"))
+        for n in range(q_offsets.numel() - 1):
+            (a, b), (c, d) = q_offsets[n:n + 2].tolist(), key_offsets[n:n + 2].tolist()
+            kn, vn = (t[c:d].repeat_interleave(groups, dim=1).transpose(0, 1) for t in (k, v))  # [Hq, keys, D]
+            s = torch.matmul(q[a:b].transpose(0, 1), kn.transpose(1, 2)) * scale  # [Hq, rows, keys]
+            lse[:, a:b] = torch.logsumexp(s, -1)
+            out[a:b] = torch.matmul(torch.softmax(s, -1), vn).transpose(0, 1)
+        if padded_lse:
+            padded = torch.full((q_offsets.numel() - 1, q.shape[1], max_q), float("-inf"))
+            for n in range(padded.shape[0]):
+                a, b = q_offsets[n:n + 2].tolist()
+                padded[n, :, :b - a] = lse[:, a:b]
+            lse = padded
+        return out, lse
+    return varlen
+
+
+@pytest.mark.parametrize("padded_lse", [False, True])
+@pytest.mark.parametrize("Lq", [1, 3])
+@pytest.mark.parametrize("Hq,Hkv", [(6, 2), (3, 3)])
+def test_prefix_level_in_one_varlen_call_matches_node_by_node(monkeypatch, padded_lse, Lq, Hq, Hkv):
+    """A prefix level in one variable-length flash call (rows sorted by node, nodes as packed sequences, rows
+    without a node left at (0, -inf)) equals the node-by-node path: rows interleaved across nodes, an odd node size,
+    a row with no node; GQA and MHA; decode (Lq 1) and a prefill chunk."""
+    monkeypatch.setattr(builtin_cascade, "_varlen_flash", _emulated_varlen_flash(padded_lse))
+    g = torch.Generator().manual_seed(5)
+    row_node = torch.tensor([2, 0, 1, -1, 0, 2, 2, 1, 0])
+    starts = torch.tensor([0, 7, 12, 21])
+    plan = plan_shared_prefix(row_node, starts)
+    D = 16
+    query = torch.randn(row_node.numel(), Hq, Lq, D, generator=g)
+    k_pre, v_pre = (torch.randn(Hkv, 23, D, generator=g) for _ in range(2))  # 2 columns past the level's keys
+    want_out, want_lse = builtin_cascade._prefix_level(query, k_pre, v_pre, plan, 0.25, None)
+    got_out, got_lse = builtin_cascade._prefix_level_varlen(query, k_pre, v_pre, plan, 0.25)
+    torch.testing.assert_close(got_out, want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_lse, want_lse, atol=1e-5, rtol=1e-5)
+    assert torch.all(got_lse[3] == float("-inf")) and torch.all(got_out[3] == 0)
+    assert plan.varlen_layout[-1] and not plan_shared_prefix(row_node, torch.tensor([0, 7, 7, 21])).varlen_layout[-1]
+
+
 def test_generate_on_builtin_kernels_gives_sdpa_tokens(tiny_llama_pair, monkeypatch):
     """A cache on the built-in kernels (fixed buffers and growing ones) gives sdpa's greedy tokens, fp32."""
     import hf_cascade
@@ -136,42 +181,50 @@ def test_ski_rental_moves_up_when_regret_reaches_cost(records, tiny_llama_pair):
 
     model = tiny_llama_pair[0]
     _fresh_process(model)
-    assert tiers.choose_tier(model) == tiers._TIERS["builtin"]  # empty caches, no record: nothing to build
-    tiers.record_call(model, tiers._TIERS["builtin"], 10.0)  # regret 1.5 s < 8 s
+    assert tiers.choose_tier(model) == tiers._TIERS["builtin"]  # empty caches, no marker: nothing to build
+    tiers.record_call(model, tiers._TIERS["builtin"], 10.0)  # regret 2.5 s < 8 s
     assert tiers.choose_tier(model).name == "builtin"
-    tiers.record_call(model, tiers._TIERS["builtin"], 50.0)  # regret 9 s >= 8 s
+    tiers.record_call(model, tiers._TIERS["builtin"], 50.0)  # regret 15 s >= 8 s
     assert tiers.choose_tier(model).name == "triton"
     tiers.record_call(model, tiers._TIERS["triton"], 1.0)
     report = tiers.tier_report(model)
     assert report["ready"]["triton"] and report["record"].startswith(str(records))
+    assert sorted(p.suffix for p in records.iterdir()) == [".triton"]
     # the compiled tier: regret 0.2 x 60 s (the builtin calls) + 0.2 x 1 s = 12.2 < 20
     assert tiers.choose_tier(model).name == "triton"
     tiers.record_call(model, tiers._TIERS["triton"], 40.0)
     assert tiers.choose_tier(model).name == "compiled"
-    tiers.record_call(model, tiers._TIERS["compiled"], 26.5)  # compiled cold: not what a later process pays
+    tiers.record_call(model, tiers._TIERS["compiled"], 26.5)
     assert tiers.choose_tier(model, "never").name == "triton"
-    # a new process: the record says the Triton kernels were built (cheap: after 1 s of regret) and the caches are
-    # warm (the warm cost is expected, not the cold call's 26.5 s)
+    assert sorted(p.suffix for p in records.iterdir()) == [".compiled", ".triton"]
+    # a new process: the markers say both tiers were built, so the warm costs are expected (1 s, 8 s)
     _fresh_process(model)
     assert tiers.choose_tier(model).name == "builtin"
-    tiers.record_call(model, tiers._TIERS["builtin"], 4.0)  # regret 1.0 s >= the recorded Triton cost
+    tiers.record_call(model, tiers._TIERS["builtin"], 4.0)  # regret 1.0 s >= the warm Triton cost
     assert tiers.choose_tier(model).name == "triton"
-    assert tiers._compiled_cost(tiers.tier_state(model).record) == tiers.WARM_COMPILE_COST_S == 8.0
+    assert tiers._cost("compiled", tiers.caches_warm(model, tiers.tier_state(model))) == tiers.WARM_COMPILE_COST_S
     tiers.record_call(model, tiers._TIERS["triton"], 30.0)  # regret 0.8 (built-in call) + 6.0 = 6.8 < 8
     assert tiers.choose_tier(model).name == "triton"
-    tiers.record_call(model, tiers._TIERS["triton"], 7.0)  # 8.2; the first Triton call cost 30 - 7 s
+    tiers.record_call(model, tiers._TIERS["triton"], 7.0)  # 8.2 >= 8
     assert tiers.choose_tier(model).name == "compiled"
-    tiers.record_call(model, tiers._TIERS["compiled"], 6.5)  # compiled from warm caches: recorded
-    # a third process: what the second paid is expected (its first Triton call, on built kernels, 23 s more than
-    # its second)
+
+
+def test_markers_are_read_by_their_existence_only(records, tiny_llama_pair):
+    """A marker's content is never parsed: a file of any content (edited, truncated, written by something else) is
+    a marker, and no content can break a call (a JSON record of the wrong shape once broke every default CUDA
+    generate() of its model)."""
+    from hf_cascade import tiers
+
+    model = tiny_llama_pair[0]
     _fresh_process(model)
-    assert tiers._compiled_cost(tiers._load_record(model, tiers.tier_state(model))) == 6.5
-    assert tiers._triton_cost(tiers.tier_state(model).record, True) == 23.0
-    tiers.record_call(model, tiers._TIERS["builtin"], 4.0)  # regret 1 s: would have moved up before it was recorded
+    tiers.record_call(model, tiers._TIERS["triton"], 1.0)
+    stem = tiers.tier_report(model)["record"]
+    with open(f"{stem}.triton", "w") as f:
+        f.write("{not json")
+    _fresh_process(model)
+    state = tiers.tier_state(model)
+    assert tiers.caches_warm(model, state, "triton") and not tiers.caches_warm(model, state)
     assert tiers.choose_tier(model).name == "builtin"
-    tiers.record_call(model, tiers._TIERS["triton"], 2.0)  # no second Triton call: its seconds are the cost
-    _fresh_process(model)
-    assert tiers._triton_cost(tiers._load_record(model, tiers.tier_state(model)), True) == 2.0  # the least recorded
 
 
 def test_calls_build_nothing_while_the_background_build_runs(records, tiny_llama_pair):
@@ -217,7 +270,7 @@ def test_tier_choices_and_records_off(records, tiny_llama_pair, monkeypatch):
     _fresh_process(model)
     tiers.record_call(model, tiers._TIERS["triton"], 1.0)
     assert tiers.tier_report(model)["record"] is None
-    assert not any(records.rglob("*.json"))
+    assert not any(records.iterdir())
 
 
 def test_records_are_keyed_by_compile_cache_folders(records, tiny_llama_pair, monkeypatch, tmp_path):
@@ -339,7 +392,7 @@ def test_calls_move_up_while_the_children_run_the_grid(records, tiny_llama_pair)
 
 def test_background_build_starts_only_where_the_caches_are_cold(records, tiny_llama_pair):
     """At most one build per model and process (running, failed or done), none where the compiled tier is ready or
-    the compile caches are warm (filled by a build, or a record after `warmup`: the ski rental with the warm cost),
+    the compile caches are warm (filled by a build, or a marker after `warmup`: the ski rental with the warm cost),
     none on a CPU or with HF_CASCADE_BACKGROUND=off."""
     from hf_cascade import tier_build, tiers
 
@@ -356,14 +409,12 @@ def test_background_build_starts_only_where_the_caches_are_cold(records, tiny_ll
     done.rows_outcome = (0, "ROWS_DONE", None)
     state.build = done
     assert tiers.caches_warm(model, state)
-    assert tiers._compiled_cost(tiers._load_record(model, state), True) == tiers.WARM_COMPILE_COST_S
-    # a new process after `warmup`: the record says the caches are warm, the warm cost is expected
+    # a new process after `warmup` (its compiled calls left the markers): the caches are warm
     _fresh_process(model)
-    tiers.note_caches_warm(model)
+    tiers.record_call(model, tiers._TIERS["compiled"], 5.0)
     _fresh_process(model)
     state = tiers.tier_state(model)
-    assert state.build is None and tiers.caches_warm(model, state)
-    assert tiers._compiled_cost(tiers._load_record(model, state)) == tiers.WARM_COMPILE_COST_S
+    assert state.build is None and tiers.caches_warm(model, state) and tiers.caches_warm(model, state, "triton")
 
 
 def test_background_child_ends_with_the_process_that_started_it(tmp_path):
@@ -488,15 +539,16 @@ def test_warmup_writes_the_bytecode_of_imported_modules(tmp_path):
 
 
 def test_first_call_of_a_process_waits_for_no_triton_key(records, tiny_llama_pair, monkeypatch):
-    """A record may say the Triton tier costs nothing (its first call, after built-in calls, no slower than the next),
-    but a new process's first Triton launch would also hash Triton's key (0.4 s): until the key is there the Triton
-    tier costs that much more, so the first call stays built-in and the next one moves up."""
+    """Where the Triton tier would cost nothing, a new process's first Triton launch would still hash Triton's key
+    (0.4 s): until the key is there the Triton tier costs that much more, so the first call stays built-in and the
+    next one moves up."""
     from hf_cascade import tiers
 
     model = tiny_llama_pair[0]
     _fresh_process(model)
     state = tiers.tier_state(model)
-    tiers._load_record(model, state).update(triton_built=True, triton_cost_s=[0.0])
+    monkeypatch.setattr(tiers, "WARM_TRITON_COST_S", 0.0)
+    state.built = {"triton"}  # (as a marker on disk would say)
     ready = {"key": False}
     monkeypatch.setattr(tiers, "triton_key_ready", lambda: ready["key"])
     assert tiers.choose_tier(model).name == "builtin"  # regret 0 < 0 + TRITON_KEY_COST_S
@@ -536,7 +588,7 @@ def test_the_background_build_prepares_the_tier_the_calls_may_reach():
 
 def test_a_triton_build_fills_the_triton_tier_only(records, tiny_llama_pair):
     """A build for the Triton tier (compiled=False) that filled the caches makes the Triton tier's expected cost the
-    recorded one (the calls move up after a call or so), not the compiled tier's: that stays cold."""
+    warm one (the calls move up after a call or so), not the compiled tier's: that stays cold."""
     from hf_cascade import tier_build, tiers
 
     model = tiny_llama_pair[0]
@@ -546,10 +598,9 @@ def test_a_triton_build_fills_the_triton_tier_only(records, tiny_llama_pair):
     build.rows_outcome = (0, "ROWS_DONE", None)
     state.build = build
     assert tiers.caches_warm(model, state, "triton") and not tiers.caches_warm(model, state)
-    record = tiers._load_record(model, state)
-    assert tiers._triton_cost(record, tiers.caches_warm(model, state, "triton")) == tiers.RECORDED_TRITON_COST_S
-    assert tiers._compiled_cost(record, tiers._caches_filled(state)) == tiers.DEFAULT_COST_S["compiled"]
-    state.regret["triton"] = tiers.RECORDED_TRITON_COST_S + tiers.TRITON_KEY_COST_S
+    state.regret["triton"] = tiers.WARM_TRITON_COST_S + tiers.TRITON_KEY_COST_S
+    state.regret["compiled"] = tiers.DEFAULT_COST_S["compiled"] - 0.1  # cold: not yet
+    assert tiers.choose_tier(model).name == "triton"
     assert tiers.choose_tier(model, "never").name == "triton"
 
 

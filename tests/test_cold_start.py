@@ -13,22 +13,29 @@ from hf_cascade.ops import _backend
 def test_no_triton_key_thread_under_the_interpreter_or_when_turned_off(monkeypatch, env):
     """Under TRITON_INTERPRET=1 (CI) or with HF_CASCADE_WARM_TRITON_KEY=0, no thread starts (the GPU test
     ``test_gpu_first_use_warms_the_triton_key`` checks that one does on CUDA)."""
-    monkeypatch.setattr(_backend, "_TRITON_KEY_THREAD", None)
+    _backend.warm_triton_key.cache_clear()
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    assert _backend.warm_triton_key() is None
-    assert not any(t.name == "hf_cascade-triton-key" for t in threading.enumerate())
+    try:
+        assert _backend.warm_triton_key() is None
+        assert not any(t.name == "hf_cascade-triton-key" for t in threading.enumerate())
+    finally:
+        _backend.warm_triton_key.cache_clear()
 
 
 def test_prepare_triton_does_nothing_without_cuda(monkeypatch):
     """Off CUDA (or under the interpreter) the first use's preparation starts nothing and sets nothing."""
-    monkeypatch.setattr(_backend, "_TRITON_KEY_THREAD", None)
-    monkeypatch.setattr(_backend, "_CACHE_SHARED", False)
+    _backend.warm_triton_key.cache_clear()
+    _backend.share_compiler_kernel_cache.cache_clear()
     monkeypatch.setattr(_backend.torch.cuda, "is_available", lambda: False)
     env = dict(os.environ)
-    assert _backend.prepare_triton() is None
-    assert dict(os.environ) == env
-    assert not any(t.name == "hf_cascade-triton-key" for t in threading.enumerate())
+    try:
+        assert _backend.prepare_triton() is None
+        assert dict(os.environ) == env
+        assert not any(t.name == "hf_cascade-triton-key" for t in threading.enumerate())
+    finally:
+        _backend.warm_triton_key.cache_clear()
+        _backend.share_compiler_kernel_cache.cache_clear()
 
 
 def test_kernel_cache_shared_with_the_compiler_through_triton_knobs(monkeypatch):
@@ -42,7 +49,7 @@ def test_kernel_cache_shared_with_the_compiler_through_triton_knobs(monkeypatch)
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
     monkeypatch.setattr(_backend.torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(_backend.torch.cuda, "current_device", lambda: 0)
-    monkeypatch.setattr(_backend, "_CACHE_SHARED", False)
+    _backend.share_compiler_kernel_cache.cache_clear()
     env = dict(os.environ)
     try:
         _backend.share_compiler_kernel_cache()
@@ -50,10 +57,11 @@ def test_kernel_cache_shared_with_the_compiler_through_triton_knobs(monkeypatch)
         assert dict(os.environ) == env and knobs.propagate_env
     finally:
         del knobs.cache.dir  # back to the environment / Triton's default
-    monkeypatch.setattr(_backend, "_CACHE_SHARED", False)
+    _backend.share_compiler_kernel_cache.cache_clear()
     monkeypatch.setenv("TRITON_CACHE_DIR", "/somewhere/else")
     _backend.share_compiler_kernel_cache()
     assert knobs.cache.dir == "/somewhere/else"
+    _backend.share_compiler_kernel_cache.cache_clear()
 
 
 def test_first_kernel_waits_for_the_key_thread_instead_of_hashing_beside_it(monkeypatch):
@@ -68,15 +76,15 @@ def test_first_kernel_waits_for_the_key_thread_instead_of_hashing_beside_it(monk
         done.set()
 
     thread = threading.Thread(target=hashing, daemon=True)
-    monkeypatch.setattr(_backend, "_TRITON_KEY_THREAD", thread)
+    monkeypatch.setattr(_backend, "_key_thread", lambda: thread)
     thread.start()
     threading.Timer(0.2, release.set).start()
     _backend.await_triton_key()
     assert done.is_set() and not thread.is_alive()
-    monkeypatch.setattr(_backend, "_TRITON_KEY_THREAD", None)
+    monkeypatch.setattr(_backend, "_key_thread", lambda: None)
     _backend.await_triton_key()  # no thread: nothing to wait for
     own = threading.Thread(target=_backend.await_triton_key)
-    monkeypatch.setattr(_backend, "_TRITON_KEY_THREAD", own)
+    monkeypatch.setattr(_backend, "_key_thread", lambda: own)
     own.start()  # the thread itself must not wait for itself
     own.join(5)
     assert not own.is_alive()

@@ -520,7 +520,7 @@ def test_gpu_compiled_tier_built_in_the_background(family, do_sample, monkeypatc
     report = tiers.tier_report(cas)
     assert report["background_build"]["caches_filled"] and report["background_build"]["error"] is None, report
     assert report["background_build"]["prewarm"]["returncode"] == 0, report
-    for name in ("WARM_COMPILE_COST_S", "RECORDED_TRITON_COST_S"):  # tiny calls: any regret pays for warm caches
+    for name in ("WARM_COMPILE_COST_S", "WARM_TRITON_COST_S"):  # tiny calls: any regret pays for warm caches
         monkeypatch.setattr(tiers, name, 0.0)
     for rows, what in ((first, "first layout, compiled"), (second, "second layout, compiled")):
         report = check(rows, what)
@@ -556,7 +556,7 @@ def test_gpu_triton_tier_built_in_the_background_where_the_step_may_not_compile(
     assert wait_for_build(cas, timeout=600), tiers.tier_report(cas)
     report = tiers.tier_report(cas)
     assert report["background_build"]["caches_filled"] and report["background_build"]["error"] is None, report
-    monkeypatch.setattr(tiers, "RECORDED_TRITON_COST_S", 0.0)  # tiny calls: any regret pays for warm caches
+    monkeypatch.setattr(tiers, "WARM_TRITON_COST_S", 0.0)  # tiny calls: any regret pays for warm caches
     monkeypatch.setattr(tiers, "TRITON_KEY_COST_S", 0.0)
     for _ in range(2):
         report = call()
@@ -578,27 +578,55 @@ def test_gpu_builtin_kernels_bf16_close_to_sdpa():
     assert (got - want).abs().max() <= 0.05 * want.abs().max()
 
 
-def test_gpu_warmup_fills_the_caches_and_writes_the_record(tmp_path, monkeypatch):
-    """`hf_cascade warmup` (warm_up): per batch size one compiled call, then the background build's children run
-    in the foreground to their end (the rows, and the grid of layouts with the batches added), then the warm
-    compile measured again; the record says the caches are warm, so a new process expects the warm (small) costs,
-    not the cold ones, and starts no background build."""
-    import json
+@pytest.mark.parametrize("Lq", [1, 5])
+def test_gpu_builtin_level_in_one_varlen_call(monkeypatch, Lq):
+    """The first tier's prefix level in one variable-length FlashAttention-2 call equals the node-by-node path within
+    bf16 rounding (rows interleaved across nodes, a row without a node, GQA 12/2, D 128), eagerly and replayed from a
+    CUDA graph (generate() on the first tier in bf16: test_gpu_builtin_kernels_bf16_close_to_sdpa)."""
+    from hf_cascade.ops import builtin_cascade, plan_shared_prefix
 
+    g = torch.Generator().manual_seed(11)
+    row_node = torch.tensor([2, 0, 1, -1, 0, 2, 2, 1, 0, 1, 2])
+    plan = plan_shared_prefix(row_node, torch.tensor([0, 70, 190, 333]), device="cuda")
+    query = torch.randn(row_node.numel(), 12, Lq, 128, generator=g).cuda().bfloat16()
+    k_pre, v_pre = (torch.randn(2, 340, 128, generator=g).cuda().bfloat16() for _ in range(2))
+    assert builtin_cascade._varlen_applies(query, k_pre, v_pre, plan, None)
+    got = builtin_cascade._prefix_level(query, k_pre, v_pre, plan, 0.09, None)
+    with monkeypatch.context() as m:
+        m.setattr(builtin_cascade, "_varlen_applies", lambda *a: False)
+        want = builtin_cascade._prefix_level(query, k_pre, v_pre, plan, 0.09, None)
+    assert (got[0] - want[0]).abs().max() <= 0.01 and (got[1] - want[1]).abs().max() <= 1e-3
+    assert torch.all(got[1][3] == float("-inf")) and torch.all(got[0][3] == 0)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        builtin_cascade._prefix_level(query, k_pre, v_pre, plan, 0.09, None)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        recorded = builtin_cascade._prefix_level(query, k_pre, v_pre, plan, 0.09, None)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(recorded[0], got[0]) and torch.equal(recorded[1], got[1])
+
+
+def test_gpu_warmup_fills_the_caches_and_writes_the_markers(tmp_path, monkeypatch):
+    """`hf_cascade warmup` (warm_up): per batch size one compiled call, then the background build's children run
+    in the foreground to their end (the rows, and the grid of layouts with the batches added); the markers say both
+    tiers were built, so a new process expects the warm (small) costs, not the cold ones, and starts no build."""
     from hf_cascade import tiers
+    from hf_cascade.engine import engine_of
     from hf_cascade.warmup import warm_up
 
     monkeypatch.setenv("HF_CASCADE_RECORDS", str(tmp_path))
     model = tiny_model("llama", "cascade", device="cuda", num_hidden_layers=2)
     lines = []
     results = warm_up(model, rows=(3,), prompt_tokens=40, new_tokens=4, report=lines.append, grid_budget_s=20.0)
-    assert [r.get("tier") or r["batch"] for r in results] == ["compiled", "background build", "compiled (warm caches)"]
+    assert [r.get("tier") or r["batch"] for r in results] == ["compiled", "background build"]
     assert results[1]["error"] is None and results[1]["grid"]["done"] >= 2, results  # the batch, on both paths
-    assert len(lines) == 3
-    (path,) = tmp_path.glob("*.json")
-    stored = json.loads(path.read_text())["tiers"]
-    assert stored["caches_warm"]
-    assert "triton_cost_s" not in stored and "compiled_call_s" not in stored  # (cold builds: not a later cost)
-    # what a later process expects
-    assert tiers._triton_cost(stored, True) == tiers.RECORDED_TRITON_COST_S
-    assert tiers._compiled_cost(stored) == tiers.WARM_COMPILE_COST_S
+    assert len(lines) == 2
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".compiled", ".triton"]
+    engine_of(model).forget("tiers")  # what a later process expects
+    state = tiers.tier_state(model)
+    assert tiers.caches_warm(model, state) and tiers.caches_warm(model, state, "triton")
+    assert tiers._cost("compiled", True) == tiers.WARM_COMPILE_COST_S

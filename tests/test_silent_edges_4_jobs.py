@@ -5,13 +5,12 @@ without a word. Each is now exact, or a clear error naming the setting, the file
   cannot write were left out of the fingerprint);
 * a resumed generate_dataset prefilled the dataset-wide preamble again for each group of batches;
 * a hand-edited checkpoint line failed in pyarrow after the whole job;
-* a compile record of the wrong shape broke every default CUDA generate() of its model;
+* a compile record of the wrong shape broke every default CUDA generate() of its model (records are markers now);
 * ``HF_CASCADE_CACHE=OFF`` was a folder named ``OFF``;
 * Falcon / GPT-Neo with "cascade" in a fresh process: a bare ``KeyError: 'cascade'``;
 * write_custom_generate overwrote a user's edits of the file it had written.
 """
 
-import hashlib
 import json
 import os
 import random
@@ -28,7 +27,6 @@ from transformers import LogitsProcessor, LogitsProcessorList  # noqa: E402
 
 import hf_cascade  # noqa: E402
 from hf_cascade import tiers  # noqa: E402
-from hf_cascade.tiers import tier_state  # noqa: E402
 from hf_cascade.dataset_generation import generate_dataset  # noqa: E402
 from hf_cascade.real_model import gguf_cache_root  # noqa: E402
 from hf_cascade.tiny import tiny_model, tiny_tokenizer  # noqa: E402
@@ -208,46 +206,7 @@ def test_checkpoint_line_of_another_shape_is_refused_naming_file_and_line(model,
 
 
 # ------------------------------------------------------------------ 7: a compile record of the wrong shape
-def _record_path(model) -> str:
-    key = tiers.record_key(model)
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
-    return os.path.join(tiers.records_folder(), f"{digest}.json")
-
-
-@pytest.mark.parametrize("content", [
-    "[]", "null", '"text"', "{not json", "{}",
-    "KEY_TIERS_LIST", "KEY_COST_STRING", "KEY_COSTS_NULLS", "KEY_FLAG_STRING",
-])
-def test_compile_record_of_another_shape_is_ignored_with_a_warning(content, tmp_path):
-    """Valid JSON of the wrong shape made choose_tier raise AttributeError / TypeError at the start of every default
-    CUDA generate() of the model until the file was deleted. Now the record is ignored, the file named."""
-    model = tiny_model("llama", seed=3)
-    path = _record_path(model)
-    key = tiers.record_key(model)
-    shapes = {"KEY_TIERS_LIST": {"key": key, "tiers": []},
-              "KEY_COST_STRING": {"key": key, "tiers": {"triton_cost_s": "1.5"}},
-              "KEY_COSTS_NULLS": {"key": key, "tiers": {"compiled_call_s": [None]}},
-              "KEY_FLAG_STRING": {"key": key, "tiers": {"triton_built": "yes", "triton_cost_s": [0.5]}}}
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        f.write(json.dumps(shapes[content]) if content in shapes else content)
-    with pytest.warns(UserWarning, match=rf"ignoring the compile record {re.escape(path)}"):
-        tier = tiers.choose_tier(model)
-    assert tier.name == "builtin"  # as with no record
-    for compile_choice in ("auto", "never"):
-        assert tiers.choose_tier(model, compile_choice).name == "builtin"
-
-
-def test_valid_compile_record_is_read_without_a_warning(tmp_path):
-    model = tiny_model("llama", seed=4)
-    path = _record_path(model)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump({"key": tiers.record_key(model), "tiers": {"triton_built": True, "triton_cost_s": [0.0]}}, f)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        tiers.choose_tier(model)
-    assert tier_state(model).record == {"triton_built": True, "triton_cost_s": [0.0]}
+# (records are markers now, read by their existence only: tests/test_builtin_kernels.py)
 
 
 # ------------------------------------------------------------------ 9b: HF_CASCADE_CACHE=OFF

@@ -38,6 +38,7 @@ def interpret_mode() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
+@functools.cache
 def share_compiler_kernel_cache() -> None:
     """Where ``TRITON_CACHE_DIR`` is unset, build hf_cascade's kernels in the directory ``torch.compile`` (Inductor)
     uses for its own, before the first one is built. Inductor sets ``TRITON_CACHE_DIR`` the first time it loads a
@@ -50,10 +51,6 @@ def share_compiler_kernel_cache() -> None:
     per process. Does nothing under the interpreter or where the variable is set. With Triton 3.4 or later the
     directory goes to ``triton.knobs.cache.dir`` and the environment is left as it is; an older Triton reads only the
     environment, so there the variable is set, as Inductor itself would set it."""
-    global _CACHE_SHARED
-    if _CACHE_SHARED:
-        return
-    _CACHE_SHARED = True
     if interpret_mode() or not torch.cuda.is_available():
         return
     use_compilers_ptxas()
@@ -76,8 +73,6 @@ def share_compiler_kernel_cache() -> None:
     finally:
         knobs.propagate_env = propagate
 
-
-_CACHE_SHARED = False
 
 
 def _nvidia_compiler():
@@ -200,9 +195,6 @@ def keyed_ptxas(arch: int | None = None) -> str | None:
     return None
 
 
-_TRITON_KEY_THREAD: threading.Thread | None = None
-
-
 def _triton_key_function():
     """Triton's ``triton_key`` (the hash of its sources and ``libtriton``, part of every kernel's cache key), or
     None where this Triton has none."""
@@ -214,6 +206,7 @@ def _triton_key_function():
     return None
 
 
+@functools.cache
 def warm_triton_key() -> threading.Thread | None:
     """Start computing Triton's cache key in a daemon thread; returns the thread (None where nothing starts).
 
@@ -223,10 +216,8 @@ def warm_triton_key() -> threading.Thread | None:
     transformers' attention registry loaded, and ran while the model loaded: the hashing releases the GIL), the
     result lands in Triton's own ``lru_cache``: a new process's time until its first decode step went from 1.14 to
     0.86 s (989ad8e, b4adee6). A launch that comes first computes the key itself, as without this. Only on CUDA,
-    not under the interpreter; ``HF_CASCADE_WARM_TRITON_KEY=0`` turns it off. Called by :func:`prepare_triton`."""
-    global _TRITON_KEY_THREAD
-    if _TRITON_KEY_THREAD is not None:
-        return _TRITON_KEY_THREAD
+    not under the interpreter; ``HF_CASCADE_WARM_TRITON_KEY=0`` turns it off. Called by :func:`prepare_triton`;
+    once per process (cached)."""
     if (os.environ.get("HF_CASCADE_WARM_TRITON_KEY", "1").strip() == "0" or interpret_mode()
             or not torch.cuda.is_available() or not triton_available()):
         return None
@@ -240,9 +231,14 @@ def warm_triton_key() -> threading.Thread | None:
         except Exception:  # noqa: BLE001 (a launch computes it again and reports any error itself)
             pass
 
-    _TRITON_KEY_THREAD = threading.Thread(target=compute, name="hf_cascade-triton-key", daemon=True)
-    _TRITON_KEY_THREAD.start()
-    return _TRITON_KEY_THREAD
+    thread = threading.Thread(target=compute, name="hf_cascade-triton-key", daemon=True)
+    thread.start()
+    return thread
+
+
+def _key_thread() -> threading.Thread | None:
+    """:func:`warm_triton_key`'s thread where it was started in this process (never starts one)."""
+    return warm_triton_key() if warm_triton_key.cache_info().currsize else None
 
 
 def await_triton_key() -> None:
@@ -252,7 +248,7 @@ def await_triton_key() -> None:
     beside it (measured on the H100: the first Triton-tier call's launch took 0.47 s hashing while the thread ran).
     Waiting costs only what the thread has left (bounded: after 10 s the launch goes on and hashes itself). Called
     when a kernel module is imported (the first launch)."""
-    thread = _TRITON_KEY_THREAD
+    thread = _key_thread()
     if thread is not None and thread.is_alive() and thread is not threading.current_thread():
         thread.join(timeout=10.0)
 
