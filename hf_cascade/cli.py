@@ -367,7 +367,7 @@ def add_warmup(sub) -> None:
     from hf_cascade import warmup
 
     parser = sub.add_parser(
-        "warmup", help="build every kernel and compiled graph of a model ahead (images, CI), and record their cost",
+        "warmup", help="build every kernel and compiled graph of a model ahead (images, CI), and mark them built",
         description=warmup.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     warmup.build_parser(parser)
