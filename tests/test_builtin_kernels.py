@@ -133,6 +133,13 @@ def test_prefix_level_in_one_varlen_call_matches_node_by_node(monkeypatch, padde
     torch.testing.assert_close(got_lse, want_lse, atol=1e-5, rtol=1e-5)
     assert torch.all(got_lse[3] == float("-inf")) and torch.all(got_out[3] == 0)
     assert plan.varlen_layout[-1] and not plan_shared_prefix(row_node, torch.tensor([0, 7, 7, 21])).varlen_layout[-1]
+    # rows already in node order (a prompt's samples side by side): nothing gathered or scattered, the same state
+    in_order = plan_shared_prefix(torch.tensor([0, 0, 0, 1, 1, 2, 2, 2, 2]), starts)
+    assert in_order.varlen_layout[0] is None and plan.varlen_layout[0] is not None
+    want_out, want_lse = builtin_cascade._prefix_level(query, k_pre, v_pre, in_order, 0.25, None)
+    got_out, got_lse = builtin_cascade._prefix_level_varlen(query, k_pre, v_pre, in_order, 0.25)
+    torch.testing.assert_close(got_out, want_out, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_lse, want_lse, atol=1e-5, rtol=1e-5)
 
 
 def test_generate_on_builtin_kernels_gives_sdpa_tokens(tiny_llama_pair, monkeypatch):

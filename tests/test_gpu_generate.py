@@ -609,6 +609,13 @@ def test_gpu_builtin_level_in_one_varlen_call(monkeypatch, Lq):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(recorded[0], got[0]) and torch.equal(recorded[1], got[1])
+    in_order = plan_shared_prefix(row_node.sort().values.clamp(min=0), torch.tensor([0, 70, 190, 333]), device="cuda")
+    assert in_order.varlen_layout[0] is None  # (nothing gathered or scattered)
+    got = builtin_cascade._prefix_level(query, k_pre, v_pre, in_order, 0.09, None)
+    with monkeypatch.context() as m:
+        m.setattr(builtin_cascade, "_varlen_applies", lambda *a: False)
+        want = builtin_cascade._prefix_level(query, k_pre, v_pre, in_order, 0.09, None)
+    assert (got[0] - want[0]).abs().max() <= 0.01 and (got[1] - want[1]).abs().max() <= 1e-3
 
 
 def test_gpu_warmup_fills_the_caches_and_writes_the_markers(tmp_path, monkeypatch):

@@ -128,13 +128,15 @@ def _varlen_applies(query: Tensor, k_pre: Tensor, v_pre: Tensor, plan, softcap: 
 
 def _prefix_level_varlen(query: Tensor, k_pre: Tensor, v_pre: Tensor, plan, scale: float):
     """One level by one call of ``aten._flash_attention_forward`` over packed sequences: node ``n``'s query sequence
-    is its rows' queries (``rows x Lq`` tokens, rows in the plan's node order), its key sequence its span of the
+    is its rows' queries (``rows x Lq`` tokens, rows in the plan's node order: gathered, unless the batch is in that
+    order already), its key sequence its span of the
     level's keys (nodes are consecutive spans: the offsets are ``node_starts``). Rows without a node get
     ``(0, -inf)``. Returns ``(out [B, Hq, Lq, Dv] fp32, lse [B, Hq, Lq] fp32)``."""
     B, Hq, Lq, D = query.shape
     order, row_offsets, key_offsets, max_rows, max_keys, _ = plan.varlen_layout
-    rows = order.shape[0]
-    q = query.index_select(0, order).transpose(1, 2).reshape(rows * Lq, Hq, D)
+    rows = B if order is None else order.shape[0]
+    q = (query if order is None else query.index_select(0, order)).transpose(1, 2).reshape(rows * Lq, Hq, D)
+    q = q.contiguous()  # (a no-op where the query's rows are already packed, as a decode step's are)
     k, v = k_pre.transpose(0, 1), v_pre.transpose(0, 1)  # [T, Hkv, D] views, last dim contiguous
     q_offsets = row_offsets if Lq == 1 else row_offsets * Lq
     o, lse = _varlen_flash(q, k, v, q_offsets, key_offsets, max_rows * Lq, max_keys, scale)
@@ -144,6 +146,8 @@ def _prefix_level_varlen(query: Tensor, k_pre: Tensor, v_pre: Tensor, plan, scal
         lse = lse[node, :, torch.arange(rows * Lq, device=q.device) - q_offsets[node].long()].transpose(0, 1)
     o = o.reshape(rows, Lq, Hq, D).transpose(1, 2).float()
     lse = lse.reshape(Hq, rows, Lq).transpose(0, 1).contiguous()
+    if order is None:  # every row, in batch order
+        return o, lse
     out = query.new_zeros((B, Hq, Lq, D), dtype=torch.float32)
     full = query.new_full((B, Hq, Lq), float("-inf"), dtype=torch.float32)
     return out.index_copy_(0, order, o), full.index_copy_(0, order, lse)

@@ -123,16 +123,20 @@ class PrefixPlan:
                      (None if rows else (0, 0)) for rows in members)
 
     @functools.cached_property
-    def varlen_layout(self) -> tuple[Tensor, Tensor, Tensor, int, int, bool]:
+    def varlen_layout(self) -> tuple[Tensor | None, Tensor, Tensor, int, int, bool]:
         """The level as packed sequences, for one variable-length attention call over all its nodes
-        (:mod:`~hf_cascade.ops.builtin_cascade`): ``(order int64 [B'] the rows with a node sorted by node,
-        row_offsets int32 [N+1] cumulative rows per node, key_offsets int32 [N+1] = node_starts, most rows of a node,
-        longest node, every node with rows has keys)``, on ``device``."""
+        (:mod:`~hf_cascade.ops.builtin_cascade`): ``(order, row_offsets int32 [N+1] cumulative rows per node,
+        key_offsets int32 [N+1] = node_starts, most rows of a node, longest node, every node with rows has keys)`` on
+        ``device``; ``order``: int64 [B'] the rows with a node sorted by node, or None where that is every row in
+        batch order (a prompt's samples side by side: nothing to gather or scatter)."""
         row_offsets = [0]
         for count in self.rows_per_node:
             row_offsets.append(row_offsets[-1] + count)
         keyed = all(b > a for a, b, r in zip(self.node_starts, self.node_starts[1:], self.rows_per_node) if r)
-        return (self.rows.long(), host_to_device(torch.tensor(row_offsets, dtype=torch.int32), self.device),
+        in_order = all(node == sorted_node for node, sorted_node in zip(self.row_node, sorted(self.row_node))) \
+            and min(self.row_node, default=0) >= 0
+        return (None if in_order else self.rows.long(),
+                host_to_device(torch.tensor(row_offsets, dtype=torch.int32), self.device),
                 self.node_starts_dev.int(), max(self.rows_per_node, default=0), self.max_node_len, keyed)
 
     @functools.cached_property
