@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from .fused_attention import fused_attention, fused_attention_applies
+from .fused_attention import flash_takes, fused_attention, fused_attention_applies
 from .reference import merge_states_ref
 
 __all__ = ["CHUNK_ELEMENTS", "builtin_cascade_attention", "levels_in_one_call"]
@@ -79,8 +79,8 @@ def levels_in_one_call(model) -> bool:
     heads = getattr(text, "num_attention_heads", None) or 1
     head = getattr(text, "head_dim", None) or getattr(text, "hidden_size", 0) // heads
     same_v = getattr(text, "v_head_dim", None) in (None, head)
-    return (model.device.type == "cuda" and model.dtype in (torch.float16, torch.bfloat16) and same_v
-            and 0 < head <= 256 and head % 8 == 0 and getattr(text, "attn_logit_softcapping", None) is None)
+    return (model.device.type == "cuda" and flash_takes(model.dtype, head) and same_v
+            and getattr(text, "attn_logit_softcapping", None) is None)
 
 
 def _prefix_level(query: Tensor, k_pre: Tensor, v_pre: Tensor, plan, scale: float, softcap: float | None):

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 
-__all__ = ["KERNEL_CHOICES", "fused_attention", "fused_attention_applies", "use_fused_attention"]
+__all__ = ["KERNEL_CHOICES", "flash_takes", "fused_attention", "fused_attention_applies", "use_fused_attention"]
 
 KERNEL_CHOICES = ("auto", "fused", "suffix")  # the `kernels` / `block_backend` option of context parallelism
 
@@ -50,8 +50,14 @@ def fused_attention_applies(query: Tensor, key: Tensor, *, mask: Tensor | None =
     if key.shape[-1] != D or query.shape[1] % key.shape[1]:
         return False
     if query.device.type == "cuda":
-        return query.dtype in (torch.float16, torch.bfloat16) and D <= 256 and D % 8 == 0
+        return flash_takes(query.dtype, D)
     return query.dtype in (torch.float32, torch.float16, torch.bfloat16)
+
+
+def flash_takes(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether PyTorch's CUDA FlashAttention-2 takes this dtype and head size (fp16/bf16; head dim <= 256 and a
+    multiple of 8)."""
+    return dtype in (torch.float16, torch.bfloat16) and 0 < head_dim <= 256 and head_dim % 8 == 0
 
 
 def fused_attention(query: Tensor, key: Tensor, value: Tensor, *, scale: float, causal: bool,
