@@ -12,7 +12,8 @@ the next call moves up once the regret reaches the tier's expected cost: cold, o
 the model's kernels (this process's background build filled them, :mod:`hf_cascade.tier_build`, or a marker on disk
 says an earlier process built them). So no more time is lost waiting than compiling costs, and no more is spent
 compiling than waiting lost. Once the compiled tier is ready, a call whose shapes its layers were not compiled for
-runs those layers uncompiled, until the time so lost reaches :data:`NEW_SHAPES_COST_S` (:func:`shape_policy`).
+runs those layers uncompiled, until the time so lost reaches :data:`NEW_SHAPES_COST_S` and the calls that lose it
+last at least as long as that compilation (so it never more than doubles a call: :func:`shape_policy`).
 ``"now"`` compiles from the first call; ``"never"`` never compiles the layers. How it behaves, with measurements:
 ``docs/internals.md`` (First calls).
 
@@ -86,6 +87,7 @@ class _ModelTiers:
         self.build = None  # the background build (hf_cascade.tier_build.BackgroundBuild)
         self.missed_calls = 0  # calls of the compiled tier that ran layers uncompiled (shape_policy)
         self.shapes_regret = 0.0
+        self.missed_call_s = 0.0  # seconds of the last call that ran layers uncompiled
 
 
 def tier_state(model) -> _ModelTiers:
@@ -139,13 +141,15 @@ def shape_policy(model, tier: Tier, compile: str = "auto") -> NewShapes | None:
     with state.lock:
         if not state.ready["compiled"]:
             return None
-        return NewShapes(compile=state.shapes_regret >= NEW_SHAPES_COST_S)
+        # Compile in a call only where it at most doubles it: the last call that missed as long as the compilation.
+        return NewShapes(compile=min(state.shapes_regret, state.missed_call_s) >= NEW_SHAPES_COST_S)
 
 
 def record_call(model, tier: Tier, seconds: float, shapes: NewShapes | None = None) -> None:
     """After a call of ``model`` on ``tier`` that took ``seconds``: the tiers it ran are ready (their markers
     written); the tiers above it gain regret. ``shapes``: the call's :func:`shape_policy` (a call that ran layers
-    uncompiled adds to the per-shape regret; one that could compile them clears it)."""
+    uncompiled adds to the per-shape regret and is the length a compilation is weighed against; one that could
+    compile them clears the regret)."""
     state = tier_state(model)
     with state.lock:
         state.calls.append((tier.name, round(seconds, 3)))
@@ -153,6 +157,7 @@ def record_call(model, tier: Tier, seconds: float, shapes: NewShapes | None = No
             state.shapes_regret = 0.0
         elif shapes is not None and shapes.misses:
             state.missed_calls += 1
+            state.missed_call_s = seconds
             state.shapes_regret += SAVED_FRACTION["compiled"] * seconds
         for name, ran in (("triton", not tier.builtin_kernels), ("compiled", tier.compiled)):
             if not ran:

@@ -111,7 +111,8 @@ def test_shape_policy_before_and_after_the_compiled_tier_is_ready(tiny):
 
 def test_new_shapes_compile_when_the_time_lost_pays(tiny, monkeypatch):
     """Background builds on or off alike: the calls that missed add what compiling would have saved them, and once
-    that reaches NEW_SHAPES_COST_S the next call may compile (a ski rental per shape); that call clears the regret.
+    that reaches NEW_SHAPES_COST_S the next call may compile (a ski rental per shape), if the last call that missed
+    lasted at least as long as the compilation (no call more than doubled); that call clears the regret.
     A ready compiled tier is taken even while a build runs (none compiles shapes)."""
     from _build_children import sleeping, stop
 
@@ -136,14 +137,24 @@ def test_new_shapes_compile_when_the_time_lost_pays(tiny, monkeypatch):
         if policy.compile:
             break
         policy.misses = 3
-        tiers.record_call(tiny, compiled, 2.5, policy)  # each missed call: 0.2 x 2.5 s
+        tiers.record_call(tiny, compiled, 5.0, policy)  # each missed call: 0.2 x 5 s
         calls += 1
-    assert calls == tiers.NEW_SHAPES_COST_S / (tiers.SAVED_FRACTION["compiled"] * 2.5) == 8
+    assert calls == tiers.NEW_SHAPES_COST_S / (tiers.SAVED_FRACTION["compiled"] * 5.0) == 4
     tiers.record_call(tiny, compiled, 9.0, policy)  # the call that compiled them
     assert state.shapes_regret == 0.0 and tiers.shape_policy(tiny, compiled).compile is False
     no_miss = tiers.shape_policy(tiny, compiled)
     tiers.record_call(tiny, compiled, 2.0, no_miss)  # a call whose shapes fit adds nothing
     assert state.shapes_regret == 0.0 and state.missed_calls == calls
+    for _ in range(40):  # calls shorter than the compilation never compile it (it would more than double one)
+        policy = tiers.shape_policy(tiny, compiled)
+        assert not policy.compile
+        policy.misses = 1
+        tiers.record_call(tiny, compiled, 0.6, policy)
+    assert state.shapes_regret >= tiers.NEW_SHAPES_COST_S
+    policy = tiers.shape_policy(tiny, compiled)
+    policy.misses = 1
+    tiers.record_call(tiny, compiled, tiers.NEW_SHAPES_COST_S, policy)  # one as long as the compilation: the next may
+    assert tiers.shape_policy(tiny, compiled).compile
 
 
 def test_info_names_the_background_builds_and_their_switch(capsys, monkeypatch):

@@ -13,8 +13,8 @@ one launch instead of one per node: a level of 16 nodes x 8 rows 24 us per decod
 applies (CUDA, fp16/bf16, ``D == Dv``, head dim <= 256 and a multiple of 8, no soft-capping); elsewhere (fp32,
 soft-capping, MLA head sizes, CPU) by matmuls in fp32 over the node's keys. The suffix pass (each row against its
 own columns, under the cache's bool mask; a shared node's own causal forward runs FlashAttention-2) is matmuls: scores in the input dtype as transformers' ``eager``
-attention computes them, softmax in fp32, with the prefix levels' state as one more softmax column (logit: its
-log-sum-exp; value: its output), which is their exact LSE merge. Work is bounded: the suffix pass runs in query chunks of at
+attention computes them, softmax in fp32, with each prefix level's state as one more softmax column (logit: its
+log-sum-exp; value: its output), which is their exact LSE merge in the suffix softmax's own kernels. Work is bounded: the suffix pass runs in query chunks of at
 most :data:`CHUNK_ELEMENTS` scores.
 
 Nodes are read from the plan's host layout, so a CUDA graph that records this path holds one layout: the
@@ -62,12 +62,8 @@ def builtin_cascade_attention(
         ``(out [B, Lq, Hq, Dv] contiguous in query.dtype, lse [B, Hq, Lq] float32 natural log; -inf where a
         query sees no key)``.
     """
-    prior = None  # the prefix levels' merged state
-    for k_pre, v_pre, plan in prefixes:
-        state = _prefix_level(query, k_pre, v_pre, plan, scale, softcap)
-        prior = state if prior is None else merge_states_ref(
-            torch.stack([prior[0], state[0]]), torch.stack([prior[1], state[1]]))
-    out, lse = _suffix_state(query, key, value, scale, mask, softcap, prior)
+    levels = [_prefix_level(query, k_pre, v_pre, plan, scale, softcap) for k_pre, v_pre, plan in prefixes]
+    out, lse = _suffix_state(query, key, value, scale, mask, softcap, levels)
     return out.to(query.dtype).transpose(1, 2).contiguous(), lse
 
 
@@ -84,7 +80,7 @@ def levels_in_one_call(model) -> bool:
 
 
 def _prefix_level(query: Tensor, k_pre: Tensor, v_pre: Tensor, plan, scale: float, softcap: float | None):
-    """One level's state ``(out [B, Hq, Lq, Dv] fp32, lse [B, Hq, Lq])``: each node's rows against its keys; all
+    """One level's state ``(out [B, Hq, Lq, Dv] fp32 or query.dtype, any strides; lse [B, Hq, Lq] fp32)``: each node's rows against its keys; all
     nodes in one variable-length FlashAttention-2 call where it applies (:func:`_varlen_applies`), else node by
     node."""
     if _varlen_applies(query, k_pre, v_pre, plan, softcap):
@@ -131,7 +127,7 @@ def _prefix_level_varlen(query: Tensor, k_pre: Tensor, v_pre: Tensor, plan, scal
     is its rows' queries (``rows x Lq`` tokens, rows in the plan's node order: gathered, unless the batch is in that
     order already), its key sequence its span of the
     level's keys (nodes are consecutive spans: the offsets are ``node_starts``). Rows without a node get
-    ``(0, -inf)``. Returns ``(out [B, Hq, Lq, Dv] fp32, lse [B, Hq, Lq] fp32)``."""
+    ``(0, -inf)``. Returns ``(out [B, Hq, Lq, Dv] query.dtype, lse [B, Hq, Lq] fp32)``, views where no row moved."""
     B, Hq, Lq, D = query.shape
     order, row_offsets, key_offsets, max_rows, max_keys, _ = plan.varlen_layout
     rows = B if order is None else order.shape[0]
@@ -144,11 +140,11 @@ def _prefix_level_varlen(query: Tensor, k_pre: Tensor, v_pre: Tensor, plan, scal
         node = torch.repeat_interleave(torch.arange(plan.num_nodes, device=q.device), q_offsets.diff().long(),
                                        output_size=rows * Lq)
         lse = lse[node, :, torch.arange(rows * Lq, device=q.device) - q_offsets[node].long()].transpose(0, 1)
-    o = o.reshape(rows, Lq, Hq, D).transpose(1, 2).float()
-    lse = lse.reshape(Hq, rows, Lq).transpose(0, 1).contiguous()
+    o = o.reshape(rows, Lq, Hq, D).transpose(1, 2)  # views: the suffix pass reads them as they lie
+    lse = lse.reshape(Hq, rows, Lq).transpose(0, 1)
     if order is None:  # every row, in batch order
         return o, lse
-    out = query.new_zeros((B, Hq, Lq, D), dtype=torch.float32)
+    out = o.new_zeros((B, Hq, Lq, D))
     full = query.new_full((B, Hq, Lq), float("-inf"), dtype=torch.float32)
     return out.index_copy_(0, order, o), full.index_copy_(0, order, lse)
 
@@ -162,7 +158,7 @@ def _varlen_flash(q, k, v, q_offsets, key_offsets, max_q: int, max_k: int, scale
 
 def _node_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, softcap: float | None):
     """``R`` rows' queries ``[R, Hq, Lq, D]`` against one node's keys ``[Hkv, T, D]`` (every key visible).
-    Returns ``(out [R, Hq, Lq, Dv] fp32, lse [R, Hq, Lq] fp32)``."""
+    Returns ``(out [R, Hq, Lq, Dv] fp32, or query.dtype from FlashAttention-2; lse [R, Hq, Lq] fp32)``."""
     R, Hq, Lq, D = q.shape
     Hkv, T, Dv = k.shape[0], k.shape[1], v.shape[-1]
     G = Hq // Hkv
@@ -170,7 +166,7 @@ def _node_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, softcap: floa
     seq = q.permute(1, 0, 2, 3).reshape(1, Hq, R * Lq, D)
     if Dv == D and fused_attention_applies(seq, k[None], softcap=softcap):
         o, l = fused_attention(seq, k[None], v[None], scale=scale, causal=False)
-        o = o.reshape(Hq, R, Lq, Dv).permute(1, 0, 2, 3).float()
+        o = o.reshape(Hq, R, Lq, Dv).permute(1, 0, 2, 3)
         return o, l.reshape(Hq, R, Lq).permute(1, 0, 2)
     # fp32 matmuls, grouped by KV head (GQA folded into the query rows), in chunks of query rows.
     qf = q.float().reshape(R, Hkv, G * Lq, D).transpose(0, 1).reshape(Hkv, R * G * Lq, D)
@@ -190,51 +186,55 @@ def _node_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, softcap: floa
 
 
 def _suffix_state(query: Tensor, key: Tensor, value: Tensor, scale: float, mask: Tensor | None,
-                  softcap: float | None, prior: tuple[Tensor, Tensor] | None = None):
-    """Each row's queries against its own suffix keys under ``mask``, merged with ``prior`` (the prefix levels'
-    state ``(out [B, Hq, Lq, Dv] fp32, lse)``, or None): ``(out [B, Hq, Lq, Dv] fp32, lse [B, Hq, Lq])``.
+                  softcap: float | None, levels: Sequence[tuple[Tensor, Tensor]] = ()):
+    """Each row's queries against its own suffix keys under ``mask``, merged with the prefix ``levels`` (each
+    ``(out [B, Hq, Lq, Dv] any float dtype and strides, lse [B, Hq, Lq] fp32, -inf for a row without a node)``):
+    ``(out [B, Hq, Lq, Dv] fp32 or value.dtype, lse [B, Hq, Lq] fp32)``.
 
-    Scores in the input dtype (as ``eager`` attention), softmax in fp32, in chunks of queries. The prior state
-    joins the softmax as one more column whose logit is its LSE and whose value is its output (exactly the LSE
-    merge of the two states, in the same few kernels as the suffix's own softmax)."""
+    Scores in the input dtype (as ``eager`` attention), softmax in fp32, in chunks of queries. Each level joins the
+    softmax as one more column whose logit is its LSE and whose value is its output: exactly the LSE merge of every
+    state, in the few kernels of the suffix's own softmax (on a CUDA graph's decode step every kernel is a launch)."""
     B, Hq, Lq, D = query.shape
     Hkv, S, Dv = key.shape[1], key.shape[2], value.shape[-1]
     G = Hq // Hkv
-    if S == 0:
-        if prior is not None:
-            return prior
-        return (query.new_zeros((B, Hq, Lq, Dv), dtype=torch.float32),
-                query.new_full((B, Hq, Lq), float("-inf"), dtype=torch.float32))
-    if mask is None and Lq == S and Dv == D and fused_attention_applies(query, key, softcap=softcap):
-        # A node's own forward (causal, no padding): FlashAttention-2, then the 2-way merge with the prefix state.
-        out, lse = fused_attention(query, key, value, scale=scale, causal=True)
-        if prior is None:
-            return out.float(), lse
-        return merge_states_ref(torch.stack([prior[0], out.float()]), torch.stack([prior[1], lse]))
+    if S == 0 or (mask is None and Lq == S and Dv == D and fused_attention_applies(query, key, softcap=softcap)):
+        # No suffix keys, or a node's own forward (causal, no padding: FlashAttention-2): an N-way merge.
+        states = list(levels)
+        if S:
+            states.append(fused_attention(query, key, value, scale=scale, causal=True))
+        if len(states) == 1:
+            return states[0]
+        if not states:
+            return (query.new_zeros((B, Hq, Lq, Dv), dtype=torch.float32),
+                    query.new_full((B, Hq, Lq), float("-inf"), dtype=torch.float32))
+        return merge_states_ref(torch.stack([o.float() for o, _ in states]), torch.stack([l for _, l in states]))
     if mask is None:  # causal, bottom-right
         columns = torch.arange(S, device=query.device)
         last = S - Lq + torch.arange(Lq, device=query.device)
         mask = (columns[None, :] <= last[:, None])[None]
-    step = max(1, CHUNK_ELEMENTS // max(B * Hq * S, 1))
+    step = max(1, CHUNK_ELEMENTS // max(B * Hq * (S + len(levels)), 1))
     outs, lses = [], []
     q_all = query * scale
     for i in range(0, Lq, step):
         q = q_all[:, :, i:i + step]
         n = q.shape[2]
         # [B, Hkv, G * n, D] x [B, Hkv, D, S]: the KV heads are never repeated.
-        s = torch.matmul(q.reshape(B, Hkv, G * n, D), key.transpose(-1, -2)).float()
+        s = torch.matmul(q.reshape(B, Hkv, G * n, D), key.transpose(-1, -2)).view(B, Hkv, G, n, S)
         if softcap is not None:
-            s = softcap * torch.tanh(s / softcap)
-        s = s.view(B, Hkv, G, n, S).masked_fill(~mask[:, None, None, i:i + step], float("-inf"))
-        if prior is not None:  # the prefix state as column S
-            s = torch.cat([s, prior[1][:, :, i:i + step].reshape(B, Hkv, G, n, 1)], dim=-1)
-        l = torch.logsumexp(s, dim=-1)  # [B, Hkv, G, n]; -inf where no key is visible
-        p = torch.exp(s - torch.where(l == float("-inf"), 0.0, l).unsqueeze(-1))
-        o = torch.matmul(p[..., :S].to(value.dtype).reshape(B, Hkv, G * n, S), value).float().view(B, Hq, n, Dv)
-        if prior is not None:
-            o = o + p[..., S:].reshape(B, Hq, n, 1) * prior[0][:, :, i:i + step]
+            s = softcap * torch.tanh(s.float() / softcap)
+        s = torch.where(mask[:, None, None, i:i + step], s, float("-inf"))
+        if levels:  # their LSEs as columns S, S + 1, ... (cat promotes the scores to fp32)
+            s = torch.cat([s, *(l[:, :, i:i + step].reshape(B, Hkv, G, n, 1) for _, l in levels)], dim=-1)
+        s = s.float()
+        top = torch.nan_to_num(s.amax(dim=-1, keepdim=True), neginf=0.0)  # 0 where no key is visible
+        p = torch.exp(s - top)
+        total = p.sum(dim=-1, keepdim=True)  # >= 1 (the top column's exp(0)), or 0 where no key is visible
+        lses.append((top + total.log()).view(B, Hq, n))  # -inf where no key is visible
+        p = p / total.clamp(min=1.0)
+        o = torch.matmul(p[..., :S].to(value.dtype).reshape(B, Hkv, G * n, S), value).view(B, Hq, n, Dv)
+        for j, (level_out, _) in enumerate(levels):
+            o = o + p[..., S + j:S + j + 1].reshape(B, Hq, n, 1) * level_out[:, :, i:i + step]
         outs.append(o)
-        lses.append(l.reshape(B, Hq, n))
     if len(outs) == 1:
         return outs[0], lses[0]
     return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
