@@ -62,9 +62,11 @@ def builtin_cascade_attention(
         ``(out [B, Lq, Hq, Dv] contiguous in query.dtype, lse [B, Hq, Lq] float32 natural log; -inf where a
         query sees no key)``.
     """
+    B, Hq, Lq, _ = query.shape
+    out = query.new_empty((B, Lq, Hq, value.shape[-1]))
     levels = [_prefix_level(query, k_pre, v_pre, plan, scale, softcap) for k_pre, v_pre, plan in prefixes]
-    out, lse = _suffix_state(query, key, value, scale, mask, softcap, levels)
-    return out.to(query.dtype).transpose(1, 2).contiguous(), lse
+    lse = _suffix_state(query, key, value, scale, mask, softcap, levels, out.transpose(1, 2))
+    return out, lse
 
 
 def levels_in_one_call(model) -> bool:
@@ -186,14 +188,15 @@ def _node_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, softcap: floa
 
 
 def _suffix_state(query: Tensor, key: Tensor, value: Tensor, scale: float, mask: Tensor | None,
-                  softcap: float | None, levels: Sequence[tuple[Tensor, Tensor]] = ()):
+                  softcap: float | None, levels: Sequence[tuple[Tensor, Tensor]], out: Tensor) -> Tensor:
     """Each row's queries against its own suffix keys under ``mask``, merged with the prefix ``levels`` (each
-    ``(out [B, Hq, Lq, Dv] any float dtype and strides, lse [B, Hq, Lq] fp32, -inf for a row without a node)``):
-    ``(out [B, Hq, Lq, Dv] fp32 or value.dtype, lse [B, Hq, Lq] fp32)``.
+    ``(out [B, Hq, Lq, Dv] any float dtype and strides, lse [B, Hq, Lq] fp32, -inf for a row without a node)``),
+    written to ``out [B, Hq, Lq, Dv]`` (query.dtype, any strides). Returns ``lse [B, Hq, Lq] fp32``.
 
     Scores in the input dtype (as ``eager`` attention), softmax in fp32, in chunks of queries. Each level joins the
     softmax as one more column whose logit is its LSE and whose value is its output: exactly the LSE merge of every
-    state, in the few kernels of the suffix's own softmax (on a CUDA graph's decode step every kernel is a launch)."""
+    state, in the few kernels of the suffix's own softmax (on a CUDA graph's decode step every kernel is a launch:
+    2 levels of a decode step take 17 besides their flash calls, against ~50 with the merges apart)."""
     B, Hq, Lq, D = query.shape
     Hkv, S, Dv = key.shape[1], key.shape[2], value.shape[-1]
     G = Hq // Hkv
@@ -202,18 +205,19 @@ def _suffix_state(query: Tensor, key: Tensor, value: Tensor, scale: float, mask:
         states = list(levels)
         if S:
             states.append(fused_attention(query, key, value, scale=scale, causal=True))
-        if len(states) == 1:
-            return states[0]
         if not states:
-            return (query.new_zeros((B, Hq, Lq, Dv), dtype=torch.float32),
-                    query.new_full((B, Hq, Lq), float("-inf"), dtype=torch.float32))
-        return merge_states_ref(torch.stack([o.float() for o, _ in states]), torch.stack([l for _, l in states]))
+            out.zero_()
+            return query.new_full((B, Hq, Lq), float("-inf"), dtype=torch.float32)
+        merged = states[0] if len(states) == 1 else merge_states_ref(
+            torch.stack([o.float() for o, _ in states]), torch.stack([l for _, l in states]))
+        out.copy_(merged[0])
+        return merged[1]
     if mask is None:  # causal, bottom-right
         columns = torch.arange(S, device=query.device)
         last = S - Lq + torch.arange(Lq, device=query.device)
         mask = (columns[None, :] <= last[:, None])[None]
     step = max(1, CHUNK_ELEMENTS // max(B * Hq * (S + len(levels)), 1))
-    outs, lses = [], []
+    lses = []
     q_all = query * scale
     for i in range(0, Lq, step):
         q = q_all[:, :, i:i + step]
@@ -232,9 +236,11 @@ def _suffix_state(query: Tensor, key: Tensor, value: Tensor, scale: float, mask:
         lses.append((top + total.log()).view(B, Hq, n))  # -inf where no key is visible
         p = p / total.clamp(min=1.0)
         o = torch.matmul(p[..., :S].to(value.dtype).reshape(B, Hkv, G * n, S), value).view(B, Hq, n, Dv)
-        for j, (level_out, _) in enumerate(levels):
-            o = o + p[..., S + j:S + j + 1].reshape(B, Hq, n, 1) * level_out[:, :, i:i + step]
-        outs.append(o)
-    if len(outs) == 1:
-        return outs[0], lses[0]
-    return torch.cat(outs, dim=2), torch.cat(lses, dim=2)
+        target = out[:, :, i:i + step]
+        if not levels:
+            target.copy_(o)
+        for j, (level_out, _) in enumerate(levels):  # o + p_j * out_j, in fp32; the last one stored in out's dtype
+            weight = p[..., S + j:S + j + 1].reshape(B, Hq, n, 1)
+            last = j == len(levels) - 1
+            o = torch.addcmul(o, weight, level_out[:, :, i:i + step], out=target if last else None)
+    return lses[0] if len(lses) == 1 else torch.cat(lses, dim=2)
