@@ -106,7 +106,7 @@ def _prefix_level(query: Tensor, k_pre: Tensor, v_pre: Tensor, plan, scale: floa
             continue
         index = plan.rows_by_node[node]  # (a recorded step keeps the plan alive: CascadeCache.static_step_keepalive)
         o, l = _node_attention(query.index_select(0, index), k_pre[:, a:b], v_pre[:, a:b], scale, softcap)
-        out.index_copy_(0, index, o)
+        out.index_copy_(0, index, o.to(out.dtype))
         lse.index_copy_(0, index, l)
     return out, lse
 
