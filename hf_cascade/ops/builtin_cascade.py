@@ -12,9 +12,10 @@ one launch instead of one per node: a level of 16 nodes x 8 rows 24 us per decod
 (the rows' queries as one query sequence, non-causal, keys split over the SMs for short query sequences), where it
 applies (CUDA, fp16/bf16, ``D == Dv``, head dim <= 256 and a multiple of 8, no soft-capping); elsewhere (fp32,
 soft-capping, MLA head sizes, CPU) by matmuls in fp32 over the node's keys. The suffix pass (each row against its
-own columns, under the cache's bool mask; a shared node's own causal forward runs FlashAttention-2) is matmuls: scores in the input dtype as transformers' ``eager``
-attention computes them, softmax in fp32, with each prefix level's state as one more softmax column (logit: its
-log-sum-exp; value: its output), which is their exact LSE merge in the suffix softmax's own kernels. Work is bounded: the suffix pass runs in query chunks of at
+own columns, under the cache's bool mask; a shared node's own causal forward runs FlashAttention-2) is matmuls:
+scores in the input dtype as transformers' ``eager`` attention computes them, softmax in fp32, with each prefix
+level's state as one more softmax column (logit: its log-sum-exp; value: its output), which is their exact LSE merge
+in the suffix softmax's own kernels. Work is bounded: the suffix pass runs in query chunks of at
 most :data:`CHUNK_ELEMENTS` scores.
 
 Nodes are read from the plan's host layout, so a CUDA graph that records this path holds one layout: the
@@ -82,9 +83,9 @@ def levels_in_one_call(model) -> bool:
 
 
 def _prefix_level(query: Tensor, k_pre: Tensor, v_pre: Tensor, plan, scale: float, softcap: float | None):
-    """One level's state ``(out [B, Hq, Lq, Dv] fp32 or query.dtype, any strides; lse [B, Hq, Lq] fp32)``: each node's rows against its keys; all
-    nodes in one variable-length FlashAttention-2 call where it applies (:func:`_varlen_applies`), else node by
-    node."""
+    """One level's state ``(out [B, Hq, Lq, Dv] fp32 or query.dtype, any strides; lse [B, Hq, Lq] fp32)``: each
+    node's rows against its keys; all nodes in one variable-length FlashAttention-2 call where it applies
+    (:func:`_varlen_applies`), else node by node."""
     if _varlen_applies(query, k_pre, v_pre, plan, softcap):
         return _prefix_level_varlen(query, k_pre, v_pre, plan, scale)
     B, Hq, Lq, _ = query.shape
