@@ -634,3 +634,59 @@ def test_a_grid_that_cannot_start_never_breaks_a_call(records, tiny_llama_pair):
         stop(rows)
     report = tiers.tier_report(model)["background_build"]
     assert report["caches_filled"] and report["error"] is None and report["prewarm"]["rows_done"], report
+
+
+def test_decode_step_levels_merge_inside_the_suffix_softmax(monkeypatch):
+    """A decode step with two prefix levels (one node shared by all rows, then one node per 4 rows) runs the
+    levels' merge inside the suffix pass's softmax: no stacked states, no separate merge, the output written once in
+    the query's dtype. Each op is a kernel launch inside the first tier's recorded CUDA graph (the GPU time of ~50
+    small kernels per layer was ~0.4 s of a 2.5 s TRL rollout call, benchmarks/results/probe_trl_step.jsonl).
+    FlashAttention-2 emulated (CPU); its calls are not counted. Same state as float64."""
+    from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+
+    def flash_like(q, k, v, *, scale, causal):  # FlashAttention-2's contract: out in q's dtype, LSE fp32
+        with _disable_current_modes():
+            kk, vv = (t.float().repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+            s = torch.matmul(q.float(), kk.transpose(-1, -2)) * scale
+            return torch.matmul(torch.softmax(s, -1), vv).to(q.dtype), torch.logsumexp(s, -1)
+
+    monkeypatch.setattr(builtin_cascade, "fused_attention_applies", lambda *a, **k: True)
+    monkeypatch.setattr(builtin_cascade, "fused_attention", flash_like)
+    monkeypatch.setattr(builtin_cascade, "_varlen_applies", lambda *a: True)
+    emulated = _emulated_varlen_flash(False)
+
+    def varlen(*args):
+        with _disable_current_modes():
+            return emulated(*args)
+
+    monkeypatch.setattr(builtin_cascade, "_varlen_flash", varlen)
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.kernels = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns):
+                return out  # a view launches nothing
+            if func not in (torch.ops.aten.new_empty.default, torch.ops.aten.scalar_tensor.default,
+                            torch.ops.aten._unsafe_view.default):  # (no kernel either)
+                self.kernels.append(func.__name__)
+            return out
+
+    torch.manual_seed(4)
+    B, Hq, Hkv, D, S = 8, 6, 2, 16, 9
+    q, k, v = torch.randn(B, Hq, 1, D), torch.randn(B, Hkv, S, D), torch.randn(B, Hkv, S, D)
+    levels, prefixes = _levels(Hkv, D, D, [([11], [0] * B), ([5, 7], [0, 0, 0, 0, 1, 1, 1, 1])], torch.float32)
+    visible = torch.ones(B, 1, S, dtype=torch.bool)
+    visible[2, :, :3] = False
+    for _, _, plan in prefixes:
+        plan.varlen_layout  # (built once per batch layout, before the step is recorded)
+    with Ops() as ops:
+        out, lse = builtin_cascade_attention(q, k, v, prefixes, scale=D ** -0.5, mask=visible)
+    assert len(ops.kernels) <= 16, ops.kernels  # 16 today (40 with the merges apart, afb6166)
+    assert "stack" not in ops.kernels and "logsumexp" not in ops.kernels, ops.kernels
+    want_out, want_lse = _f64(q, k, v, levels, D ** -0.5, visible)
+    torch.testing.assert_close(out.transpose(1, 2).double(), want_out, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-4, rtol=1e-5)
