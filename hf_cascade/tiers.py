@@ -13,7 +13,8 @@ the model's kernels (this process's background build filled them, :mod:`hf_casca
 says an earlier process built them). So no more time is lost waiting than compiling costs, and no more is spent
 compiling than waiting lost. Once the compiled tier is ready, a call whose shapes its layers were not compiled for
 runs those layers uncompiled, until the time so lost reaches :data:`NEW_SHAPES_COST_S` and the calls that lose it
-last at least as long as that compilation (so it never more than doubles a call: :func:`shape_policy`).
+last at least as long as that compilation (so it never more than doubles a call), or, with shorter calls, until it
+reaches :data:`NEW_SHAPES_PATIENCE` times that (a long-running process still gets there: :func:`shape_policy`).
 ``"now"`` compiles from the first call; ``"never"`` never compiles the layers. How it behaves, with measurements:
 ``docs/internals.md`` (First calls).
 
@@ -37,7 +38,7 @@ from hf_cascade.compiled_layers import NewShapes
 from hf_cascade.engine import engine_of
 from hf_cascade.options import COMPILE_CHOICES
 
-__all__ = ["COMPILE_CHOICES", "NEW_SHAPES_COST_S", "SAVED_FRACTION", "Tier", "caches_warm", "choose_tier",
+__all__ = ["COMPILE_CHOICES", "NEW_SHAPES_COST_S", "NEW_SHAPES_PATIENCE", "SAVED_FRACTION", "Tier", "caches_warm", "choose_tier",
            "raise_regret", "record_call", "record_key", "records_folder", "shape_policy", "tier_report", "tier_state"]
 
 # What each tier saves over the one below, as a fraction of a call's seconds there (H100, Llama-3-8B shape: a decode
@@ -57,6 +58,8 @@ WARM_COMPILE_COST_S = 8.0
 TRITON_KEY_COST_S = 0.4
 # Compiling the layers again for shapes new to the compiled tier: 2-8 s on an H100 (first_call.jsonl, issue 48).
 NEW_SHAPES_COST_S = 4.0
+# Calls shorter than that compilation compile their new shapes only once they have lost this many times its cost.
+NEW_SHAPES_PATIENCE = 5.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,8 +144,11 @@ def shape_policy(model, tier: Tier, compile: str = "auto") -> NewShapes | None:
     with state.lock:
         if not state.ready["compiled"]:
             return None
-        # Compile in a call only where it at most doubles it: the last call that missed as long as the compilation.
-        return NewShapes(compile=min(state.shapes_regret, state.missed_call_s) >= NEW_SHAPES_COST_S)
+        # Compile in a call where it at most doubles it (the last call that missed as long as the compilation), or
+        # where the calls have lost much more than it costs.
+        regret = state.shapes_regret
+        return NewShapes(compile=regret >= NEW_SHAPES_COST_S and (
+            state.missed_call_s >= NEW_SHAPES_COST_S or regret >= NEW_SHAPES_PATIENCE * NEW_SHAPES_COST_S))
 
 
 def record_call(model, tier: Tier, seconds: float, shapes: NewShapes | None = None) -> None:

@@ -8,6 +8,7 @@ benchmarks/bench_stall.py.
 """
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -112,7 +113,8 @@ def test_shape_policy_before_and_after_the_compiled_tier_is_ready(tiny):
 def test_new_shapes_compile_when_the_time_lost_pays(tiny, monkeypatch):
     """Background builds on or off alike: the calls that missed add what compiling would have saved them, and once
     that reaches NEW_SHAPES_COST_S the next call may compile (a ski rental per shape), if the last call that missed
-    lasted at least as long as the compilation (no call more than doubled); that call clears the regret.
+    lasted at least as long as the compilation (no call more than doubled), or once the regret is NEW_SHAPES_PATIENCE
+    times the cost (shorter calls); that call clears the regret.
     A ready compiled tier is taken even while a build runs (none compiles shapes)."""
     from _build_children import sleeping, stop
 
@@ -154,7 +156,15 @@ def test_new_shapes_compile_when_the_time_lost_pays(tiny, monkeypatch):
     policy = tiers.shape_policy(tiny, compiled)
     policy.misses = 1
     tiers.record_call(tiny, compiled, tiers.NEW_SHAPES_COST_S, policy)  # one as long as the compilation: the next may
-    assert tiers.shape_policy(tiny, compiled).compile
+    policy = tiers.shape_policy(tiny, compiled)
+    assert policy.compile
+    tiers.record_call(tiny, compiled, 5.0, policy)  # it compiled them
+    short = 0
+    while not (policy := tiers.shape_policy(tiny, compiled)).compile:  # only short calls: they wait 5x longer
+        policy.misses = 1
+        tiers.record_call(tiny, compiled, 0.6, policy)
+        short += 1
+    assert short == math.ceil(tiers.NEW_SHAPES_PATIENCE * tiers.NEW_SHAPES_COST_S / (0.2 * 0.6) - 1e-9) == 167
 
 
 def test_info_names_the_background_builds_and_their_switch(capsys, monkeypatch):
