@@ -56,7 +56,7 @@ def warm_up(model, rows=(1, 8, 32), prompt_tokens: int = 512, new_tokens: int = 
     for n in rows:
         ids = torch.cat([shared.expand(n, -1), torch.randint(3, vocab, (n, 8), generator=g)], dim=1)
         batches.append((ids, torch.ones_like(ids)))
-        seconds = _call(model, ids.to(model.device), new_tokens, "now")
+        seconds = _call(model, ids.to(model.device), new_tokens)
         calls = tier_report(model)["calls"]
         results.append({"rows": n, "batch": "plain", "seconds": round(seconds, 2),
                         "tier": calls[-1][0] if calls else "none"})
@@ -96,18 +96,17 @@ def _build_in_foreground(model, batches: list, new_tokens: int, grid_budget_s: f
             "error": build.error}
 
 
-def _call(model, ids, new_tokens: int, compile: str = "now", attention_mask=None) -> float:
-    """Seconds of one greedy generate() of ``ids`` with ``cascade_options={"compile": compile}`` (device work
-    included); ``attention_mask`` None: no padding."""
+def _call(model, ids, new_tokens: int) -> float:
+    """Seconds of one greedy generate() of ``ids`` (no padding) on the compiled tier (``compile="now"``), device
+    work included."""
     import torch
 
     import hf_cascade
 
     started = time.perf_counter()
-    mask = torch.ones_like(ids) if attention_mask is None else attention_mask
-    model.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+    model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                    do_sample=False, pad_token_id=0, custom_generate=hf_cascade.generate,
-                   cascade_options={"compile": compile, "cost_model": None})
+                   cascade_options={"compile": "now", "cost_model": None})
     if model.device.type == "cuda":
         torch.cuda.synchronize(model.device)
     return time.perf_counter() - started

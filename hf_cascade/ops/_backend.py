@@ -74,7 +74,6 @@ def share_compiler_kernel_cache() -> None:
         knobs.propagate_env = propagate
 
 
-
 def _nvidia_compiler():
     """Triton's NVIDIA backend compiler module, or None where this Triton has none (CPU builds, other layouts)."""
     try:
