@@ -4,7 +4,7 @@ After a call on a tier below the one it could reach (greedy or sampling on CUDA,
 :func:`build_in_background` starts a **rows child** (:mod:`hf_cascade.tier_build_child`, low CPU priority) that runs
 the call's rows again through ``hf_cascade.generate`` on the model's config cut to :data:`PREWARM_LAYERS` layers of
 random weights (the layers compile to one graph for all layers, so the cut model makes the same graphs and Triton
-kernels), greedy, :data:`BUILD_STEPS` decode steps: with ``compile="now"`` for the compiled tier, or
+kernels), greedy, :data:`~hf_cascade.tier_build_child.BUILD_STEPS` decode steps: with ``compile="now"`` for the compiled tier, or
 :data:`TRITON_BUILD_OPTIONS` (Triton kernels, recorded steps, nothing compiled) where the calls' step may not compile
 (TRL's ``disable_compile=True``). **Grid children** run slices of :func:`~hf_cascade.build_grid.variant_grid` (other
 batch layouts, whose Triton kernel variants a later call would otherwise build: 1-3 s each on an H100) for at most
@@ -39,12 +39,9 @@ from hf_cascade.transformers_compat import CACHE_KWARG
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["BUILD_STEPS", "BackgroundBuild", "GRID_BUDGET_S", "background_builds_on", "build_in_background",
+__all__ = ["BackgroundBuild", "GRID_BUDGET_S", "background_builds_on", "build_in_background",
            "describe", "start_build", "wait_for_build"]
 
-# Decode steps of the build call: the first compiles the layers for the decode step, the next runs them again (a
-# build records no CUDA graph: hf_cascade.decode.captured_step).
-BUILD_STEPS = 2
 MIN_FREE_FRACTION = 0.15
 CACHE_MULTIPLE = 3
 PREWARM_LAYERS = 2
@@ -215,8 +212,14 @@ def build_in_background(model, input_ids: torch.Tensor, generation_config, model
         options = {**(cascade_options or {}), **path, "batch_buckets": batch_buckets}
         state.build = start_build(model, input_ids, generation_config, model_kwargs, options,
                                   compiled=tier == "compiled")
-    logger.info("hf_cascade: child processes fill the compile caches for the compiled tier in the background "
-                "(HF_CASCADE_BACKGROUND=off: none).")
+        children = len(state.build.rows) + len(state.build.grid)
+    if not children:  # (it could not start: BackgroundBuild.failed warned)
+        return False
+    # Visible at transformers' default verbosity: processes on the user's GPU that they did not start must be said.
+    more = f", more once the first is done (at most {GRID_PROCESSES} at once)" if tier == "compiled" else ""
+    logger.warning(f"hf_cascade: {children} low-priority child process(es) now build the {tier} tier's kernels in "
+                   f"the background{more}; they end within {PREWARM_TIMEOUT_S // 60} min. HF_CASCADE_BACKGROUND=off "
+                   "turns this off; `python -m hf_cascade info` describes it.")
     return True
 
 
@@ -273,23 +276,6 @@ def wait_for_build(model, timeout: float | None = None) -> bool:
         build.wait(timeout)
     with state.lock:
         return state.ready["compiled"] or (build is not None and build.summary is not None and build.caches_filled)
-
-
-def _build_call(run, model, input_ids, generation_config, model_kwargs, options) -> None:
-    """The build call: ``hf_cascade.generate`` of the rows, greedy, stopped after :data:`BUILD_STEPS` steps."""
-    from transformers.generation.logits_process import LogitsProcessorList
-    from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList
-
-    stop_at = input_ids.shape[1] + BUILD_STEPS
-
-    class _StopAfterBuildSteps(StoppingCriteria):
-        def __call__(self, ids, scores, **kwargs):
-            return torch.full((ids.shape[0],), ids.shape[1] >= stop_at, dtype=torch.bool, device=ids.device)
-
-    stopping = StoppingCriteriaList([MaxLengthCriteria(generation_config.max_length), _StopAfterBuildSteps()])
-    with torch.no_grad():
-        run(model, input_ids, LogitsProcessorList(), stopping, generation_config, cascade_options=options,
-            **model_kwargs)
 
 
 def _cut_config(config):
@@ -417,23 +403,3 @@ def _collect(children: list[tuple]) -> list[tuple]:
         stdout.close()
         stderr.close()
     return out
-
-
-def _leave_with_parent(parent_pid: int) -> None:
-    """In the child: low CPU priority, and end when the process that started it ends (Linux: the kernel sends
-    SIGTERM; a parent already gone ends it now), so an interpreter that exits mid-build leaves no child behind."""
-    import signal
-
-    try:
-        os.nice(10)
-    except OSError:
-        pass
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
-    if parent_pid and os.getppid() != parent_pid:
-        raise SystemExit(0)

@@ -10,6 +10,7 @@ few layers from the pickled spec, run the build call on the call's rows (where t
 from __future__ import annotations
 
 import copy
+import os
 import sys
 import time
 
@@ -17,7 +18,10 @@ import torch
 
 from hf_cascade.build_grid import variant_grid
 from hf_cascade.generation import generate
-from hf_cascade.tier_build import _build_call, _leave_with_parent
+
+# Decode steps of the build call: the first compiles the layers for the decode step, the next runs them again (a
+# build records no CUDA graph: hf_cascade.decode.captured_step).
+BUILD_STEPS = 2
 
 
 def main(path: str, parent_pid: int = 0) -> int:
@@ -32,7 +36,7 @@ def main(path: str, parent_pid: int = 0) -> int:
     kwargs = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in spec["model_kwargs"].items()}
     ids, config = spec["input_ids"].to(device), spec["generation_config"]
     if spec.get("rows", True):
-        _build_call(generate, model, ids, config, kwargs, spec["options"])
+        _build_call(model, ids, config, kwargs, spec["options"])
         _synchronize(device)
         print("ROWS_DONE", flush=True)
     _run_grid(model, spec, config.max_length - ids.shape[1], device)
@@ -59,12 +63,49 @@ def _run_grid(model, spec: dict, new_tokens: int, device: torch.device) -> None:
         config = copy.deepcopy(spec["generation_config"])
         config.max_length = ids.shape[1] + new_tokens
         try:
-            _build_call(generate, model, ids.to(device), config, {**kwargs, "attention_mask": mask.to(device)}, options)
+            _build_call(model, ids.to(device), config, {**kwargs, "attention_mask": mask.to(device)}, options)
             _synchronize(device)
             print("GRID_DONE", flush=True)
         except Exception as err:  # noqa: BLE001 (one batch's failure must not stop the others)
             print(f"GRID_FAILED {type(err).__name__}: {str(err)[:200]!r}", flush=True)
     print(f"GRID_END {len(runs)} {time.perf_counter() - started:.3f}", flush=True)
+
+
+def _build_call(model, input_ids, generation_config, model_kwargs, options) -> None:
+    """The build call: ``hf_cascade.generate`` of the rows, greedy, stopped after :data:`BUILD_STEPS` steps."""
+    from transformers.generation.logits_process import LogitsProcessorList
+    from transformers.generation.stopping_criteria import MaxLengthCriteria, StoppingCriteria, StoppingCriteriaList
+
+    stop_at = input_ids.shape[1] + BUILD_STEPS
+
+    class _StopAfterBuildSteps(StoppingCriteria):
+        def __call__(self, ids, scores, **kwargs):
+            return torch.full((ids.shape[0],), ids.shape[1] >= stop_at, dtype=torch.bool, device=ids.device)
+
+    stopping = StoppingCriteriaList([MaxLengthCriteria(generation_config.max_length), _StopAfterBuildSteps()])
+    with torch.no_grad():
+        generate(model, input_ids, LogitsProcessorList(), stopping, generation_config, cascade_options=options,
+                 **model_kwargs)
+
+
+def _leave_with_parent(parent_pid: int) -> None:
+    """In the child: low CPU priority, and end when the process that started it ends (Linux: the kernel sends
+    SIGTERM; a parent already gone ends it now), so an interpreter that exits mid-build leaves no child behind."""
+    import signal
+
+    try:
+        os.nice(10)
+    except OSError:
+        pass
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if parent_pid and os.getppid() != parent_pid:
+        raise SystemExit(0)
 
 
 def _synchronize(device: torch.device) -> None:

@@ -426,7 +426,7 @@ def test_background_build_starts_only_where_the_caches_are_cold(records, tiny_ll
 
 def test_background_child_ends_with_the_process_that_started_it(tmp_path):
     """A process that exits while its background child fills the caches leaves no child behind (the child asks
-    the kernel for SIGTERM when its parent ends: tier_build._leave_with_parent)."""
+    the kernel for SIGTERM when its parent ends: tier_build_child._leave_with_parent)."""
     import os
     import subprocess
     import sys
@@ -438,7 +438,7 @@ def test_background_child_ends_with_the_process_that_started_it(tmp_path):
     parent = f"""
 import os, subprocess, sys, threading, time
 def run():
-    subprocess.run([sys.executable, "-c", "import os, sys, time; from hf_cascade.tier_build import _leave_with_parent; "
+    subprocess.run([sys.executable, "-c", "import os, sys, time; from hf_cascade.tier_build_child import _leave_with_parent; "
                     "_leave_with_parent(int(sys.argv[1])); open(sys.argv[2], 'w').write(str(os.getpid())); "
                     "time.sleep(120)", str(os.getpid()), {str(pid_file)!r}])
 threading.Thread(target=run, daemon=True).start()

@@ -534,8 +534,11 @@ def test_gpu_triton_tier_built_in_the_background_where_the_step_may_not_compile(
     """TRL's rollouts pass ``disable_compile=True``: the steps are recorded, never compiled. After the first call
     (built-in tier) a child fills the Triton tier's kernels (hf_cascade.tier_build, ``compiled=False``: nothing
     compiled); once it is done the ski rental moves the calls to the Triton tier with the recorded (small) cost,
-    tokens equal to the reference's in fp32 throughout; the compiled tier is never taken."""
-    from hf_cascade import tiers
+    tokens equal to the reference's in fp32 throughout; the compiled tier is never taken. Its start is one warning
+    (visible at transformers' default verbosity), naming the switch."""
+    from transformers.testing_utils import CaptureLogger
+
+    from hf_cascade import tier_build, tiers
     from hf_cascade.tier_build import wait_for_build
 
     ref = tiny_model("llama", reference_attention("llama"), device="cuda", num_hidden_layers=3)
@@ -551,8 +554,10 @@ def test_gpu_triton_tier_built_in_the_background_where_the_step_may_not_compile(
         assert torch.equal(got, want)
         return tiers.tier_report(cas)
 
-    report = call()
+    with CaptureLogger(tier_build.logger) as log:
+        report = call()
     assert report["calls"][0][0] == "builtin" and report["background_build"]["running"], report
+    assert "child process(es) now build the triton tier" in log.out and "HF_CASCADE_BACKGROUND=off" in log.out, log.out
     assert wait_for_build(cas, timeout=600), tiers.tier_report(cas)
     report = tiers.tier_report(cas)
     assert report["background_build"]["caches_filled"] and report["background_build"]["error"] is None, report
