@@ -1,7 +1,7 @@
 """The next tier prepared in the background: child processes fill the compile caches while the calls go on.
 
 After a call on a tier below the one it could reach (greedy or sampling on CUDA, default options, cold caches),
-:func:`build_in_background` starts a **rows child** (:mod:`hf_cascade.tier_build_child`, low CPU priority) that runs
+:func:`build_in_background` starts a **rows child** (:mod:`hf_cascade.tier_build_child`, nice 19) that runs
 the call's rows again through ``hf_cascade.generate`` on the model's config cut to :data:`PREWARM_LAYERS` layers of
 random weights (the layers compile to one graph for all layers, so the cut model makes the same graphs and Triton
 kernels), greedy, :data:`~hf_cascade.tier_build_child.BUILD_STEPS` decode steps: with ``compile="now"`` for the compiled tier, or

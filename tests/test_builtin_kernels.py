@@ -439,7 +439,7 @@ def test_background_child_ends_with_the_process_that_started_it(tmp_path):
 import os, subprocess, sys, threading, time
 def run():
     subprocess.run([sys.executable, "-c", "import os, sys, time; from hf_cascade.tier_build_child import _leave_with_parent; "
-                    "_leave_with_parent(int(sys.argv[1])); open(sys.argv[2], 'w').write(str(os.getpid())); "
+                    "_leave_with_parent(int(sys.argv[1])); open(sys.argv[2], 'w').write(f'{{os.getpid()}} {{os.nice(0)}}'); "
                     "time.sleep(120)", str(os.getpid()), {str(pid_file)!r}])
 threading.Thread(target=run, daemon=True).start()
 deadline = time.time() + 120
@@ -449,7 +449,8 @@ time.sleep(0.5)
 """
     done = subprocess.run([sys.executable, "-c", parent], timeout=200)
     assert done.returncode == 0
-    child = int(pid_file.read_text())
+    child, niceness = (int(x) for x in pid_file.read_text().split())
+    assert niceness == 19  # the lowest CPU priority
     deadline = time.time() + 30
     while time.time() < deadline:
         try:
