@@ -49,7 +49,11 @@ PREWARM_TIMEOUT_S = 900
 # After the call's rows, the children run the batches of variant_grid for at most this long: the Triton kernels of
 # layouts no call has run yet (each new one ~1-3 s to build, H100), so that a later call of a new layout loads them.
 GRID_BUDGET_S = 240.0
-GRID_PROCESSES = 6  # children that run slices of the grid at once (grid_processes)
+# Children that run slices of the grid at once (grid_processes). H200, Llama-3-8B shape, fresh machines: 3 ended the
+# grid's 672 runs 38.2 s after the rows child, 6 in 39.5-46.8 s (three runs): more children only contend (the
+# stream's largest calls beside 6 took up to 2.1-2.4x their steady time; beside 3 at most 1.8x, one run in which
+# the 80-row layouts came after the grid; results/stall.jsonl).
+GRID_PROCESSES = 3
 GRID_CHILD_BYTES = 3 << 30  # GPU memory a grid child may take (the cut model, a small vocabulary, the batches)
 GRID_VOCAB = 4096  # the grid children's vocabulary (the kernels do not depend on it)
 # The build call of a build for the Triton tier (calls that may not compile): Triton kernels, steps recorded into CUDA
