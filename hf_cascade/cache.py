@@ -75,6 +75,15 @@ def _attention_chunk(module: torch.nn.Module) -> int | None:
     return int(chunk) if layer_types[module.layer_idx] == "chunked_attention" else None
 
 
+def window_sizes(model: torch.nn.Module) -> set[int]:
+    """The sliding windows and attention chunks of ``model``'s layers, in tokens (empty: every layer sees every key)."""
+    sizes = set()
+    for modules in attention_modules(model).values():
+        for module in modules:
+            sizes.update(size for size in (layer_window(module), _attention_chunk(module)) if size is not None)
+    return sizes
+
+
 def _num_layers(config) -> int:
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     return int(text_config.num_hidden_layers)
@@ -528,7 +537,12 @@ class CascadeCache(StaticStepMixin, Cache):
         eager device-only step."""
         in_step = static and not (self.builtin_kernels and not torch.compiler.is_compiling())
         memo = self._step_memo if in_step and not torch.compiler.is_compiling() else None
-        return WindowRequest(window, chunk, self.row_nodes, self.suffix_start, position_ids, memo)
+        # Rows planned from the user's batch count a window in columns from the row's first real column, masked
+        # columns inside a row included, as transformers' masks do (the layout's host shifts: hf_cascade.windows); a
+        # from_prefix cache given rows [prefix | pads | suffix] counts positions (the forward's position_ids): its
+        # rows stand for the left-padded rows of prefix + suffix.
+        positions = None if self.rows_verified else position_ids
+        return WindowRequest(window, chunk, self.row_nodes, self.suffix_start, positions, memo)
 
     def attend(self, module, query, key, value, attention_mask, *, scaling, softcap=None, sliding_window=None, **kwargs):
         """Cascade attention for one layer: shared-prefix passes (one per level) merged with the suffix pass.

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from hf_cascade.attention import check_model_uses_cascade
-from hf_cascade.cache import CascadeCache
+from hf_cascade.cache import CascadeCache, window_sizes
 from hf_cascade.cost_model import CascadeCostModel
 from hf_cascade.model_scan import attention_modules
 from hf_cascade.ops.builtin_cascade import levels_in_one_call
@@ -33,6 +33,11 @@ def _real_tokens_on_host(input_ids: torch.Tensor, attention_mask: torch.Tensor):
         no row has padding); ``lengths`` ``[B]`` int64, each row's real tokens; ``mask_host`` ``[B, L]`` bool, the
         mask.
     """
+    if tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(
+            f"`attention_mask` must have the shape of `input_ids` {tuple(input_ids.shape)}; got "
+            f"{tuple(attention_mask.shape)}. Pass the tokenizer's `attention_mask` for the same batch."
+        )
     ids = input_ids.cpu().numpy().astype(np.int64, copy=False)  # one copy each, before the prefill is queued
     try:
         mask = attention_mask.cpu().numpy() != 0
@@ -134,6 +139,44 @@ def _ranges(columns: list[int]) -> str:
     return ", ".join(parts)
 
 
+def _rows_for_sharing(model, real_ids: np.ndarray, real_columns: np.ndarray, lengths: np.ndarray, offset: int,
+                      span: int | None) -> np.ndarray:
+    """The rows the prefix tree is built from: ``real_ids`` (as :func:`_real_tokens_on_host` returns it), except that
+    where ``model`` has a sliding window or attention chunk shorter than ``span`` (the rows' columns plus the new
+    tokens; None: unknown), a row shares nothing from its first masked column inside it on.
+
+    Such layers count a window in columns from the row's first real column, masked columns included (transformers'
+    masks), and a shared node's keys sit at the row's positions: the two agree only where no masked column lies
+    inside the row's shared part. Its tokens after that column are replaced by a value no other row holds.
+
+    Raises:
+        ValueError: a row has a masked column inside the ``offset`` tokens of a ``prefix_cache`` (always shared).
+    """
+    sizes = window_sizes(model)
+    if not sizes or (span is not None and min(sizes) >= span):
+        return real_ids
+    index = np.arange(real_ids.shape[1])
+    inside = (real_columns != real_columns[:, :1] + index) & (index < lengths[:, None])  # a masked column before
+    if not inside.any():
+        return real_ids
+    before_hole = np.where(inside.any(axis=1), inside.argmax(axis=1), lengths)
+    broken = np.flatnonzero(before_hole < offset)
+    if broken.size:
+        r = int(broken[0])
+        raise ValueError(
+            f"Row {r} has masked columns inside the {offset}-token prefix of `prefix_cache` (its real token "
+            f"{int(before_hole[r])} is at column {int(real_columns[r, before_hole[r]])}), and this model's sliding "
+            f"windows / attention chunks ({sorted(sizes)} tokens) count masked columns, as transformers does: the "
+            "stored prefix cannot stand for that row. Give the rows the prefix without padding inside it "
+            "(left padding is fine)."
+        )
+    rows = real_ids.copy()
+    unique = np.iinfo(np.int64).max - np.arange(rows.shape[0])  # a token id no other row holds
+    after = (index >= before_hole[:, None]) & (index < lengths[:, None])
+    rows[after] = np.broadcast_to(unique[:, None], rows.shape)[after]
+    return rows
+
+
 def plan_cascade_batch(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -191,8 +234,9 @@ def plan_cascade_batch(
         )
     elif cost_model is not None and not isinstance(cost_model, CascadeCostModel):
         raise ValueError(f"`cost_model` must be 'auto', None or a CascadeCostModel; got {cost_model!r}.")
+    span = None if max_new_tokens is None else width + max_new_tokens
     tree = find_shared_prefixes(
-        torch.from_numpy(real_ids[:, offset:]),
+        torch.from_numpy(_rows_for_sharing(model, real_ids, real_columns, lengths, offset, span)[:, offset:]),
         min_shared_tokens=min_shared_tokens,
         min_rows=min_rows,
         max_levels=max_levels,
@@ -213,8 +257,12 @@ def plan_cascade_batch(
     row_nodes[:num_base] = 0
     for level, nodes in enumerate(tree.row_nodes):
         row_nodes[num_base + level] = torch.tensor(nodes, dtype=torch.int64)
-    # Column of each row's first own token (the last real token is never shared, so there always is one).
-    own_start = real_columns[np.arange(batch), offset + np.asarray(tree.row_prefix_len, dtype=np.int64)]
+    # Each row's own columns start right after its chain's last token (masked columns after it are the suffix's, so
+    # a window counts them: hf_cascade.windows), or at its first real token (no chain); the last real token is never
+    # shared, so a row always has one of its own.
+    chain = offset + np.asarray(tree.row_prefix_len, dtype=np.int64)
+    rows = np.arange(batch)
+    own_start = np.where(chain > 0, real_columns[rows, np.maximum(chain - 1, 0)] + 1, real_columns[rows, 0])
     suffix_width = width - int(own_start.min())
     prefix_length = width - suffix_width
     suffix_start = torch.from_numpy(own_start - prefix_length)
@@ -333,9 +381,11 @@ def shared_prefix_inputs(
         fixed_buffers=max_new_tokens is not None,
     )
     if cache is None:  # nothing worth sharing: a cache with no prefix level (plain attention, same interface)
+        # Windows and chunks count from each row's first real column (transformers' masks): its own tokens start there.
+        first = (attention_mask.cumsum(-1) == 0).sum(-1).cpu() if window_sizes(model) else None
         cache = CascadeCache(
             model, [], prefix_length=0, max_suffix_length=None if max_new_tokens is None else
-            input_ids.shape[1] + max_new_tokens, prefix_tree=find_shared_prefixes([]),
+            input_ids.shape[1] + max_new_tokens, suffix_start=first, prefix_tree=find_shared_prefixes([]),
         )
         cache.rows_verified = True
     prefix_length = cache.prefix_length

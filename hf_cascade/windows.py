@@ -1,17 +1,22 @@
 """Sliding windows, chunked attention and attention sinks in a :class:`~hf_cascade.cache.CascadeCache`.
 
 A layer whose window (or chunk) is shorter than the sequence runs :func:`~hf_cascade.ops.bounded
-.bounded_cascade_attention`: the query at position ``p`` sees the keys at positions ``(p - W, p]`` (chunked:
-``[p - p mod C, p]``), expressed as a first visible column per level and per suffix. Positions are what generate()
-gives (``attention_mask.cumsum(-1) - 1``): a row's chain of shared nodes holds its first tokens (positions 0 ..
-chain - 1), its own tokens follow from ``suffix_start`` in the suffix columns. So, per row ``b``:
+.bounded_cascade_attention`: the query at coordinate ``p`` sees the keys at coordinates ``(p - W, p]`` (chunked:
+``[p - p mod C, p]``), expressed as a first visible column per level and per suffix. A coordinate is what
+transformers' masks count: the column, from the row's first real column, masked columns inside the row included
+(for a row without them, generate()'s position ``attention_mask.cumsum(-1) - 1``). A row's chain of shared nodes
+holds its first tokens with no masked column among them (:func:`hf_cascade.inputs._rows_for_sharing`: coordinates 0
+.. chain - 1), its own columns follow from ``suffix_start`` in the suffix columns. So, per row ``b``:
 
-* column ``t`` of prefix level ``l`` (inside the row's node) holds position ``t - level_shift[l, b]``, with
+* column ``t`` of prefix level ``l`` (inside the row's node) holds coordinate ``t - level_shift[l, b]``, with
   ``level_shift = node_start - (tokens of the row's chain before level l)``;
-* suffix column ``c`` holds position ``c + suffix_shift[b]``, with ``suffix_shift = chain - suffix_start``.
+* suffix column ``c`` holds coordinate ``c + suffix_shift[b]``, with ``suffix_shift = chain - suffix_start``.
 
 Both are host data of the batch layout (built once per layout, like the cascade plan); the query columns move with
-the written suffix length, so decode steps move every bound by one per step with no host work.
+the written suffix length, so decode steps move every bound by one per step with no host work. A
+:meth:`~hf_cascade.CascadeCache.from_prefix` cache given straight to generate() reads ``suffix_shift`` from the
+forward's position ids instead: its rows ``[prefix | pads | suffix]`` stand for the left-padded rows of prefix +
+suffix, so its windows count positions.
 
 Attention sinks (GPT-OSS ``s_aux``) are merged into the final state: :func:`~hf_cascade.ops.bounded.merge_sink`.
 """

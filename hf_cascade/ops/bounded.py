@@ -61,11 +61,11 @@ def lower_positions(query_positions: Tensor, *, window: int | None = None, chunk
 
 @dataclass(eq=False)
 class RowShifts:
-    """Per row, where its tokens' positions sit in the cascade's columns (see :mod:`hf_cascade.windows`).
+    """Per row, where its tokens' window coordinates sit in the cascade's columns (see :mod:`hf_cascade.windows`).
 
     Attributes:
-        level_shift: int64 ``[L, B]`` on the device: position = column - level_shift (inside the row's node).
-        suffix_shift: int64 ``[B]`` on the device: position = suffix column + suffix_shift.
+        level_shift: int64 ``[L, B]`` on the device: coordinate = column - level_shift (inside the row's node).
+        suffix_shift: int64 ``[B]`` on the device: coordinate = suffix column + suffix_shift.
         first_position: host list of ``B`` ints, the position of each row's first own token (its chain length).
         from_step_buffers: the two device tensors were taken from the model's step buffers (a fixed-buffer cache's
             decode step reads them; the call gives them back with the others).
@@ -83,10 +83,10 @@ def row_shifts(levels, row_nodes: Tensor | None, suffix_start: Tensor | None, ba
     """The :class:`RowShifts` of a batch layout: ``levels`` the cache's :class:`~hf_cascade.prefill.PrefixLevel` list,
     ``row_nodes`` int64 ``[L, B]`` on the host (None: node 0 of every level), ``suffix_start`` int64 ``[B]`` (None: 0).
 
-    ``position_ids`` ``[B or 1, Lq]`` (the forward's, when the model passes them) and ``last_column`` (the suffix
-    column of the forward's last query: written columns - 1): the suffix shift is read from them on the device (the
-    last query of every row is a real token), which also covers padding at the start of a row's suffix columns (a
-    :meth:`~hf_cascade.CascadeCache.from_prefix` cache given rows ``[prefix | pads | suffix]``)."""
+    ``position_ids`` ``[B or 1, Lq]`` and ``last_column`` (the suffix column of the forward's last query: written
+    columns - 1): a :meth:`~hf_cascade.CascadeCache.from_prefix` cache given rows ``[prefix | pads | suffix]``
+    straight to generate() passes them, and the suffix shift is read from them on the device (the last query of
+    every row is a real token): its windows count positions. Planned rows pass None (coordinates from the layout)."""
     L = len(levels)
     nodes = torch.zeros((L, batch_size), dtype=torch.int64) if row_nodes is None else row_nodes.to(torch.int64)
     node_start = torch.zeros((L, batch_size), dtype=torch.int64)
