@@ -147,7 +147,7 @@ def _rows_for_sharing(model, real_ids: np.ndarray, real_columns: np.ndarray, len
 
     Such layers count a window in columns from the row's first real column, masked columns included (transformers'
     masks), and a shared node's keys sit at the row's positions: the two agree only where no masked column lies
-    inside the row's shared part. Its tokens after that column are replaced by a value no other row holds.
+    inside the row's shared part. The row's tokens from that column on become a value no other row holds.
 
     Raises:
         ValueError: a row has a masked column inside the ``offset`` tokens of a ``prefix_cache`` (always shared).

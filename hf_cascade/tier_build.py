@@ -4,11 +4,12 @@ After a call on a tier below the one it could reach (greedy or sampling on CUDA,
 :func:`build_in_background` starts a **rows child** (:mod:`hf_cascade.tier_build_child`, nice 19) that runs
 the call's rows again through ``hf_cascade.generate`` on the model's config cut to :data:`PREWARM_LAYERS` layers of
 random weights (the layers compile to one graph for all layers, so the cut model makes the same graphs and Triton
-kernels), greedy, :data:`~hf_cascade.tier_build_child.BUILD_STEPS` decode steps: with ``compile="now"`` for the compiled tier, or
-:data:`TRITON_BUILD_OPTIONS` (Triton kernels, recorded steps, nothing compiled) where the calls' step may not compile
-(TRL's ``disable_compile=True``). **Grid children** run slices of :func:`~hf_cascade.build_grid.variant_grid` (other
-batch layouts, whose Triton kernel variants a later call would otherwise build: 1-3 s each on an H100) for at most
-:data:`GRID_BUDGET_S`, on the eager layers beside the rows child and on the compiled layers after it.
+kernels), greedy, :data:`~hf_cascade.tier_build_child.BUILD_STEPS` decode steps: with ``compile="now"`` for the
+compiled tier, or :data:`TRITON_BUILD_OPTIONS` (Triton kernels, recorded steps, nothing compiled) where the calls'
+step may not compile (TRL's ``disable_compile=True``). **Grid children** run slices of
+:func:`~hf_cascade.build_grid.variant_grid` (other batch layouts, whose Triton kernel variants a later call would
+otherwise build: 1-3 s each on an H100) for at most :data:`GRID_BUDGET_S`, on the eager layers beside the rows child
+and on the compiled layers after it.
 
 No thread waits for the children: a :class:`BackgroundBuild` holds them and each call's tier choice polls it (a
 ``waitpid`` per child). While the rows child runs the calls build nothing themselves; once it is done the tier's
