@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+from transformers.utils import logging
 
 from hf_cascade.attention import check_model_uses_cascade
 from hf_cascade.cache import CascadeCache, window_sizes
 from hf_cascade.cost_model import CascadeCostModel
-from hf_cascade.model_scan import attention_modules
+from hf_cascade.model_scan import attention_modules, rope_limit
 from hf_cascade.ops.builtin_cascade import levels_in_one_call
 from hf_cascade.prefill import prefill_levels, validate_token_ids
 from hf_cascade.prefix_tree import find_shared_prefixes
 from hf_cascade.transformers_compat import CACHE_KWARG
+
+logger = logging.get_logger(__name__)
 
 
 def _real_tokens_on_host(input_ids: torch.Tensor, attention_mask: torch.Tensor):
@@ -221,6 +224,20 @@ def plan_cascade_batch(
     """
     real_ids, real_columns, lengths, mask_host = _real_tokens_on_host(input_ids, attention_mask)
     batch, width = input_ids.shape
+    limit = rope_limit(model)
+    if limit is not None and int(lengths.max()) > limit:
+        # A shared node's own forward would rotate its keys otherwise than generate()'s forward over the whole prompt.
+        if prefix_cache is not None:
+            raise ValueError(
+                f"This model's RoPE (dynamic / longrope) picks its frequencies from each forward's longest "
+                f"position past {limit} tokens, and the longest row has {int(lengths.max())}: the prefix stored in "
+                "`prefix_cache` (its own forward) cannot stand for those rows. Pass the rows without prefix_cache."
+            )
+        logger.warning_once(
+            f"hf_cascade: rows longer than {limit} tokens on a model whose RoPE (dynamic / longrope) depends on each "
+            "forward's longest position: nothing is shared (generate()'s own attention, the reference's tokens)."
+        )
+        return None, input_ids, attention_mask
     base_levels, base_parents, base_tokens = [], [], ()
     if prefix_cache is not None:
         base_levels, base_parents, base_tokens = _base_chain(prefix_cache, model)

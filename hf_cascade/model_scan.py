@@ -48,6 +48,7 @@ class _ModelScan:
         self.generation = -1
         self.attention_modules: dict[int, weakref.WeakSet] | None = None
         self.non_embedding_parameters: int | None = None
+        self.rope_limit: int | None = None  # see rope_limit
 
 
 def _scan(model: torch.nn.Module) -> _ModelScan:
@@ -61,8 +62,10 @@ def _scan(model: torch.nn.Module) -> _ModelScan:
         scan = _ModelScan()
     if scan.generation != generation or scan.attention_modules is None:
         modules: dict[int, weakref.WeakSet] = {}
+        limits = []
         for module in model.modules():
             _watched.add(module)
+            limits += _rope_limits(module)
             layer_idx = getattr(module, "layer_idx", None)
             if isinstance(layer_idx, int):
                 modules.setdefault(layer_idx, weakref.WeakSet()).add(module)
@@ -73,6 +76,7 @@ def _scan(model: torch.nn.Module) -> _ModelScan:
                 inner = [m for m in found if not any(o is not m and o in found for o in m.modules())]
                 modules[layer_idx] = weakref.WeakSet(inner)
         scan.attention_modules, scan.non_embedding_parameters = modules, None
+        scan.rope_limit = min(limits, default=None)
         scan.generation = generation
     return scan
 
@@ -82,6 +86,32 @@ def attention_modules(model: torch.nn.Module) -> dict[int, weakref.WeakSet]:
     cache built for ``model`` may serve. Kept per model and shared by every cache built for it: read, never
     change it. Weak sets: the scan keeps no module (and so no model) alive."""
     return _scan(model).attention_modules
+
+
+def rope_limit(model: torch.nn.Module) -> int | None:
+    """The longest prompt (tokens) for which ``model``'s rotary embedding does not depend on how the prompt is split
+    into forwards, or None (it never does). transformers' ``dynamic`` (NTK) and ``longrope`` RoPE pick their
+    frequencies from each forward's longest position: past ``max_position_embeddings`` (dynamic) or
+    ``original_max_position_embeddings`` (longrope), a forward over a shared prefix alone, or over one rank's shard,
+    would rotate its keys otherwise than the one forward over the whole prompt. Kept per model."""
+    return _scan(model).rope_limit
+
+
+def _rope_limits(module: torch.nn.Module) -> list[int]:
+    """The limits of :func:`rope_limit` that ``module`` sets (a rotary embedding of a dynamic or longrope type)."""
+    rope_type = getattr(module, "rope_type", None)
+    kinds = list(rope_type.values()) if isinstance(rope_type, dict) else [rope_type]
+    if not any(isinstance(kind, str) and ("dynamic" in kind or kind == "longrope") for kind in kinds):
+        return []
+    config = getattr(module, "config", None)
+    params = getattr(config, "rope_parameters", None) or {}
+    groups = [p for p in params.values() if isinstance(p, dict)] or [params]  # (per layer type in some models)
+    limits = [int(p["original_max_position_embeddings"]) for p in groups if p.get("original_max_position_embeddings")]
+    for value in (getattr(module, "original_max_seq_len", None), getattr(config, "original_max_position_embeddings",
+                                                                          None)):
+        if isinstance(value, int) and value > 0:
+            limits.append(value)
+    return limits or [0]
 
 
 def non_embedding_parameters(model: torch.nn.Module) -> int:

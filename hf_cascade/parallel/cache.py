@@ -42,17 +42,19 @@ import torch
 from transformers.cache_utils import Cache
 
 from hf_cascade.attention import bind_layer, check_model_uses_cascade
-from hf_cascade.cache import _num_layers
+from hf_cascade.cache import _attention_chunk, _num_layers
 from hf_cascade.step_context import outside_layer_graphs
 from hf_cascade.model_scan import attention_modules
 from hf_cascade.ops.fused_attention import KERNEL_CHOICES
 from hf_cascade.ops.cascade_wrapper import CascadeWrapper, LevelKV
+from hf_cascade.ops.bounded import merge_sink
 from hf_cascade.ops.merge import merge_attention_states
 from hf_cascade.ops.suffix_attention import suffix_attention
 from hf_cascade.parallel._group import GroupInfo
 from hf_cascade.parallel.combine import all_gather_kv, check_combine, combine_states
 from hf_cascade.parallel.fixed import DecodeBuffers, attend_fixed, check_max_new_tokens
 from hf_cascade.suffix_layers import SuffixLayer
+from hf_cascade.windows import layer_sinks
 from hf_cascade.parallel.prefill_plan import PrefillPlan, PrefillRound, PrefillState
 from hf_cascade.parallel.ring import past_state, past_state_workspace_numel, ring_exchange_numel, ring_states
 
@@ -516,29 +518,42 @@ class ContextParallelCache(Cache):
                 fixed decode buffers it is not read: the prompt's padding was recorded by ``use_fixed_buffers``
                 and the decode columns are causal (:func:`~hf_cascade.parallel.fixed.attend_fixed`).
         Returns:
-            ``[batch, q_len, num_heads, head_dim]`` in ``query.dtype``, identical on every rank after decode.
+            ``[batch, q_len, num_heads, head_dim]`` in ``query.dtype``, identical on every rank after decode; a
+            layer's attention sinks (GPT-OSS) merged into the combined state.
         """
         if not torch.compiler.is_compiling() and id(module) not in self._modules:
             raise ValueError(
                 "This ContextParallelCache was built for a different model; call context_parallel_inputs with the "
                 "model you generate with."
             )
+        out, lse = self._attend_state(module, query, key, value, attention_mask, scaling, softcap, sliding_window)
+        sinks = layer_sinks(module, kwargs.get("s_aux"))
+        return out if sinks is None else merge_sink(out, lse, sinks, heads_dim=2)[0]
+
+    def _attend_state(self, module, query, key, value, attention_mask, scaling, softcap, sliding_window):
+        """:meth:`attend`'s state: ``(out [B, q_len, Hq, D] in query.dtype, lse fp32 [B, Hq, q_len])``."""
         layer = self.layers[module.layer_idx]
+        chunk = _attention_chunk(module)  # Llama 4's chunked layers: keys within the query's chunk only
+        bound, kind = (sliding_window, "a sliding window") if sliding_window is not None else (chunk, "attention chunks")
         if layer.decode is not None and self._prefill is None:
             # Checked against the most columns the buffers can reach (a constant: no host length per step).
-            if sliding_window is not None and self._prompt_length + self.max_new_tokens > sliding_window:
+            if bound is not None and self._prompt_length + self.max_new_tokens > bound:
                 raise NotImplementedError(
-                    f"{type(module).__name__} (layer {module.layer_idx}) uses a sliding window of {sliding_window} "
-                    f"tokens and prompt + max_new_tokens = {self._prompt_length + self.max_new_tokens} exceeds it: "
-                    "context parallelism supports full attention only. Lower max_new_tokens."
+                    f"{type(module).__name__} (layer {module.layer_idx}) uses {kind} of {bound} tokens and prompt + "
+                    f"max_new_tokens = {self._prompt_length + self.max_new_tokens} exceeds it: context parallelism "
+                    "supports full attention only. Lower max_new_tokens."
                 )
             return attend_fixed(layer, query, self.info, self.combine, scaling=scaling, softcap=softcap,
                                 backend=self.kernels)
-        if sliding_window is not None and layer.length > sliding_window:
+        # The ring prefill ignores both (its whole prompt is checked); a growing decode reads transformers' mask,
+        # which carries the chunks.
+        length = layer.length if self._prefill is None else self._prefill.plan.length
+        in_mask = sliding_window is None and attention_mask is not None and self._prefill is None
+        if bound is not None and length > bound and not in_mask:
             raise NotImplementedError(
-                f"{type(module).__name__} (layer {module.layer_idx}) uses a sliding window of {sliding_window} "
-                f"tokens and the sequence has {layer.length}: context parallelism supports full attention only. "
-                "Keep prompt + new tokens within the window, or use a model without sliding-window layers."
+                f"{type(module).__name__} (layer {module.layer_idx}) uses {kind} of {bound} tokens and the sequence "
+                f"has {length}: context parallelism supports full attention only. Keep prompt + new tokens within "
+                "it, or use a model whose layers attend to every key."
             )
         if self._prefill is not None:
             return self._attend_round(layer, query, key, value, scaling, softcap)
@@ -564,8 +579,8 @@ class ContextParallelCache(Cache):
         levels = [LevelKV({idx: layer.prefix_keys}, {idx: layer.prefix_values})] if shared else []
         out, lse = self._wrapper.run(idx, query, key, value, levels, scale=scaling, mask=mask, causal=causal,
                                      softcap=softcap)
-        out, _ = combine_states(out.transpose(1, 2), lse, self.info, self.combine)
-        return out.transpose(1, 2)
+        out, lse = combine_states(out.transpose(1, 2), lse, self.info, self.combine)
+        return out.transpose(1, 2), lse
 
     def _attend_round(self, layer, query, key, value, scaling, softcap):
         """A prefill round: the round's queries against its own keys (zigzag ring) and, after the first round,
@@ -585,7 +600,7 @@ class ContextParallelCache(Cache):
                                             valid=prefill.past_valid, softcap=softcap, block_backend=self.kernels,
                                             workspace=workspace)
             out, lse = merge_attention_states(out, lse, past_out, past_lse)
-        return out.to(query.dtype).transpose(1, 2)
+        return out.to(query.dtype).transpose(1, 2), lse
 
     def _attend_all_gather_kv(self, layer, query, key, value, attention_mask, scaling, softcap):
         """Baseline: gather every rank's row KV, then plain attention over the whole sequence on every rank."""
@@ -599,5 +614,5 @@ class ContextParallelCache(Cache):
         else:
             new_cols = torch.arange(layer.length - q_len, layer.length, device=query.device)
             mask = (cols[None, :] <= new_cols[:, None])[None]
-        out, _ = suffix_attention(query, k, v, scale=scaling, mask=mask, causal=False, softcap=softcap)
-        return out.transpose(1, 2)
+        out, lse = suffix_attention(query, k, v, scale=scaling, mask=mask, causal=False, softcap=softcap)
+        return out.transpose(1, 2), lse

@@ -206,7 +206,7 @@ def partial_state(layer, query: torch.Tensor, *, scaling: float, softcap: float 
 
 
 def attend_fixed(layer, query: torch.Tensor, info: GroupInfo, combine: str, *, scaling: float,
-                 softcap: float | None, backend: str = "auto") -> torch.Tensor:
+                 softcap: float | None, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """One layer's decode attention with fixed buffers: this rank's partial state (:func:`partial_state`), then
     the exact combine across ranks.
 
@@ -216,8 +216,8 @@ def attend_fixed(layer, query: torch.Tensor, info: GroupInfo, combine: str, *, s
         query: ``[B, Hq, Lq, D]`` the new tokens' queries (the same on every rank).
         backend: the prompt shards' kernel (``"auto"``, ``"fused"``, ``"suffix"``; see :func:`partial_state`).
     Returns:
-        ``[B, Lq, Hq, D]`` in ``query.dtype``, identical on every rank.
+        ``(out [B, Lq, Hq, D] in query.dtype, lse fp32 [B, Hq, Lq])``, identical on every rank.
     """
     out, lse = partial_state(layer, query, scaling=scaling, softcap=softcap, backend=backend)
-    out, _ = combine_states(out, lse, info, combine)
-    return out.transpose(1, 2)
+    out, lse = combine_states(out, lse, info, combine)
+    return out.transpose(1, 2), lse

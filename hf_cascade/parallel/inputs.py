@@ -35,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from hf_cascade.attention import check_model_uses_cascade
+from hf_cascade.model_scan import rope_limit
 from hf_cascade.parallel._group import check_device, resolve_group, sync_rng
 from hf_cascade.parallel.cache import ContextParallelCache
 from hf_cascade.parallel.combine import check_combine
@@ -299,6 +300,15 @@ def context_parallel_inputs(
         _check_same_on_all_ranks(input_ids, mask, info)
     if opts.sync_rng:
         sync_rng(info, input_ids.device)
+    limit = rope_limit(model)
+    longest = int(input_ids.shape[1] if mask is None else mask.sum(-1).max())
+    if limit is not None and longest > limit:  # (the same on every rank: no collective needed)
+        raise NotImplementedError(
+            f"This model's RoPE (dynamic / longrope) picks its frequencies from each forward's longest position past "
+            f"{limit} tokens, and the prompt has {longest}: each rank's shard is its own forward, so its keys would "
+            "be rotated otherwise than one forward over the whole prompt rotates them. Context parallelism supports "
+            "such models for prompts up to that length."
+        )
 
     prefix = 0
     if opts.shared_prefix is not False and input_ids.shape[0] > 1:
