@@ -156,7 +156,9 @@ def generate_dataset(
 
     Rows are sorted by their prompt tokens, so rows sharing a prefix are batched together; batches are cut when
     the next row would exceed ``max_batch_size`` rows or ``max_batch_tokens`` tokens. The returned dataset keeps
-    the original row order. Greedy completions are those of a plain per-row ``generate()``; with sampling, the
+    the original row order. Greedy completions are those of a plain per-row ``generate()`` (except on models whose
+    RoPE or attention temperature reads a batch's longest row or columns, as transformers' own batched
+    ``generate()`` does for them: dynamic NTK / longrope RoPE, Llama 4's temperature tuning); with sampling, the
     draws depend on how rows were batched, as with any batched ``generate()``.
 
     Args:
@@ -170,9 +172,9 @@ def generate_dataset(
         output_column: name of the new column. It holds a string per row, or a list of
             ``num_return_sequences`` strings when ``generation_kwargs`` asks for several.
         generation_kwargs: keyword arguments for ``model.generate()`` (``max_new_tokens``, ``do_sample``,
-            ``temperature``, ``num_return_sequences``, ``stopping_criteria``, ...). Default ``max_new_tokens`` is
-            64; ``max_length`` is refused (prompts are re-laid with padding inside; use ``max_new_tokens``).
-            ``pad_token_id`` defaults to the tokenizer's.
+            ``temperature``, ``num_return_sequences``, ``stopping_criteria``, ``stop_strings``, ...). Default
+            ``max_new_tokens`` is 64; ``max_length`` is refused (prompts are re-laid with padding inside; use
+            ``max_new_tokens``). ``pad_token_id`` defaults to the tokenizer's.
         max_batch_tokens: token budget of one batch: the batch's prompt tokens with each shared prefix counted
             once, plus ``rows x num_return_sequences x max_new_tokens``. A single row above the budget still
             runs, alone.
@@ -362,6 +364,21 @@ def _generation_kwargs(model, generation_kwargs, pad_token_id) -> dict:
         configured = getattr(getattr(model, "generation_config", None), "max_new_tokens", None)
         kwargs["max_new_tokens"] = configured if configured is not None else 64
     kwargs.setdefault("pad_token_id", pad_token_id)
+    return kwargs
+
+
+def _with_stop_strings(gen_kwargs: dict, tokenizer) -> dict:
+    """``gen_kwargs`` with ``stop_strings`` as transformers' ``StopStringCriteria`` among the ``stopping_criteria``
+    (built with ``gen_kwargs``' ``tokenizer``, else ``tokenizer``): generate() hands a ``custom_generate`` neither
+    the strings nor a tokenizer, so plain generate()'s criterion is built here."""
+    if not gen_kwargs.get("stop_strings"):
+        return {k: v for k, v in gen_kwargs.items() if k not in ("stop_strings", "tokenizer")}
+    from transformers.generation.stopping_criteria import StopStringCriteria, StoppingCriteriaList
+
+    kwargs = dict(gen_kwargs)
+    stop = StopStringCriteria(tokenizer=kwargs.pop("tokenizer", None) or tokenizer,
+                              stop_strings=kwargs.pop("stop_strings"))
+    kwargs["stopping_criteria"] = StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), stop])
     return kwargs
 
 
@@ -557,7 +574,7 @@ def _run_batch(
     out = model.generate(
         ids, attention_mask=mask, custom_generate=hf_cascade.generate, cascade_caches=caches,
         cascade_options=dict(min_shared_tokens=min_shared_tokens, max_levels=max_levels, batch_buckets=True),
-        **extra, **gen_kwargs,
+        **extra, **_with_stop_strings(gen_kwargs, tokenizer),
     )
 
     # Sharing bookkeeping: tokens of each row served by a shared prefix, and prefix tokens prefilled here.

@@ -30,6 +30,7 @@ import torch
 
 from hf_cascade.attention import check_model_uses_cascade
 from hf_cascade.cache import CascadeCache
+from hf_cascade.model_scan import rope_limit
 from hf_cascade.prefill import PrefixLevel, prefill_levels, window_layout
 from hf_cascade.prefix_tree import PrefixTree, find_shared_prefixes
 from hf_cascade.transformers_compat import CACHE_KWARG
@@ -87,9 +88,9 @@ def score(
             strings with ``tokenizer``. A context needs at least one token (its last token's logits predict the
             first continuation token): lm-eval prepends the EOS token to an empty one.
         continuations: N continuations, of the same kind; an empty one scores 0 and is greedy.
-        tokenizer: needed for strings. As lm-eval does: trailing whitespace of the context moves to the
-            continuation, ``context + continuation`` is tokenized whole and split after ``len(tokenize(context))``
-            tokens, so the scored tokens are those of the whole text.
+        tokenizer: needed for strings. As lm-eval's ``HFLM`` does: trailing whitespace of the context moves to the
+            continuation; the context is its own tokens, the continuation the tokens of ``context + continuation``
+            after as many (a continuation left with none is a ValueError).
         add_special_tokens: passed to the tokenizer (strings only): e.g. a BOS token before each context.
         return_token_logprobs: also return each continuation token's log-probability.
         max_batch_tokens: most query tokens one forward runs (rows x padded width, for the rows' forwards and for
@@ -112,6 +113,12 @@ def score(
     _check_options(add_special_tokens=add_special_tokens, return_token_logprobs=return_token_logprobs,
                    max_batch_tokens=max_batch_tokens, min_shared_tokens=min_shared_tokens, max_levels=max_levels,
                    progress=progress)
+    if torch.is_autocast_enabled(model.device.type):
+        raise ValueError(
+            "hf_cascade.score runs under torch.autocast here (lm-eval's `mixed_precision_dtype` sets it): the model's "
+            "keys and values then reach the attention in different dtypes, which cascade attention does not mix. "
+            "Load the model in that dtype instead (`torch_dtype=torch.bfloat16`; lm-eval: `dtype=bfloat16`)."
+        )
     pairs = _token_pairs(model, contexts, continuations, tokenizer, add_special_tokens)
     n = len(pairs)
     index = {}  # identical pairs are scored once
@@ -125,6 +132,10 @@ def score(
             token_lps[u] = torch.zeros(0, dtype=torch.float32)
     stats = {"pairs": n, "unique_pairs": len(unique), "forwards": 0, "tokens_run": 0, "shared_tokens": 0,
              "tokens_unshared": sum(len(unique[u][0]) + len(unique[u][1]) - 1 for u in scored)}
+    limit = rope_limit(model)
+    if limit is not None and any(len(unique[u][0]) + len(unique[u][1]) > limit for u in scored):
+        # RoPE that picks its frequencies from a forward's longest position (dynamic NTK, longrope): each pair alone.
+        max_batch_tokens, max_levels = 1, 0
     if scored:
         scorer = _Scorer(model, [unique[u] for u in scored], max_batch_tokens, min_shared_tokens, max_levels, stats)
         from tqdm.auto import tqdm
@@ -393,10 +404,20 @@ def _token_id(token) -> int:
 
 
 def _encode_pair(tokenizer, context: str, continuation: str, add_special_tokens: bool):
-    """lm-evaluation-harness's split of a (context, continuation) text pair into token ids."""
+    """lm-evaluation-harness's split of a (context, continuation) text pair into token ids (``HFLM._encode_pair``):
+    the context's own tokens, then the tokens of ``context + continuation`` after as many. Where tokens merge across
+    the boundary the scored sequence is not the whole text's tokens, as in lm-eval. A continuation left with no
+    token (merged into the context's last one) is a ValueError: it would score 0, the best possible."""
     spaces = len(context) - len(context.rstrip())
     if spaces:
         context, continuation = context[:-spaces], context[-spaces:] + continuation
     whole = tokenizer(context + continuation, add_special_tokens=add_special_tokens)["input_ids"]
-    n = len(tokenizer(context, add_special_tokens=add_special_tokens)["input_ids"])
-    return tuple(whole[:n]), tuple(whole[n:])
+    context_ids = tokenizer(context, add_special_tokens=add_special_tokens)["input_ids"]
+    continuation_ids = whole[len(context_ids):]
+    if continuation and not continuation_ids:
+        raise ValueError(
+            f"The continuation {continuation!r} has no token of its own after the context {context[-40:]!r}: "
+            "tokenizing them together merges it into the context's last token, so it would score 0 (certain). "
+            "Pass the pair as token ids, or split the text where a token boundary lies."
+        )
+    return tuple(context_ids), tuple(continuation_ids)

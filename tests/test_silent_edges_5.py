@@ -5,7 +5,9 @@
   growing decode reads transformers' chunked mask; RoPE that depends on each forward's longest position (dynamic
   NTK, longrope) refused past its limit;
 * generate(): the same RoPE past its limit shares nothing (a shared node's own forward would rotate its keys
-  otherwise than generate()'s forward over the whole prompt).
+  otherwise than generate()'s forward over the whole prompt);
+* score: lm-eval's text split (the context's own tokens), an empty continuation refused, each pair alone past the
+  RoPE limit, autocast refused; generate_dataset: stop_strings as plain generate() applies them.
 """
 
 from __future__ import annotations
@@ -97,3 +99,76 @@ def test_dynamic_rope_past_its_limit_shares_nothing_and_matches(family, override
         torch.testing.assert_close(got.logits[0], want.logits[0], atol=1e-4, rtol=0)
     inputs = hf_cascade.shared_prefix_inputs(cas, ids, mask, min_shared_tokens=2, cost_model=None)
     assert not inputs[next(k for k in inputs if k not in ("input_ids", "attention_mask"))].levels
+
+
+class _MergingTokenizer:
+    """Greedy longest-match over a tiny vocabulary whose tokens merge across a context / continuation boundary."""
+
+    vocab = {"It": 10, " is": 11, " isn": 12, "'t": 13, "n": 14, "Hello": 15, " wor": 16, " world": 17, "ld": 18}
+
+    def __call__(self, text, add_special_tokens=True):
+        ids = []
+        while text:
+            piece = max((p for p in self.vocab if text.startswith(p)), key=len)
+            ids.append(self.vocab[piece])
+            text = text[len(piece):]
+        return {"input_ids": ids}
+
+
+def test_score_splits_text_pairs_as_lm_eval_and_refuses_an_empty_continuation():
+    """lm-eval's HFLM._encode_pair: the context's own tokens, then the joined text's tokens after as many ("It is" +
+    "n't": context [It, is], continuation ['t], not [It, isn] + ['t]); a continuation merged wholly into the
+    context's last token ("Hello wor" + "ld" = [Hello, world]) would score 0: a ValueError."""
+    model = tiny_model("llama", "cascade", seed=0)
+    tok = _MergingTokenizer()
+    got = hf_cascade.score(model, ["It is"], ["n't"], tokenizer=tok)
+    want = hf_cascade.score(model, [[10, 11]], [[13]])
+    assert got.logprobs.tolist() == want.logprobs.tolist()
+    with pytest.raises(ValueError, match="no token of its own"):
+        hf_cascade.score(model, ["Hello wor"], ["ld"], tokenizer=tok)
+
+
+def test_score_with_dynamic_rope_scores_each_pair_as_alone():
+    """A pair past the RoPE limit in the call: every pair runs alone (a batched forward's longest position would
+    pick the frequencies of the shorter pairs too)."""
+    ref = tiny_model("phi3", "sdpa", seed=0, **LONGROPE)
+    cas = tiny_model("phi3", "cascade", seed=0, **LONGROPE)
+    g = torch.Generator().manual_seed(1)
+    pairs = [(torch.randint(3, 100, (n,), generator=g).tolist(), torch.randint(3, 100, (4,), generator=g).tolist())
+             for n in (10, 60)]
+    got = hf_cascade.score(cas, [c for c, _ in pairs], [x for _, x in pairs])
+    for (ctx, cont), lp in zip(pairs, got.logprobs.tolist()):
+        ids = torch.tensor([ctx + cont])
+        with torch.no_grad():
+            logits = ref(ids[:, :-1]).logits[0, -len(cont):].float()
+        want = float(torch.log_softmax(logits, -1).gather(-1, torch.tensor(cont)[:, None]).sum())
+        assert abs(lp - want) < 1e-4, (lp, want)
+
+
+def test_score_under_autocast_is_a_clear_error():
+    model = tiny_model("llama", "cascade", seed=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(ValueError, match="torch.autocast"):
+        hf_cascade.score(model, [[1, 2, 3]] * 2, [[4], [5]])
+
+
+def test_generate_dataset_stop_strings_as_plain_generate():
+    """generate() hands a custom_generate neither stop_strings nor a tokenizer; generate_dataset builds transformers'
+    StopStringCriteria itself (with the tokenizer passed in generation_kwargs, else its own), so each row stops
+    where plain generate(stop_strings=..., tokenizer=...) stops it."""
+    pytest.importorskip("datasets")
+    import datasets
+
+    from hf_cascade.dataset_generation import generate_dataset
+    from hf_cascade import tiny
+
+    tok = tiny.tiny_tokenizer()
+    cas, ref = tiny.tiny_model("llama"), tiny.tiny_model("llama", attn_implementation="sdpa")
+    preamble = "You are a careful calculator. Reply with the number only.\n"
+    prompts = [preamble + f"Q: {i}+{i}=\nA:" for i in range(4)] + ["short"]
+    for kwargs in (dict(stop_strings=["a", "e", "o"], tokenizer=tok), dict(stop_strings=["a", "e", "o"])):
+        got = generate_dataset(cas, tok, datasets.Dataset.from_dict({"prompt": prompts}), progress=False,
+                               generation_kwargs=dict(max_new_tokens=8, **kwargs))["completion"]
+        for prompt, completion in zip(prompts, got):
+            ids = tok(prompt, return_tensors="pt")
+            out = ref.generate(**ids, pad_token_id=0, max_new_tokens=8, stop_strings=["a", "e", "o"], tokenizer=tok)
+            assert completion == tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
