@@ -3,7 +3,7 @@
 * context parallelism (gloo, 2 ranks): GPT-OSS's attention sinks merged into the combined state; Llama 4's chunked
   layers refused where the prompt crosses a chunk (the ring prefill and fixed buffers ignored them), kept where a
   growing decode reads transformers' chunked mask; RoPE that depends on each forward's longest position (dynamic
-  NTK, longrope) refused past its limit;
+  NTK, longrope) refused past its limit; a sliding window the new tokens would cross refused before any step;
 * generate(): the same RoPE past its limit shares nothing (a shared node's own forward would rotate its keys
   otherwise than generate()'s forward over the whole prompt);
 * score: lm-eval's text split (the context's own tokens), an empty continuation refused, each pair alone past the
@@ -33,6 +33,8 @@ CP_CASES = {
     "llama4 chunk crossed in fixed buffers": ("llama4", {}, 6, dict(max_new_tokens=6)),
     "phi3 longrope past its limit": ("phi3", LONGROPE, 40, {}),
     "llama dynamic NTK within its limit": ("llama", DYNAMIC, 20, {}),
+    "gemma3 window reached by the new tokens": ("gemma3", {}, 5, dict(max_new_tokens=4)),  # window 8: 8 columns
+    "gemma3 window crossed by the new tokens": ("gemma3", {}, 5, dict(max_new_tokens=5)),  # refused before a step
 }
 
 
@@ -72,6 +74,9 @@ def test_context_parallel_edges(cp_results, name):
         return
     if "past its limit" in name:
         assert all(isinstance(r, str) and "past 32 tokens" in r for r in ranks), ranks
+        return
+    if "window crossed" in name:
+        assert all(isinstance(r, str) and "sliding window of 8 tokens and this call reaches 9" in r for r in ranks)
         return
     assert not isinstance(ranks[0], str), ranks[0]
     ref = tiny_model(family, reference_attention(family), seed=0, **overrides)

@@ -68,6 +68,26 @@ def _resolve_step(cache: ContextParallelCache, model, input_ids, generation_conf
     return step
 
 
+def _check_windows_fit(model, input_ids: torch.LongTensor, generation_config) -> None:
+    """A sliding window shorter than the prompt and the new tokens is refused before any step runs (the decode would
+    refuse it at the step that crosses it, its tokens so far lost): a NotImplementedError naming the layer."""
+    from hf_cascade.model_scan import attention_modules
+    from hf_cascade.windows import layer_window
+
+    if generation_config.max_length is None:
+        return
+    total = generation_config.max_length - 1  # the columns of the last forward (the last new token is never fed)
+    for layer_idx, modules in sorted(attention_modules(model).items()):
+        for module in modules:
+            window = layer_window(module)
+            if window is not None and total > window:
+                raise NotImplementedError(
+                    f"{type(module).__name__} (layer {layer_idx}) uses a sliding window of {window} tokens and this "
+                    f"call reaches {total} (prompt {input_ids.shape[1]} + new tokens): context parallelism supports "
+                    "full attention only. Lower max_new_tokens to keep prompt + new tokens within the window."
+                )
+
+
 def context_parallel_generate(model, input_ids: torch.LongTensor, logits_processor=None, stopping_criteria=None,
                               generation_config=None, **model_kwargs):
     """transformers' ``custom_generate`` entry point for a :class:`ContextParallelCache` (see the module docstring).
@@ -100,6 +120,7 @@ def context_parallel_generate(model, input_ids: torch.LongTensor, logits_process
             f"Context parallelism runs greedy search, sampling and beam search; this generation config asks for "
             f"{generation_config.get_generation_mode().name.lower()}."
         )
+    _check_windows_fit(model, input_ids, generation_config)
     for flag in ("output_hidden_states", "output_attentions"):
         if getattr(generation_config, flag, False):
             raise ValueError(
