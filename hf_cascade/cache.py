@@ -189,6 +189,14 @@ class CascadeCache(StaticStepMixin, Cache):
         self._owner: int | None = None
         self._positions_checked = False
 
+    def __deepcopy__(self, memo):
+        raise TypeError(
+            "A CascadeCache is not deep-copied: reuse it as it is. Its shared prefix is stored once and never written "
+            "(each generate() call writes only the rows' own suffix, reset at the next call), so one cache serves "
+            "several calls in a row, as a deep copy of a prefilled DynamicCache does in transformers' prompt-reuse "
+            "recipe. Pass the same cache to each call (or build one per concurrent thread)."
+        )
+
     @property
     def builtin_kernels(self) -> bool:
         """Attend and write the fixed buffers with kernels that ship compiled in PyTorch (FlashAttention-2,
@@ -486,17 +494,19 @@ class CascadeCache(StaticStepMixin, Cache):
         else:
             steps = torch.arange(q_len, device=attention_mask.device)
             real = attention_mask[:, steps, steps]  # the suffix was empty: query j is column j
-            real = real.expand(position_ids.shape[0], q_len)
+        batch = max(real.shape[0], position_ids.shape[0])  # (either may be one row for all: a forward of its own)
+        real, positions = real.expand(batch, q_len), position_ids.to(torch.int64).expand(batch, q_len)
         big = torch.iinfo(torch.int64).max
-        first = torch.where(real, position_ids.to(torch.int64), big).min(dim=1).values.tolist()
+        first = torch.where(real, positions, big).min(dim=1).values.tolist()
         for row, position in enumerate(first):
             if position != big and position != self.prefix_length:
                 raise ValueError(
                     f"Row {row} of this batch does not attend to all {self.prefix_length} prefix columns of this "
-                    f"CascadeCache: its first token after them has position {position}, so `attention_mask` has "
-                    f"{self.prefix_length - position} zero(s) over columns [0, {self.prefix_length}) (left padding "
-                    "before the prefix, as a tokenizer's left-padded batch has, or masked prefix tokens). The prefix "
-                    "is stored once for every row. Pass `custom_generate=hf_cascade.generate` to generate(), which "
+                    f"CascadeCache: its first token after them has position {position}. Either the rows are not "
+                    f"longer than the prefix (each needs a token of its own after its {self.prefix_length} prefix "
+                    f"tokens), or `attention_mask` has {self.prefix_length - position} zero(s) over columns [0, "
+                    f"{self.prefix_length}) (left padding before the prefix, as a tokenizer's left-padded batch has, "
+                    "or masked prefix tokens). The prefix is stored once for every row. Pass `custom_generate=hf_cascade.generate` to generate(), which "
                     "accepts the tokenizer's padded batch and checks each row's prefix tokens, or lay rows out "
                     "[prefix | pads | suffix] with the mask 1 over the prefix."
                 )

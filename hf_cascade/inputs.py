@@ -344,7 +344,9 @@ def shared_prefix_inputs(
         layout: ``"full"``: the returned rows are the user's rows, as wide as ``input_ids``, so
             ``out[:, input_ids.shape[1]:]`` are the new tokens; ``"suffix"``:
             returned ``input_ids`` hold only the last ``L - prefix_length`` columns (the widest own suffix) while
-            ``attention_mask`` still spans all columns (generate() output starts with those columns).
+            ``attention_mask`` still spans all columns (generate() output starts with those columns). generate()
+            counts ``max_length`` / ``min_length`` from the ``input_ids`` it gets: with ``"suffix"`` pass
+            ``max_new_tokens`` / ``min_new_tokens`` instead.
         prefix_cache: a cache from :meth:`CascadeCache.from_prefix`: every row must start with its prefix, which
             is reused (not prefilled again); sharing found below it is added as deeper levels.
         cost_model: "auto" (the H100-measured :class:`CascadeCostModel` on CUDA, share everything on CPU), None

@@ -7,7 +7,9 @@
 * generate(): the same RoPE past its limit shares nothing (a shared node's own forward would rotate its keys
   otherwise than generate()'s forward over the whole prompt);
 * score: lm-eval's text split (the context's own tokens), an empty continuation refused, each pair alone past the
-  RoPE limit, autocast refused; generate_dataset: stop_strings as plain generate() applies them.
+  RoPE limit, autocast refused; generate_dataset: stop_strings as plain generate() applies them;
+* a from_prefix cache: a manual multi-row forward into fixed buffers, rows not longer than the prefix (the error names
+  that cause), deep copies (a TypeError saying to reuse the cache).
 """
 
 from __future__ import annotations
@@ -177,3 +179,28 @@ def test_generate_dataset_stop_strings_as_plain_generate():
             ids = tok(prompt, return_tensors="pt")
             out = ref.generate(**ids, pad_token_id=0, max_new_tokens=8, stop_strings=["a", "e", "o"], tokenizer=tok)
             assert completion == tok.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def test_from_prefix_cache_edges():
+    """A from_prefix cache: a manual forward of several rows into fixed buffers without position_ids (transformers
+    builds them with one row) is the no-cache forward; rows not longer than the prefix get an error naming that
+    cause; a deep copy is a TypeError saying to reuse the cache as it is (it is never written)."""
+    import copy
+
+    from hf_cascade import CascadeCache
+    from hf_cascade.transformers_compat import CACHE_KWARG
+
+    ref, cas = (tiny_model("llama", impl, seed=0) for impl in ("sdpa", "cascade"))
+    g = torch.Generator().manual_seed(2)
+    prefix = torch.randint(3, 100, (13,), generator=g)
+    suffix = torch.randint(3, 100, (3, 5), generator=g)
+    cache = CascadeCache.from_prefix(cas, prefix, max_suffix_length=16)
+    with torch.no_grad():
+        got = cas(suffix, **{CACHE_KWARG: cache}).logits
+        want = ref(torch.cat([prefix.expand(3, -1), suffix], 1)).logits[:, 13:]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="not longer than the prefix"):
+        cas.generate(prefix[None, :10], max_new_tokens=2, do_sample=False, pad_token_id=0,
+                     **{CACHE_KWARG: CascadeCache.from_prefix(cas, prefix)})
+    with pytest.raises(TypeError, match="reuse it as it is"):
+        copy.deepcopy(cache)
