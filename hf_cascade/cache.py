@@ -506,9 +506,10 @@ class CascadeCache(StaticStepMixin, Cache):
                     f"longer than the prefix (each needs a token of its own after its {self.prefix_length} prefix "
                     f"tokens), or `attention_mask` has {self.prefix_length - position} zero(s) over columns [0, "
                     f"{self.prefix_length}) (left padding before the prefix, as a tokenizer's left-padded batch has, "
-                    "or masked prefix tokens). The prefix is stored once for every row. Pass `custom_generate=hf_cascade.generate` to generate(), which "
-                    "accepts the tokenizer's padded batch and checks each row's prefix tokens, or lay rows out "
-                    "[prefix | pads | suffix] with the mask 1 over the prefix."
+                    "or masked prefix tokens). The prefix is stored once for every row. Pass "
+                    "`custom_generate=hf_cascade.generate` to generate(), which accepts the tokenizer's padded batch "
+                    "and checks each row's prefix tokens, or lay rows out [prefix | pads | suffix] with the mask 1 "
+                    "over the prefix."
                 )
 
     def _check_module(self, module: torch.nn.Module) -> None:

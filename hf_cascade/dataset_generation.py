@@ -234,11 +234,12 @@ def generate_dataset(
     bar = _progress_bar(num_rows, len(done), progress)
     start = time.perf_counter()
     carried = _CarriedPrefix(model, min_shared_tokens)
+    call_kwargs = _with_stop_strings(gen_kwargs, tokenizer)  # (the checkpoint keys the job on gen_kwargs as given)
     try:
         for b, batch in enumerate(batches):
             next_batch = batches[b + 1] if b + 1 < len(batches) else None
             texts, counts = _run_batch(
-                model, tokenizer, rows, batch, next_batch, carried, gen_kwargs, num_return, eos_ids,
+                model, tokenizer, rows, batch, next_batch, carried, call_kwargs, num_return, eos_ids,
                 min_shared_tokens, max_levels, skip_special_tokens, stats,
             )
             _record_batch(batch, texts, counts, completions, checkpoint, stats, start, bar)
@@ -574,7 +575,7 @@ def _run_batch(
     out = model.generate(
         ids, attention_mask=mask, custom_generate=hf_cascade.generate, cascade_caches=caches,
         cascade_options=dict(min_shared_tokens=min_shared_tokens, max_levels=max_levels, batch_buckets=True),
-        **extra, **_with_stop_strings(gen_kwargs, tokenizer),
+        **extra, **gen_kwargs,
     )
 
     # Sharing bookkeeping: tokens of each row served by a shared prefix, and prefix tokens prefilled here.

@@ -38,8 +38,8 @@ from hf_cascade.compiled_layers import NewShapes
 from hf_cascade.engine import engine_of
 from hf_cascade.options import COMPILE_CHOICES
 
-__all__ = ["COMPILE_CHOICES", "NEW_SHAPES_COST_S", "NEW_SHAPES_PATIENCE", "SAVED_FRACTION", "Tier", "caches_warm", "choose_tier",
-           "raise_regret", "record_call", "record_key", "records_folder", "shape_policy", "tier_report", "tier_state"]
+__all__ = ["COMPILE_CHOICES", "NEW_SHAPES_COST_S", "NEW_SHAPES_PATIENCE", "SAVED_FRACTION", "Tier", "caches_warm",
+           "choose_tier", "record_call", "record_key", "records_folder", "shape_policy", "tier_report", "tier_state"]
 
 # What each tier saves over the one below, as a fraction of a call's seconds there (H100, Llama-3-8B shape: a decode
 # step 10.3 -> 8.1 ms with the layers compiled; attention ~4x faster on the Triton kernels than the built-in ones:
@@ -96,13 +96,6 @@ class _ModelTiers:
 def tier_state(model) -> _ModelTiers:
     """``model``'s tier state in this process (its :class:`~hf_cascade.engine.Engine`'s ``tiers`` part)."""
     return engine_of(model).part("tiers", _ModelTiers)
-
-
-def raise_regret(model, tier: str, seconds: float) -> None:
-    """Raise ``model``'s regret of ``tier`` (``"triton"`` or ``"compiled"``) to at least ``seconds``."""
-    state = tier_state(model)
-    with state.lock:
-        state.regret[tier] = max(state.regret[tier], seconds)
 
 
 def choose_tier(model, compile: str = "auto") -> Tier:
