@@ -180,6 +180,27 @@ def _rows_for_sharing(model, real_ids: np.ndarray, real_columns: np.ndarray, len
     return rows
 
 
+def _rope_bars_sharing(model, longest: int, base_prefix: bool) -> bool:
+    """Whether rows of ``longest`` real tokens must share nothing on ``model`` (a warning once): its RoPE (dynamic /
+    longrope, :func:`~hf_cascade.model_scan.rope_limit`) picks its frequencies from each forward's longest position
+    past its limit, so a shared node's own forward would rotate its keys otherwise than generate()'s forward over the
+    whole prompt. With a ``prefix_cache`` (``base_prefix``: always shared) that is a ValueError."""
+    limit = rope_limit(model)
+    if limit is None or longest <= limit:
+        return False
+    if base_prefix:
+        raise ValueError(
+            f"This model's RoPE (dynamic / longrope) picks its frequencies from each forward's longest position past "
+            f"{limit} tokens, and the longest row has {longest}: the prefix stored in `prefix_cache` (its own "
+            "forward) cannot stand for those rows. Pass the rows without prefix_cache."
+        )
+    logger.warning_once(
+        f"hf_cascade: rows longer than {limit} tokens on a model whose RoPE (dynamic / longrope) depends on each "
+        "forward's longest position: nothing is shared (generate()'s own attention, the reference's tokens)."
+    )
+    return True
+
+
 def plan_cascade_batch(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -224,19 +245,7 @@ def plan_cascade_batch(
     """
     real_ids, real_columns, lengths, mask_host = _real_tokens_on_host(input_ids, attention_mask)
     batch, width = input_ids.shape
-    limit = rope_limit(model)
-    if limit is not None and int(lengths.max()) > limit:
-        # A shared node's own forward would rotate its keys otherwise than generate()'s forward over the whole prompt.
-        if prefix_cache is not None:
-            raise ValueError(
-                f"This model's RoPE (dynamic / longrope) picks its frequencies from each forward's longest "
-                f"position past {limit} tokens, and the longest row has {int(lengths.max())}: the prefix stored in "
-                "`prefix_cache` (its own forward) cannot stand for those rows. Pass the rows without prefix_cache."
-            )
-        logger.warning_once(
-            f"hf_cascade: rows longer than {limit} tokens on a model whose RoPE (dynamic / longrope) depends on each "
-            "forward's longest position: nothing is shared (generate()'s own attention, the reference's tokens)."
-        )
+    if _rope_bars_sharing(model, int(lengths.max()), prefix_cache is not None):
         return None, input_ids, attention_mask
     base_levels, base_parents, base_tokens = [], [], ()
     if prefix_cache is not None:
