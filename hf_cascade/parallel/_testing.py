@@ -1,4 +1,5 @@
-"""Run a function on N CPU processes joined by a gloo group (tests and docs; no GPU, no launcher needed).
+"""Run a function on N CPU processes joined by a gloo group (tests and docs; no GPU, no launcher needed), or on N
+GPUs joined by an NCCL group (the GPU tests: ``backend="nccl"``, rank r on ``cuda:r``, always spawned).
 
 >>> from hf_cascade.parallel._testing import run_on_gloo
 >>> results = run_on_gloo(my_fn, world_size=2, args=(...,))   # my_fn(rank, world_size, *args) -> picklable
@@ -27,14 +28,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, fn, world_size, port, out_dir, pg_timeout_s, args):
+def _worker(rank, fn, world_size, port, out_dir, pg_timeout_s, args, backend="gloo"):
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world_size,
@@ -71,8 +74,10 @@ def run_on_gloo(
     timeout_s: float = 300.0,
     pg_timeout_s: float = 120.0,
     start_method: str | None = None,
+    backend: str = "gloo",
 ):
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` new processes with a gloo default group.
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` new processes with a gloo default group (``backend=
+    "nccl"``: an NCCL group, rank r on ``cuda:r``, spawned).
 
     ``start_method``: "fork" or "spawn". Default: "fork" where available and this process runs no thread but the
     main one (the workers inherit the imported modules: starting them costs milliseconds, not the seconds ``import
@@ -86,13 +91,15 @@ def run_on_gloo(
 
     import torch.multiprocessing as mp
 
+    if backend == "nccl":
+        start_method = "spawn"  # (CUDA cannot be used in a forked child)
     if start_method is None:
         single_threaded = threading.active_count() == 1
         start_method = "fork" if single_threaded and "fork" in multiprocessing.get_all_start_methods() else "spawn"
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.start_processes(
             _worker,
-            args=(fn, world_size, free_port(), out_dir, pg_timeout_s, args),
+            args=(fn, world_size, free_port(), out_dir, pg_timeout_s, args, backend),
             nprocs=world_size,
             join=False,
             start_method=start_method,
