@@ -185,17 +185,9 @@ def generate_dataset(
         skip_special_tokens: passed to ``tokenizer.batch_decode``.
         progress: show a tqdm bar (rows/s, new tokens/s) and print the summary at the end.
         checkpoint_path: a JSON-lines file. Each finished batch is appended (``{"index": row, "completion":
-            ...}``) and flushed; a rerun with the same path skips the rows already there. The file starts with
-            a header recording the job: a fingerprint of the prompts and generation kwargs, the model (name,
-            class, parameter dtype, a hash of its config, a hash of a sample of its weights) and the tokenizer
-            (name, vocabulary size, a hash of its vocabulary). A checkpoint of another job (other prompts,
-            settings, model, dtype or tokenizer) is refused with a ValueError naming what differs, rather than
-            silently mixed in. The model's and tokenizer's names are recorded for that message but not
-            compared: the same weights loaded from another directory resume. Settings are compared by value
-            (tensors included); objects that cannot be (a logits processor, stopping criteria, a function) make
-            the file unresumable: a warning when the job starts, a ValueError naming them on a rerun that would
-            resume it. A line edited into another shape is refused with a ValueError naming the file and the
-            line.
+            ...}``) and flushed; a rerun with the same path skips the rows already there. Its header fingerprints
+            the job (prompts, settings, model, dtype, tokenizer): another job's file is refused with a ValueError
+            naming what differs (``docs/usage.md``, Datasets).
         return_stats: return ``(dataset, GenerationStats)`` instead of the dataset alone.
 
     Returns:
