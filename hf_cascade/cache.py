@@ -42,6 +42,7 @@ from hf_cascade.ops.plan import CascadePlan
 from hf_cascade.prefill import PrefixLevel, prefill_levels, validate_token_ids
 from hf_cascade.static_steps import StaticStepMixin
 from hf_cascade.suffix_layers import StaticSuffixLayer, SuffixLayer, append_columns
+from hf_cascade.transformers_compat import fixed_buffers_refusal
 from hf_cascade.windows import layer_sinks, layer_window
 
 # The names these had when they were defined here (kept importable from hf_cascade.cache).
@@ -125,6 +126,8 @@ class CascadeCache(StaticStepMixin, Cache):
                 f"`max_suffix_length` must be None (suffixes grow as needed) or a positive int (fixed buffers, "
                 f"compileable); got {max_suffix_length!r}."
             )
+        if max_suffix_length is not None and fixed_buffers_refusal(model):
+            raise ValueError(fixed_buffers_refusal(model))
         self.max_suffix_length = max_suffix_length
         num_layers = _num_layers(model.config)
         if max_suffix_length is None:
@@ -498,8 +501,9 @@ class CascadeCache(StaticStepMixin, Cache):
         real, positions = real.expand(batch, q_len), position_ids.to(torch.int64).expand(batch, q_len)
         big = torch.iinfo(torch.int64).max
         first = torch.where(real, positions, big).min(dim=1).values.tolist()
-        for row, position in enumerate(first):
-            if position != big and position != self.prefix_length:
+        for row, position in enumerate(first):  # (no real query at all: a mask laid out for other columns)
+            if position != self.prefix_length:
+                position = 0 if position == big else position
                 raise ValueError(
                     f"Row {row} of this batch does not attend to all {self.prefix_length} prefix columns of this "
                     f"CascadeCache: its first token after them has position {position}. Either the rows are not "

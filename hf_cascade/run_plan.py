@@ -19,6 +19,7 @@ from hf_cascade.cache import CascadeCache
 from hf_cascade.compiled_layers import NewShapes
 from hf_cascade.options import CascadeOptions
 from hf_cascade.tiers import Tier, choose_tier, shape_policy
+from hf_cascade.transformers_compat import compileable_cache_masks_fail
 
 __all__ = ["Request", "RunPlan", "resolve"]
 
@@ -100,6 +101,8 @@ def resolve(model, options: CascadeOptions, request: Request) -> RunPlan:
         _check_capacity(user_cache, input_ids.shape[1], max_new_tokens)  # before any work
     compiles = _compiles_decode(model, input_ids, config, method_name)
     records = compiles or _compiles_decode(model, input_ids, config, method_name, recording=True)
+    if compileable_cache_masks_fail(model):  # transformers 5.17, Llama 4: growing caches only (by default)
+        compiles = records = False
     cuda = input_ids.device.type == "cuda"
     tier, decode_step = _tier_and_step(model, options, cuda, compiles, method_name)
     buckets = (not config.do_sample if options.batch_buckets is None else options.batch_buckets) and (

@@ -30,3 +30,33 @@ def output_cache(output):
     """The cache a model or generate() output (``ModelOutput``) holds, under the installed release's name; None if
     it holds none."""
     return getattr(output, CACHE_KWARG, None)
+
+
+def compileable_cache_masks_fail(model) -> bool:
+    """Whether generate() fails on ``model`` with a compileable cache (fixed buffers) in this transformers: 5.17's
+    ``create_masks_for_generate`` hands ``block_sequence_ids`` to every layer type's mask function, and the chunked
+    one (Llama 4's ``chunked_attention`` layers) takes no such argument (a ``TypeError`` in transformers' own
+    ``prepare_inputs_for_generation``; its ``StaticCache`` fails alike). Growing caches are not affected."""
+    from transformers import masking_utils
+
+    config = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if "chunked_attention" not in (getattr(text, "layer_types", None) or ()):
+        return False
+    hands = "block_sequence_ids" in inspect.signature(masking_utils.create_masks_for_generate).parameters
+    takes = "block_sequence_ids" in inspect.signature(masking_utils.create_chunked_causal_mask).parameters
+    return hands and not takes
+
+
+def fixed_buffers_refusal(model) -> str | None:
+    """Why a cache of fixed buffers cannot serve ``model`` in this transformers (:func:`compileable_cache_masks_fail`:
+    the ValueError's message, naming the fixes), or None."""
+    if not compileable_cache_masks_fail(model):
+        return None
+    import transformers
+
+    return (f"transformers {transformers.__version__} fails on this model's chunked attention layers with a cache of "
+            "fixed buffers (its create_masks_for_generate hands `block_sequence_ids` to create_chunked_causal_mask, "
+            "which takes none; its own StaticCache fails alike). Leave out `max_new_tokens` / `max_suffix_length` / "
+            "`fixed_buffers` / `decode_step` (the cache then grows: the default here), or upgrade transformers (5.24 "
+            "works).")

@@ -54,6 +54,7 @@ from hf_cascade.parallel._group import GroupInfo
 from hf_cascade.parallel.combine import all_gather_kv, check_combine, combine_states
 from hf_cascade.parallel.fixed import DecodeBuffers, attend_fixed, check_max_new_tokens
 from hf_cascade.suffix_layers import SuffixLayer
+from hf_cascade.transformers_compat import fixed_buffers_refusal
 from hf_cascade.windows import layer_sinks
 from hf_cascade.parallel.prefill_plan import PrefillPlan, PrefillRound, PrefillState
 from hf_cascade.parallel.ring import past_state, past_state_workspace_numel, ring_exchange_numel, ring_states
@@ -182,6 +183,7 @@ class ContextParallelCache(Cache):
         if placement not in PLACEMENTS:
             raise ValueError(f"`placement` must be one of {PLACEMENTS}; got {placement!r}.")
         super().__init__(layers=[_ShardLayer() for _ in range(_num_layers(model.config))])
+        self.fixed_buffers_refusal = fixed_buffers_refusal(model)  # (transformers 5.17, Llama 4)
         self.info = info
         self.combine = check_combine(combine)
         self.placement = placement
@@ -291,6 +293,8 @@ class ContextParallelCache(Cache):
         generate() repeats them for ``num_return_sequences`` / ``num_beams``.
         """
         max_new_tokens = check_max_new_tokens(max_new_tokens)
+        if self.fixed_buffers_refusal:
+            raise ValueError(self.fixed_buffers_refusal)
         if self.combine == "all_gather_kv":
             raise ValueError("combine='all_gather_kv' (a benchmark baseline) has no fixed-buffer decode; pick "
                              "'all_gather', 'tree' or 'all_to_all', or drop `max_new_tokens`.")

@@ -62,7 +62,8 @@ def _resolve_step(cache: ContextParallelCache, model, input_ids, generation_conf
         return None
     compiles = _compiles_decode(model, input_ids, generation_config, method_name)
     if step == "auto":
-        return "layers" if compiles and input_ids.device.type == "cuda" else None
+        fixed_work = cache.fixed_buffers_refusal is None
+        return "layers" if compiles and fixed_work and input_ids.device.type == "cuda" else None
     if step in ("layers", "graphs") and input_ids.device.type != "cuda":
         return None  # CUDA graphs: on CPU the step runs as transformers runs it
     return step
