@@ -39,7 +39,7 @@ from hf_cascade.ops._backend import host_to_device
 from hf_cascade.ops.bounded import WindowRequest, merge_sink
 from hf_cascade.ops.cascade_wrapper import CascadeWrapper
 from hf_cascade.ops.plan import CascadePlan
-from hf_cascade.prefill import PrefixLevel, prefill_levels, validate_token_ids
+from hf_cascade.prefill import PrefixLevel, check_first_positions, prefill_levels, validate_token_ids
 from hf_cascade.static_steps import StaticStepMixin
 from hf_cascade.suffix_layers import StaticSuffixLayer, SuffixLayer, append_columns
 from hf_cascade.transformers_compat import fixed_buffers_refusal
@@ -190,7 +190,9 @@ class CascadeCache(StaticStepMixin, Cache):
         # One generate() at a time: the thread that started the current one owns the suffix state (see _claim).
         self._lock = threading.Lock()
         self._owner: int | None = None
-        self._positions_checked = False
+        # The rows' positions were checked against the stored prefix chains (by hf_cascade.generate's plan, else by
+        # the first prefill of each generate() call: _check_positions).
+        self.positions_checked = False
 
     def __deepcopy__(self, memo):
         raise TypeError(
@@ -353,7 +355,7 @@ class CascadeCache(StaticStepMixin, Cache):
         for layer in self.layers:
             layer.reset()
         self._set_rows(self._planned_row_nodes, self._planned_suffix_start, self._planned_window)
-        self._positions_checked = False
+        self.positions_checked = False
 
     def _claim(self) -> None:
         """A generate() call starts with this cache: the calling thread owns it until another call claims it.
@@ -484,37 +486,13 @@ class CascadeCache(StaticStepMixin, Cache):
         return combined
 
     def _check_positions(self, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None) -> None:
-        """First prefill of a cache whose rows were not checked against its prefix (a from_prefix cache given to
-        generate() directly): every row must attend to all ``prefix_length`` stored columns, so the first token
-        after them has position ``prefix_length``. Zeros in attention_mask over the prefix columns (a tokenizer's
-        left padding before the prefix, or masked prefix tokens) lower it: refuse rather than answer wrongly."""
-        self._positions_checked = True
-        if position_ids is None or not self.levels or position_ids.dim() != 2:
-            return
-        q_len = position_ids.shape[1]
-        if attention_mask is None:
-            real = torch.ones(position_ids.shape, dtype=torch.bool, device=position_ids.device)
-        else:
-            steps = torch.arange(q_len, device=attention_mask.device)
-            real = attention_mask[:, steps, steps]  # the suffix was empty: query j is column j
-        batch = max(real.shape[0], position_ids.shape[0])  # (either may be one row for all: a forward of its own)
-        real, positions = real.expand(batch, q_len), position_ids.to(torch.int64).expand(batch, q_len)
-        big = torch.iinfo(torch.int64).max
-        first = torch.where(real, positions, big).min(dim=1).values.tolist()
-        for row, position in enumerate(first):  # (no real query at all: a mask laid out for other columns)
-            if position != self.prefix_length:
-                position = 0 if position == big else position
-                raise ValueError(
-                    f"Row {row} of this batch does not attend to all {self.prefix_length} prefix columns of this "
-                    f"CascadeCache: its first token after them has position {position}. Either the rows are not "
-                    f"longer than the prefix (each needs a token of its own after its {self.prefix_length} prefix "
-                    f"tokens), or `attention_mask` has {self.prefix_length - position} zero(s) over columns [0, "
-                    f"{self.prefix_length}) (left padding before the prefix, as a tokenizer's left-padded batch has, "
-                    "or masked prefix tokens). The prefix is stored once for every row. Pass "
-                    "`custom_generate=hf_cascade.generate` to generate(), which accepts the tokenizer's padded batch "
-                    "and checks each row's prefix tokens, or lay rows out [prefix | pads | suffix] with the mask 1 "
-                    "over the prefix."
-                )
+        """First prefill of rows this call's generate() did not plan (a cache of the user's on the plain path): each
+        row's first own token must have the position its stored prefix chain ends at (:func:`check_first_positions`:
+        a ValueError naming the cause where not)."""
+        self.positions_checked = True
+        if position_ids is not None and self.levels and position_ids.dim() == 2:
+            check_first_positions(self.levels, self.row_nodes, self.suffix_start, self.rows_verified,
+                                  attention_mask, position_ids)
 
     def _check_module(self, module: torch.nn.Module) -> None:
         modules = self._modules.get(module.layer_idx)
@@ -584,7 +562,7 @@ class CascadeCache(StaticStepMixin, Cache):
                                                 self.max_suffix_length) - 1
             bounded = any(size is not None and last_column >= size for size in (window, chunk))
         layer = self.layers[layer_idx]
-        if not self.rows_verified and not self._positions_checked and not static:
+        if not self.positions_checked and not static:
             if layer.host_length == query.shape[2]:  # the first forward over an empty suffix (the prefill)
                 self._check_positions(attention_mask, kwargs.get("position_ids"))
         # Fixed buffers: None would also admit the columns not written yet; rows' own columns: see _suffix_mask.

@@ -181,6 +181,7 @@ def run(model, plan: RunPlan, request: Request, logits_processor, stopping_crite
     if planned is None:  # nothing worth sharing: generate()'s own cache and rows, untouched
         return _run(getattr(type(model), plan.method_name), *own)
     cache, input_ids, model_kwargs, stopping_criteria = planned
+    cache.positions_checked = True  # (planned here from generate()'s rows, or checked by resolve: position_ids)
     user_cache, tier = request.user_cache, plan.tier
     decode = getattr(type(model), plan.method_name)
     if plan.method_name == "_sample":  # transformers' loop, without a wait for the GPU at every step

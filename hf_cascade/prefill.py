@@ -73,6 +73,55 @@ def validate_token_ids(ids, name: str, model: torch.nn.Module) -> torch.Tensor:
     return ids.long()
 
 
+def check_first_positions(levels: Sequence[PrefixLevel], row_nodes: torch.Tensor | None,
+                          suffix_start: torch.Tensor | None, planned: bool, attention_mask: torch.Tensor | None,
+                          position_ids: torch.Tensor) -> None:
+    """The first prefill over a cascade cache's empty suffix: each row's first own token (its first real query at
+    or after ``suffix_start``) must have the position its prefix chain in ``levels`` ends at, the positions that
+    chain's KV were computed for. ``row_nodes`` ``[num_levels, B']`` (-1: none; None: node 0 everywhere);
+    ``planned``: rows planned from their tokens (a row with no real query is then a padding row); ``attention_mask``
+    bool ``[B, q_len, q_len]`` over the suffix (or None); ``position_ids`` ``[B or 1, q_len]``. Raises a ValueError
+    naming the cause: rows not longer than their prefix or mask zeros over it (a lower position), or
+    ``position_ids`` other than the mask's running count (a higher one)."""
+    q_len = position_ids.shape[1]
+    steps = torch.arange(q_len, device=position_ids.device)
+    real = torch.ones((1, q_len), dtype=torch.bool, device=steps.device) if attention_mask is None else \
+        attention_mask[:, steps, steps].to(steps.device)
+    batch = max(real.shape[0], position_ids.shape[0])
+    real, positions = real.expand(batch, q_len), position_ids.to(torch.int64).expand(batch, q_len)
+    chain = torch.zeros(batch if row_nodes is None else row_nodes.shape[-1], dtype=torch.int64)
+    for index, level in enumerate(levels):
+        sizes = torch.diff(torch.tensor(level.node_starts, dtype=torch.int64))
+        nodes = torch.zeros_like(chain) if row_nodes is None else row_nodes[index].to("cpu", torch.int64)
+        chain += torch.where(nodes >= 0, sizes[nodes.clamp(min=0)], 0)
+    starts = torch.zeros_like(chain) if suffix_start is None else suffix_start.to("cpu", torch.int64)
+    if chain.shape[0] != batch:  # (generate() repeated the rows for num_return_sequences / num_beams)
+        chain, starts = chain.repeat_interleave(batch // chain.shape[0]), starts.repeat_interleave(batch // chain.shape[0])
+    own = real.cpu() & (torch.arange(q_len)[None, :] >= starts[:, None])
+    big = torch.iinfo(torch.int64).max
+    first = torch.where(own, positions.cpu(), big).min(dim=1).values.tolist()
+    for row, (position, expected) in enumerate(zip(first, chain.tolist())):
+        if position == expected or (position == big and planned):
+            continue
+        if position != big and position > expected:
+            raise ValueError(
+                f"Row {row}'s first token after its {expected} stored prefix tokens has position {position}: "
+                "`position_ids` other than the attention mask's running count (`attention_mask.cumsum(-1) - 1`, what "
+                f"generate() uses when none are given). The prefix KV were computed once at positions 0..{expected - 1}."
+                " Leave `position_ids` out, or call generate() without this cache."
+            )
+        position = 0 if position == big else position
+        raise ValueError(
+            f"Row {row} of this batch does not attend to all {expected} prefix columns of this CascadeCache: its "
+            f"first token after them has position {position}. Either the rows are not longer than the prefix (each "
+            f"needs a token of its own after its {expected} prefix tokens), or `attention_mask` has zeros over the "
+            "prefix columns (left padding before the prefix, as a tokenizer's left-padded batch has, or masked "
+            "prefix tokens). The prefix is stored once for every row. Pass `custom_generate=hf_cascade.generate` to "
+            "generate(), which accepts the tokenizer's padded batch and checks each row's prefix tokens, or lay rows "
+            "out [prefix | pads | suffix] with the mask 1 over the prefix."
+        )
+
+
 def fill_window(input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
                 rows: Sequence[Sequence[int]], starts: Sequence[int]) -> np.ndarray:
     """Lay ``rows`` (token ids; row ``b``'s first token at position ``starts[b]``, after its chain of shared nodes)
@@ -175,6 +224,7 @@ def prefill_levels(
         cache = cache_class(model, levels, row_nodes=row_nodes, prefix_length=prefix_length,
                             suffix_start=torch.from_numpy(suffix_start))
         cache.builtin_kernels = builtin_kernels
+        cache.positions_checked = True  # (laid out here: fill_window)
         input_ids, attention_mask, position_ids = (
             part.view(rows, -1) for part in host_to_device(torch.from_numpy(packed), device).split(sizes)
         )

@@ -82,6 +82,8 @@ def resolve(model, options: CascadeOptions, request: Request) -> RunPlan:
     run: a CascadeCache of the user's with an unshareable option, or fixed buffers too small."""
     input_ids, config, method_name = request.input_ids, request.generation_config, request.method_name
     user_cache, kwargs = request.user_cache, request.model_kwargs
+    if isinstance(user_cache, CascadeCache):
+        _check_cascade_cache_request(input_ids, config, kwargs, user_cache)
     if (user_cache is not None and not isinstance(user_cache, CascadeCache)) or (
         kwargs.get("inputs_embeds") is not None and user_cache is None
     ) or config.use_cache is False:
@@ -195,6 +197,25 @@ def _unshareable_request(input_ids: torch.Tensor, generation_config, model_kwarg
     if generation_config.return_dict_in_generate and generation_config.output_hidden_states:
         return "`output_hidden_states=True` (the hidden states of every prompt column, as sdpa gives)"
     return None
+
+
+def _check_cascade_cache_request(input_ids: torch.Tensor, generation_config, model_kwargs: dict,
+                                 cache: CascadeCache) -> None:
+    """A CascadeCache passed with what it cannot serve: ``use_cache=False`` (generate()'s own decoding would run the
+    rows without their stored prefix), or prompts given as embeddings alone to a cache whose rows are not planned
+    yet (``from_prefix``: the rows are matched to the stored prefix by their token ids)."""
+    if generation_config.use_cache is False:
+        raise ValueError(
+            "`use_cache=False` with a CascadeCache: the rows' prefix lives only in the cache, which a forward without "
+            "a cache leaves out. Drop `use_cache=False`, or drop the cache (generate() then runs the whole prompts)."
+        )
+    embeds_only = model_kwargs.get("inputs_embeds") is not None and input_ids.shape[-1] == 0
+    if embeds_only and not cache.rows_verified:
+        raise ValueError(
+            "`inputs_embeds` without `input_ids` with a CascadeCache: hf_cascade.generate matches the rows to the "
+            "cache's stored prefix by their token ids. Pass `input_ids` too (the embeddings of those ids), or call "
+            "generate() without the cache."
+        )
 
 
 def _check_capacity(cache: CascadeCache, width: int, max_new_tokens: int) -> None:

@@ -222,6 +222,7 @@ class _Scorer:
         input_ids, attention_mask, position_ids, suffix_start = window_layout(own, starts, prefix_length)
         cache = CascadeCache(model, levels, row_nodes=row_nodes, prefix_length=prefix_length,
                              suffix_start=suffix_start)
+        cache.positions_checked = True  # (laid out here: window_layout)
         device = model.device
         out = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
                     position_ids=position_ids.to(device), use_cache=True, logits_to_keep=keep, **{CACHE_KWARG: cache})
