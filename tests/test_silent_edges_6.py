@@ -7,7 +7,10 @@ CPU, tiny random models from real configs):
   attention mask);
 * ``use_cache=False`` with a CascadeCache on the ``custom_generate`` path: other tokens; now a ValueError;
 * ``inputs_embeds`` alone with a from_prefix cache: errors about an ``input_ids`` of width 0 the user never passed;
-  now a ValueError naming ``inputs_embeds`` (a planned cache's second turn given as embeddings stays exact).
+  now a ValueError naming ``inputs_embeds`` (a planned cache's second turn given as embeddings stays exact);
+* context parallelism (gloo, 2 ranks) with a shared prefix: logits processors that read the prompt (n-gram bans, bad
+  words) saw the rows relaid ``[prefix | pads | suffix]``: other tokens; now they see the rows as given. Fixed
+  buffers smaller than generate()'s ``max_new_tokens`` failed at the step that overran them: now sized before any.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 import hf_cascade
 from hf_cascade import CascadeCache
 from hf_cascade.model_zoo import tiny_model
+from hf_cascade.parallel._testing import run_on_gloo
 from hf_cascade.transformers_compat import CACHE_KWARG
 
 GEN = dict(max_new_tokens=4, do_sample=False, pad_token_id=0)
@@ -85,3 +89,48 @@ def test_embeddings_alone_with_a_from_prefix_cache_name_inputs_embeds(models):
                for model, first, extra in ((ref, firsts[0], {}), (cas, firsts[1], CUSTOM))]
     assert torch.equal(firsts[0].sequences, firsts[1].sequences)
     assert torch.equal(seconds[0], seconds[1])
+
+
+def _cp_rows():
+    g = torch.Generator().manual_seed(209)
+    shared = torch.randint(3, 128, (16,), generator=g).tolist() + [5]
+    short, long = shared + [5], shared + torch.randint(3, 128, (7,), generator=g).tolist()
+    ids, mask = torch.zeros(2, len(long), dtype=torch.long), torch.zeros(2, len(long), dtype=torch.long)
+    ids[0, -len(short):], mask[0, -len(short):] = torch.tensor(short), 1
+    ids[1], mask[1] = torch.tensor(long), 1
+    return ids, mask
+
+
+def _cp_cases(free: int) -> dict:
+    """name -> (context_parallel_inputs options, generate kwargs); ``free``: the short row's first greedy token
+    without constraints (banned after the row's last two tokens, which only the rows as given end with)."""
+    return {
+        "no_repeat_ngram_size, shared prefix": (dict(shared_prefix=True), dict(no_repeat_ngram_size=2)),
+        "bad_words_ids, shared prefix": (dict(shared_prefix=True), dict(bad_words_ids=[[5, 5, free]])),
+        "fixed buffers smaller than max_new_tokens": (dict(max_new_tokens=3), {}),
+    }
+
+
+def _cp_worker(rank, world, free):
+    model = tiny_model("llama", "cascade", seed=0)
+    ids, mask = _cp_rows()
+    results = {}
+    for name, (options, gen) in _cp_cases(free).items():
+        inputs = hf_cascade.context_parallel_inputs(model, ids, mask, **options)
+        out = model.generate(**inputs, max_new_tokens=6, do_sample=False, pad_token_id=0, **gen)
+        results[name] = out[:, inputs["input_ids"].shape[1]:]
+    return results
+
+
+@pytest.mark.timeout(300)
+def test_context_parallel_processors_see_the_rows_as_given():
+    ref = tiny_model("llama", "sdpa", seed=0)
+    ids, mask = _cp_rows()
+    free = int(ref.generate(ids, attention_mask=mask, max_new_tokens=1, do_sample=False, pad_token_id=0)[0, -1])
+    ranks = run_on_gloo(_cp_worker, 2, args=(free,), timeout_s=280)
+    for name, (_, gen) in _cp_cases(free).items():
+        want = ref.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, pad_token_id=0, **gen)
+        if "bad_words" in name:
+            assert want[0, ids.shape[1]] != free  # (the ban applies)
+        for results in ranks:
+            assert torch.equal(results[name], want[:, ids.shape[1]:]), name

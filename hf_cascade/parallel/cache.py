@@ -202,6 +202,7 @@ class ContextParallelCache(Cache):
         self._attention_modules = attention_modules(model)
         self._modules = {id(m) for modules in self._attention_modules.values() for m in modules}
         self.max_new_tokens: int | None = None  # set by use_fixed_buffers (fixed decode buffers)
+        self.prompt_as_given: torch.Tensor | None = None  # [B, W] the user's rows where a shared prefix relaid them
         if kernels not in KERNEL_CHOICES:
             raise ValueError(f"`kernels` must be one of {KERNEL_CHOICES}; got {kernels!r}.")
         self.kernels = kernels

@@ -134,14 +134,20 @@ def context_parallel_generate(model, input_ids: torch.LongTensor, logits_process
         sync_rng(cache.info, input_ids.device)
     if cache.info.world_size > 1:
         logits_processor = _with_rank_zero_scores(logits_processor, cache.info)
+    if cache.prompt_as_given is not None:
+        logits_processor, stopping_criteria = _seeing_prompt_as_given(logits_processor, stopping_criteria,
+                                                                      cache.prompt_as_given)
     step = _resolve_step(cache, model, input_ids, generation_config, method_name)
+    max_new_tokens = generation_config.max_length - input_ids.shape[1]
+    # Fixed buffers where the step records or compiles, and buffers of the user's too small for this call: sized
+    # before any step (at a step that overran them, the tokens so far would be lost).
+    if (step not in (None, "eager") and cache.max_new_tokens is None) or (
+            cache.max_new_tokens is not None and cache.max_new_tokens < max_new_tokens):
+        mask = model_kwargs.get("attention_mask")
+        if mask is None:  # transformers >= 5.18 drops an all-ones mask
+            mask = torch.ones_like(input_ids)
+        cache.use_fixed_buffers(decode_buffer_tokens(max_new_tokens), mask)
     if step is not None:
-        max_new_tokens = generation_config.max_length - input_ids.shape[1]
-        if step != "eager" and (cache.max_new_tokens is None or cache.max_new_tokens < max_new_tokens):
-            mask = model_kwargs.get("attention_mask")
-            if mask is None:  # transformers >= 5.18 drops an all-ones mask
-                mask = torch.ones_like(input_ids)
-            cache.use_fixed_buffers(decode_buffer_tokens(max_new_tokens), mask)
         decode = functools.partial(sample, decode_step=step)
     return _run(decode, model, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs)
 
@@ -220,3 +226,27 @@ def _with_rank_zero_scores(logits_processor, info):
             return scores
 
     return LogitsProcessorList([*(logits_processor or []), _RankZeroScores()])
+
+
+def _seeing_prompt_as_given(logits_processor, stopping_criteria, prompt: torch.Tensor):
+    """generate()'s logits processors and stopping criteria, handed each row's prompt as the user laid it out
+    (left-padded) instead of the ``[prefix | pads | suffix]`` rows a shared prefix is decoded from: n-gram bans,
+    bad words and criteria that read the prompt then see what they see without context parallelism. ``prompt``
+    ``[B, W]``: the user's rows, as wide as the relaid ones (generate() repeats them for num_return_sequences /
+    num_beams); the new tokens follow as they are."""
+    from transformers.generation.logits_process import LogitsProcessorList
+    from transformers.generation.stopping_criteria import StoppingCriteriaList
+
+    def as_given(input_ids):
+        rows = prompt.to(input_ids.device).repeat_interleave(input_ids.shape[0] // prompt.shape[0], dim=0)
+        return torch.cat([rows, input_ids[:, prompt.shape[1]:]], dim=1)
+
+    class _Processors(LogitsProcessorList):
+        def __call__(self, input_ids, scores, **kwargs):
+            return super().__call__(as_given(input_ids), scores, **kwargs)
+
+    class _Criteria(StoppingCriteriaList):
+        def __call__(self, input_ids, scores, **kwargs):
+            return super().__call__(as_given(input_ids), scores, **kwargs)
+
+    return _Processors(logits_processor or []), _Criteria(stopping_criteria or [])

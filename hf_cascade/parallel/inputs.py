@@ -325,6 +325,9 @@ def context_parallel_inputs(
     cache = ContextParallelCache(model, info, combine=combine, placement=opts.placement, kernels=opts.kernels)
     cache.decode_step = opts.decode_step
     new_ids, new_mask = _prefill_prompt(model, cache, plan, input_ids, mask, prefix, pad_id, need)
+    as_given = input_ids[:, input_ids.shape[1] - new_ids.shape[1]:]
+    if prefix and not torch.equal(as_given, new_ids):  # (logits processors see the rows as given)
+        cache.prompt_as_given = as_given
     cache.mark_prompt()
     if opts.max_new_tokens is not None:
         cache.use_fixed_buffers(opts.max_new_tokens, new_mask)
