@@ -265,7 +265,8 @@ def context_parallel_inputs(
                 so the cache is compileable and generate() compiles the decode step where it compiles (CUDA by
                 default; ``CompileConfig._compile_all_devices`` elsewhere). Not with ``combine="all_gather_kv"``.
                 The cache records the prompt's padding: pass generate() the returned ``attention_mask``. Not needed
-                on CUDA, where the default ``decode_step`` sizes the buffers from generate()'s own max_new_tokens.
+                on CUDA, where the default ``decode_step`` sizes the buffers from generate()'s own max_new_tokens;
+                buffers smaller than that are resized before the first step.
             decode_step: how generate() runs the decode steps (:mod:`hf_cascade.parallel.generation`): ``"auto"``
                 (default: on CUDA the step recorded into a CUDA graph with the decoder layers compiled and the
                 combine inside the graph; elsewhere transformers' own loop), ``"layers"``, ``"graphs"``,
