@@ -126,8 +126,9 @@ class CascadeCache(StaticStepMixin, Cache):
                 f"`max_suffix_length` must be None (suffixes grow as needed) or a positive int (fixed buffers, "
                 f"compileable); got {max_suffix_length!r}."
             )
-        if max_suffix_length is not None and fixed_buffers_refusal(model):
-            raise ValueError(fixed_buffers_refusal(model))
+        refusal = None if max_suffix_length is None else fixed_buffers_refusal(model)  # (transformers 5.17)
+        if refusal is not None:
+            raise ValueError(refusal)
         self.max_suffix_length = max_suffix_length
         num_layers = _num_layers(model.config)
         if max_suffix_length is None:

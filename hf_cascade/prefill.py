@@ -96,7 +96,8 @@ def check_first_positions(levels: Sequence[PrefixLevel], row_nodes: torch.Tensor
         chain += torch.where(nodes >= 0, sizes[nodes.clamp(min=0)], 0)
     starts = torch.zeros_like(chain) if suffix_start is None else suffix_start.to("cpu", torch.int64)
     if chain.shape[0] != batch:  # (generate() repeated the rows for num_return_sequences / num_beams)
-        chain, starts = chain.repeat_interleave(batch // chain.shape[0]), starts.repeat_interleave(batch // chain.shape[0])
+        repeats = batch // chain.shape[0]
+        chain, starts = chain.repeat_interleave(repeats), starts.repeat_interleave(repeats)
     own = real.cpu() & (torch.arange(q_len)[None, :] >= starts[:, None])
     big = torch.iinfo(torch.int64).max
     first = torch.where(own, positions.cpu(), big).min(dim=1).values.tolist()
@@ -107,8 +108,8 @@ def check_first_positions(levels: Sequence[PrefixLevel], row_nodes: torch.Tensor
             raise ValueError(
                 f"Row {row}'s first token after its {expected} stored prefix tokens has position {position}: "
                 "`position_ids` other than the attention mask's running count (`attention_mask.cumsum(-1) - 1`, what "
-                f"generate() uses when none are given). The prefix KV were computed once at positions 0..{expected - 1}."
-                " Leave `position_ids` out, or call generate() without this cache."
+                f"generate() uses when none are given). The prefix KV were computed once at positions "
+                f"0..{expected - 1}. Leave `position_ids` out, or call generate() without this cache."
             )
         position = 0 if position == big else position
         raise ValueError(
