@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import sys
 import weakref
 from typing import Protocol
@@ -334,6 +335,13 @@ def cascade_mask(*args, **kwargs) -> torch.Tensor | None:
     compiled layers (``StepContext.prefill_batch_masks``) a forward of several rows always gets one too: its
     layers then run the compiled graph of the forwards that need a mask, not one more graph (a second of tracing in
     a process's first calls, Llama-3-8B layer, H100)."""
+    config = kwargs.get("config")
+    if config is not None and not routes_attention(type(config)):
+        raise NotImplementedError(
+            f"{config.model_type} does not route attention through transformers' AttentionInterface: its own "
+            "attention would add the 'cascade' (boolean) mask to its scores as a float one, a wrong answer. Load it "
+            "with attn_implementation='eager'."
+        )
     step = _step()  # (the decode_masks of hf_cascade's decoding loop, decode.sampling.sample)
     if kwargs.get("q_length") == 1 and step.decode_masks:
         kwargs["allow_is_causal_skip"] = False
@@ -343,6 +351,32 @@ def cascade_mask(*args, **kwargs) -> torch.Tensor | None:
     if isinstance(mask, torch.Tensor) and mask.dim() == 4 and not torch.compiler.is_compiling():
         torch._dynamo.maybe_mark_dynamic(mask, 3)
     return mask
+
+
+@functools.lru_cache(maxsize=None)
+def routes_attention(config_class: type) -> bool:
+    """Whether the base model of ``config_class`` calls the attention function transformers' ``AttentionInterface``
+    registers (its ``_supports_attention_backend``; True for a config transformers does not map to a model)."""
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+    try:
+        model_class = MODEL_MAPPING[config_class]
+    except (KeyError, ValueError, ImportError):
+        return True
+    return bool(getattr(model_class, "_supports_attention_backend", True))
+
+
+def unshareable_model(model: torch.nn.Module) -> str | None:
+    """What in ``model`` a cascade cache cannot give exactly as its reference attention does, described for a
+    message (None: nothing): attention over the prompt that is not causal (``use_bidirectional_attention``, Gemma 3
+    / PaliGemma's default), positions counted from 1 (PaliGemma). Its plain forwards stay exact (sdpa)."""
+    config = getattr(model, "config", None)
+    decoder = text_config(config)
+    if getattr(decoder, "use_bidirectional_attention", False):
+        return f"{config.model_type}'s bidirectional attention over the prompt (`use_bidirectional_attention=True`)"
+    if getattr(config, "model_type", None) == "paligemma":
+        return "PaliGemma's positions, counted from 1"
+    return None
 
 
 def register() -> None:
@@ -399,6 +433,11 @@ def check_model_uses_cascade(model: torch.nn.Module, argument: str = "model") ->
                 "cache cannot serve layers that reuse another layer's KV. Use attn_implementation='sdpa'."
             )
     _check_kv_as_cached(model, config, argument)
+    if getattr(text_config(config), "cross_attention_layers", None):
+        raise NotImplementedError(
+            f"`{argument}` ({type(model).__name__}) has cross-attention layers (to image states), whose keys and "
+            "values the cascade cache does not hold. Use attn_implementation='sdpa' for this model."
+        )
     stateful = sorted(set(getattr(text_config(config), "layer_types", None) or ()) & _STATEFUL_LAYER_TYPES)
     if stateful:
         raise NotImplementedError(

@@ -31,7 +31,9 @@ from collections.abc import Sequence
 import torch
 from transformers.cache_utils import Cache
 
-from hf_cascade.attention import ATTENTION_NAME, bind_layer, check_model_uses_cascade, sdpa_attention
+from hf_cascade.attention import (
+    ATTENTION_NAME, bind_layer, check_model_uses_cascade, sdpa_attention, unshareable_model,
+)
 from hf_cascade.step_context import memoized, outside_layer_graphs, static_step
 from hf_cascade.step_buffers import StepBuffers
 from hf_cascade.model_scan import attention_modules
@@ -119,6 +121,10 @@ class CascadeCache(StaticStepMixin, Cache):
         window_mask: torch.Tensor | None = None,
     ):
         check_model_uses_cascade(model)
+        if levels and unshareable_model(model):
+            raise NotImplementedError(f"A shared prefix cannot serve {unshareable_model(model)} exactly; call "
+                                      "generate() without a CascadeCache (`custom_generate=hf_cascade.generate` "
+                                      "runs generate()'s own decoding for this model, with a warning).")
         if max_suffix_length is not None and (
             isinstance(max_suffix_length, bool) or not isinstance(max_suffix_length, int) or max_suffix_length < 1
         ):

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from hf_cascade.attention import unshareable_model
 from hf_cascade.cache import CascadeCache
 from hf_cascade.compiled_layers import NewShapes
 from hf_cascade.options import CascadeOptions
@@ -89,7 +90,7 @@ def resolve(model, options: CascadeOptions, request: Request) -> RunPlan:
     ) or config.use_cache is False:
         # The user's own cache, prompts given as embeddings (no token ids to find sharing in), or no cache at all.
         return RunPlan(options, method_name, own=True)
-    reason = _unshareable_request(input_ids, config, kwargs)
+    reason = unshareable_model(model) or _unshareable_request(input_ids, config, kwargs)
     if reason is not None:
         if user_cache is not None:
             raise ValueError(
@@ -174,6 +175,11 @@ def _offloaded(model) -> bool:
     return "disk" in devices or ("cpu" in devices and len(devices) > 1)
 
 
+# Model kwargs that carry images, videos or audio into a multimodal model's forward (name prefixes).
+MEDIA_INPUTS = ("pixel_values", "image_", "video_", "input_features", "audio_", "aspect_ratio", "cross_attention_mask",
+                "mm_")  # (mm_encoder_outputs: transformers >= 5.24 encodes the media before the decoding loop)
+
+
 def _unshareable_request(input_ids: torch.Tensor, generation_config, model_kwargs: dict) -> str | None:
     """What in this call a cascade cache cannot give exactly as generate() does, described for a message, or None.
 
@@ -196,6 +202,10 @@ def _unshareable_request(input_ids: torch.Tensor, generation_config, model_kwarg
                     "what generate() uses when none are given)")
     if generation_config.return_dict_in_generate and generation_config.output_hidden_states:
         return "`output_hidden_states=True` (the hidden states of every prompt column, as sdpa gives)"
+    media = sorted(k for k, v in model_kwargs.items() if v is not None and k.startswith(MEDIA_INPUTS))
+    if media:  # (an image's tokens are alike in every row: they would be shared without the image)
+        return f"image, video or audio inputs ({', '.join(f'`{k}`' for k in media)}: shared prefixes are prefilled " \
+               "from token ids alone)"
     return None
 
 
