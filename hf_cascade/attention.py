@@ -445,6 +445,19 @@ def check_model_uses_cascade(model: torch.nn.Module, argument: str = "model") ->
             "keep a convolution or recurrent state, which the cascade cache (keys and values only) does not hold. Use "
             "attn_implementation='sdpa' for this model."
         )
+    dtype = getattr(model, "dtype", None)
+    if dtype not in (None, torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"`{argument}` is in {dtype}; hf_cascade's attention runs float32, float16 and bfloat16. "
+                         f"Cast it first (`{argument}.to(torch.float32)`), or use attn_implementation='sdpa'.")
+    compiled = _compiled_by_user(model)
+    if compiled is not None:
+        raise ValueError(
+            f"`{argument}` was compiled by torch.compile ({compiled}: `.compile()` or a compiled `forward`). "
+            "hf_cascade lays out each call's rows around the model's forward and compiles the layers itself where it "
+            "pays; a forward compiled around its cache skips that layout and answers wrongly. Call it on the model as "
+            "loaded (no `.compile()`), or on `torch.compile(model)` (a wrapper module, whose generate() runs the "
+            "model as loaded)."
+        )
     impl = getattr(config, "_attn_implementation", None)
     if impl != ATTENTION_NAME:
         raise ValueError(
@@ -452,6 +465,16 @@ def check_model_uses_cascade(model: torch.nn.Module, argument: str = "model") ->
             f"`AutoModelForCausalLM.from_pretrained(..., attn_implementation='cascade')` after `import hf_cascade`, "
             f"or call `{argument}.set_attn_implementation('cascade')`."
         )
+
+
+def _compiled_by_user(model: torch.nn.Module) -> str | None:
+    """The first module of ``model`` a user compiled (``module.compile()``, or ``module.forward =
+    torch.compile(...)``), named, or None. (hf_cascade's own compiled layers are calls it holds apart.)"""
+    for name, module in model.named_modules():
+        forward = module.__dict__.get("forward")
+        if getattr(module, "_compiled_call_impl", None) is not None or hasattr(forward, "_torchdynamo_orig_callable"):
+            return f"`{name}`" if name else type(module).__name__
+    return None
 
 
 # config.layer_types entries whose layers keep a state other than keys and values (LFM2's "conv", Mamba / GDN

@@ -8,7 +8,10 @@ error (fp32, CPU, tiny random models built from transformers' config classes, no
   (the shared part was prefilled from token ids alone); now generate()'s own decoding with a warning;
 * MPT / Bloom / XGLM loaded with "cascade" (transformers refuses "sdpa" for them): their own attention added the
   boolean mask as a float one on the plain path; now a NotImplementedError at the first mask;
-* Mllama's cross-attention layers: an AttributeError deep in the prefill; now a NotImplementedError naming them.
+* Mllama's cross-attention layers: an AttributeError deep in the prefill; now a NotImplementedError naming them;
+* a model the user compiled (``model.compile()``, a compiled layer or ``forward``): other tokens and log-probs (every
+  forward took the cache's compiled-step branch); now a ValueError before any work. A float64 model: an error from
+  inside an op; now a ValueError naming the dtype.
 """
 
 from __future__ import annotations
@@ -109,3 +112,34 @@ def test_cross_attention_layers_are_refused():
     ids, mask = _batch()
     with pytest.raises(NotImplementedError, match="cross-attention layers"):
         cas.generate(input_ids=ids, attention_mask=mask, **GEN, custom_generate=hf_cascade.generate)
+
+
+@pytest.mark.parametrize("compiled", ["model", "layer", "forward"])
+def test_a_model_the_user_compiled_is_refused_before_any_work(compiled):
+    """A user's ``model.compile()`` (or a compiled layer / forward) ran the cache's compiled-step branch in every
+    forward: rows of different lengths saw other rows' columns (other tokens, log-probs 0.3 nats off)."""
+    from hf_cascade.model_zoo import tiny_model
+
+    model = tiny_model("llama", "cascade", seed=0)
+    if compiled == "model":
+        model.compile(backend="eager")
+    elif compiled == "layer":
+        model.model.layers[0].compile(backend="eager")
+    else:
+        model.forward = torch.compile(model.forward, backend="eager")
+    ids, mask = _batch()
+    with pytest.raises(ValueError, match="compiled by torch.compile"):
+        model.generate(input_ids=ids, attention_mask=mask, **GEN, custom_generate=hf_cascade.generate)
+    with pytest.raises(ValueError, match="compiled by torch.compile"):
+        hf_cascade.score(model, [[5, 6, 7]], [[8, 9]])
+    with pytest.raises(ValueError, match="compiled by torch.compile"):
+        hf_cascade.shared_prefix_inputs(model, ids, mask)
+
+
+def test_float64_is_a_clear_error():
+    from hf_cascade.model_zoo import tiny_model
+
+    model = tiny_model("llama", "cascade", seed=0).to(torch.float64)
+    ids, mask = _batch()
+    with pytest.raises(ValueError, match="float64"):
+        model.generate(input_ids=ids, attention_mask=mask, **GEN, custom_generate=hf_cascade.generate)
