@@ -449,14 +449,16 @@ def check_model_uses_cascade(model: torch.nn.Module, argument: str = "model") ->
     if dtype not in (None, torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"`{argument}` is in {dtype}; hf_cascade's attention runs float32, float16 and bfloat16. "
                          f"Cast it first (`{argument}.to(torch.float32)`), or use attn_implementation='sdpa'.")
+    if hasattr(model, "_orig_mod"):  # torch.compile(model): its generate() runs the model as loaded, its calls do not
+        raise ValueError(f"`{argument}` is a torch.compile wrapper ({type(model).__name__}); pass the model as loaded "
+                         f"(`{argument}._orig_mod`): hf_cascade compiles the layers itself where it pays.")
     compiled = _compiled_by_user(model)
     if compiled is not None:
         raise ValueError(
             f"`{argument}` was compiled by torch.compile ({compiled}: `.compile()` or a compiled `forward`). "
             "hf_cascade lays out each call's rows around the model's forward and compiles the layers itself where it "
             "pays; a forward compiled around its cache skips that layout and answers wrongly. Call it on the model as "
-            "loaded (no `.compile()`), or on `torch.compile(model)` (a wrapper module, whose generate() runs the "
-            "model as loaded)."
+            "loaded (no `.compile()`); `torch.compile(model).generate(...)` runs it as loaded too."
         )
     impl = getattr(config, "_attn_implementation", None)
     if impl != ATTENTION_NAME:
@@ -471,8 +473,10 @@ def _compiled_by_user(model: torch.nn.Module) -> str | None:
     """The first module of ``model`` a user compiled (``module.compile()``, or ``module.forward =
     torch.compile(...)``), named, or None. (hf_cascade's own compiled layers are calls it holds apart.)"""
     for name, module in model.named_modules():
-        forward = module.__dict__.get("forward")
-        if getattr(module, "_compiled_call_impl", None) is not None or hasattr(forward, "_torchdynamo_orig_callable"):
+        call = getattr(module, "_compiled_call_impl", None)
+        while getattr(call, "installed_by_hf_cascade", False):  # (compiled_layers' own, for its thread only)
+            call = call.previous
+        if call is not None or hasattr(module.__dict__.get("forward"), "_torchdynamo_orig_callable"):
             return f"`{name}`" if name else type(module).__name__
     return None
 

@@ -251,6 +251,7 @@ class _ThreadCompiledCall:
     other threads' calls on the model run it as it was; counts the calls that ran uncompiled under :class:`NewShapes`."""
 
     __slots__ = ("layer", "index", "previous")
+    installed_by_hf_cascade = True  # (attention._compiled_by_user looks through it to what was there before)
 
     def __init__(self, layer: torch.nn.Module, index: int, previous):
         self.layer, self.index, self.previous = layer, index, previous

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from hf_cascade.attention import unshareable_model
 from hf_cascade.dataset_checkpoint import CHECKPOINT_VERSION, Checkpoint
 from hf_cascade.inputs import left_padded
 from hf_cascade.transformers_compat import CACHE_KWARG, CACHE_KWARG_NAMES
@@ -462,6 +463,7 @@ class _CarriedPrefix:
     def __init__(self, model, min_shared_tokens):
         self.model = model
         self.min_shared_tokens = max(min_shared_tokens, 1)
+        self.unshareable = unshareable_model(model) is not None
         self.tokens: tuple[int, ...] = ()
         self.level = None  # the carried tokens' KV: one PrefixLevel of one node
         self.cache = None
@@ -471,6 +473,8 @@ class _CarriedPrefix:
 
     def for_batch(self, batch_rows: list[list[int]], next_rows: list[list[int]] | None, stats) -> tuple:
         """Return ``(cache or None, its token count)`` for a batch (rows in sorted order)."""
+        if self.unshareable:  # (generate() runs its own decoding for such a model: nothing is carried)
+            return None, 0
         first, last = batch_rows[0], batch_rows[-1]
         shortest = min(len(r) for r in batch_rows)
         # Later rows sort after `last`: they share no more of the carried tokens than it does.

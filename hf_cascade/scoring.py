@@ -30,6 +30,7 @@ import torch
 
 from hf_cascade.attention import check_model_uses_cascade
 from hf_cascade.cache import CascadeCache
+from hf_cascade.attention import unshareable_model
 from hf_cascade.model_scan import rope_limit
 from hf_cascade.prefill import PrefixLevel, prefill_levels, window_layout
 from hf_cascade.prefix_tree import PrefixTree, find_shared_prefixes
@@ -133,8 +134,10 @@ def score(
     stats = {"pairs": n, "unique_pairs": len(unique), "forwards": 0, "tokens_run": 0, "shared_tokens": 0,
              "tokens_unshared": sum(len(unique[u][0]) + len(unique[u][1]) - 1 for u in scored)}
     limit = rope_limit(model)
-    if limit is not None and any(len(unique[u][0]) + len(unique[u][1]) > limit for u in scored):
-        # RoPE that picks its frequencies from a forward's longest position (dynamic NTK, longrope): each pair alone.
+    if unshareable_model(model) or (limit is not None and any(len(unique[u][0]) + len(unique[u][1]) > limit
+                                                              for u in scored)):
+        # Attention that is not causal over the prompt (a padded batch's mask would make it causal), or RoPE that
+        # picks its frequencies from a forward's longest position (dynamic NTK, longrope): each pair alone.
         max_batch_tokens, max_levels = 1, 0
     if scored:
         scorer = _Scorer(model, [unique[u] for u in scored], max_batch_tokens, min_shared_tokens, max_levels, stats)

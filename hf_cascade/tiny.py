@@ -80,9 +80,19 @@ def tiny_model(
 
 def reference_attn_implementation(model_or_config) -> str:
     """The stock implementation a cascade model is compared with: ``"sdpa"``, or ``"eager"`` for soft-capped
-    attention (Gemma2), which transformers' sdpa path cannot express."""
+    attention (Gemma2), which transformers' sdpa path cannot express, and for models transformers runs without sdpa
+    (GPT-OSS's sinks)."""
     config = getattr(model_or_config, "config", model_or_config)
-    return "eager" if getattr(config, "attn_logit_softcapping", None) else "sdpa"
+    model_class = type(model_or_config) if hasattr(model_or_config, "config") else None
+    if model_class is None:
+        from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+        try:
+            model_class = MODEL_MAPPING[type(config)]
+        except (KeyError, ValueError):
+            pass
+    no_sdpa = model_class is not None and not getattr(model_class, "_supports_sdpa", True)
+    return "eager" if no_sdpa or getattr(config, "attn_logit_softcapping", None) else "sdpa"
 
 
 @functools.lru_cache(maxsize=1)
