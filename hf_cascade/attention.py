@@ -336,7 +336,7 @@ def cascade_mask(*args, **kwargs) -> torch.Tensor | None:
     layers then run the compiled graph of the forwards that need a mask, not one more graph (a second of tracing in
     a process's first calls, Llama-3-8B layer, H100)."""
     config = kwargs.get("config")
-    if config is not None and not routes_attention(type(config)):
+    if config is not None and not torch.compiler.is_compiling() and not routes_attention(type(config)):
         raise NotImplementedError(
             f"{config.model_type} does not route attention through transformers' AttentionInterface: its own "
             "attention would add the 'cascade' (boolean) mask to its scores as a float one, a wrong answer. Load it "
