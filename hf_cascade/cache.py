@@ -67,6 +67,24 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return (a is None and b is None) or (a is not None and b is not None and torch.equal(a, b))
 
 
+def _check_cache_serves(model: torch.nn.Module, shares: bool, max_suffix_length) -> None:
+    """A CascadeCache for ``model`` (``shares``: with prefix levels; ``max_suffix_length``: fixed buffers, or None)
+    would answer exactly: else the error naming why and the fix."""
+    check_model_uses_cascade(model)
+    if shares and unshareable_model(model):
+        raise NotImplementedError(f"A shared prefix cannot serve {unshareable_model(model)} exactly; call generate() "
+                                  "without a CascadeCache (`custom_generate=hf_cascade.generate` runs generate()'s own "
+                                  "decoding for this model, with a warning).")
+    if max_suffix_length is None:
+        return
+    if isinstance(max_suffix_length, bool) or not isinstance(max_suffix_length, int) or max_suffix_length < 1:
+        raise ValueError(f"`max_suffix_length` must be None (suffixes grow as needed) or a positive int (fixed "
+                         f"buffers, compileable); got {max_suffix_length!r}.")
+    refusal = fixed_buffers_refusal(model)  # (transformers 5.17, Llama 4)
+    if refusal is not None:
+        raise ValueError(refusal)
+
+
 def _attention_chunk(module: torch.nn.Module) -> int | None:
     """The chunk size of a chunked-attention layer (Llama 4: ``config.layer_types[i] == "chunked_attention"``,
     each token attends only within its chunk of ``config.attention_chunk_size`` tokens), or None."""
@@ -120,21 +138,7 @@ class CascadeCache(StaticStepMixin, Cache):
         prefix_tree=None,
         window_mask: torch.Tensor | None = None,
     ):
-        check_model_uses_cascade(model)
-        if levels and unshareable_model(model):
-            raise NotImplementedError(f"A shared prefix cannot serve {unshareable_model(model)} exactly; call "
-                                      "generate() without a CascadeCache (`custom_generate=hf_cascade.generate` "
-                                      "runs generate()'s own decoding for this model, with a warning).")
-        if max_suffix_length is not None and (
-            isinstance(max_suffix_length, bool) or not isinstance(max_suffix_length, int) or max_suffix_length < 1
-        ):
-            raise ValueError(
-                f"`max_suffix_length` must be None (suffixes grow as needed) or a positive int (fixed buffers, "
-                f"compileable); got {max_suffix_length!r}."
-            )
-        refusal = None if max_suffix_length is None else fixed_buffers_refusal(model)  # (transformers 5.17)
-        if refusal is not None:
-            raise ValueError(refusal)
+        _check_cache_serves(model, bool(levels), max_suffix_length)
         self.max_suffix_length = max_suffix_length
         num_layers = _num_layers(model.config)
         if max_suffix_length is None:
