@@ -3,7 +3,8 @@ error (fp32, CPU, tiny random models built from transformers' config classes, no
 
 * Gemma / Gemma 3 with ``use_bidirectional_attention=True`` and PaliGemma (bidirectional by default; positions
   counted from 1): ``custom_generate`` gave other tokens; now generate()'s own decoding with a warning, and a
-  CascadeCache that shares a prefix is a NotImplementedError;
+  CascadeCache that shares a prefix is a NotImplementedError, as is context parallelism (its ring prefill attends
+  causally: logits 4.1 off); score() scores each pair alone (a padded batch's mask made the attention causal);
 * images (or other media) in a multimodal model's call: transformers' "Image features and image tokens do not match"
   (the shared part was prefilled from token ids alone); now generate()'s own decoding with a warning;
 * MPT / Bloom / XGLM loaded with "cascade" (transformers refuses "sdpa" for them): their own attention added the
@@ -200,3 +201,12 @@ def test_the_demo_compares_gpt_oss_with_eager():
     model = tiny_model("gpt_oss", "cascade", seed=0)
     assert reference_attn_implementation(model) == reference_attn_implementation(model.config) == "eager"
     assert reference_attn_implementation(tiny_model("llama", "cascade", seed=0)) == "sdpa"
+
+
+def test_context_parallelism_refuses_bidirectional_attention():
+    """The ring prefill attends causally: logits 4.1 off on a bidirectional Gemma (gloo, 2 ranks), silently."""
+    from hf_cascade.model_zoo import tiny_model
+
+    model = tiny_model("gemma", "cascade", seed=0, use_bidirectional_attention=True)
+    with pytest.raises(NotImplementedError, match="bidirectional"):
+        hf_cascade.context_parallel_inputs(model, torch.tensor([[5, 6, 7, 8, 9]]))

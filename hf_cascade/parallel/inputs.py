@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hf_cascade.attention import check_model_uses_cascade
+from hf_cascade.attention import check_model_uses_cascade, unshareable_model
 from hf_cascade.model_scan import rope_limit
 from hf_cascade.parallel._group import check_device, resolve_group, sync_rng
 from hf_cascade.parallel.cache import ContextParallelCache
@@ -292,6 +292,9 @@ def context_parallel_inputs(
             before any work; the message names the longest prompt that fits and how many GPUs this one needs).
     """
     opts = ParallelOptions.of(combine, options)  # before any collective: a typo fails at once on every rank
+    if unshareable_model(model):  # (the same on every rank)
+        raise NotImplementedError(f"Context parallelism cannot serve {unshareable_model(model)}: the ring prefill "
+                                  "attends causally from each rank's shard. Run this model on one device.")
     info = resolve_group(group)
     check_model_uses_cascade(model)
     check_device(info, model.device, "context_parallel_inputs")
