@@ -472,11 +472,12 @@ def check_model_uses_cascade(model: torch.nn.Module, argument: str = "model") ->
 def _compiled_by_user(model: torch.nn.Module) -> str | None:
     """The first module of ``model`` a user compiled (``module.compile()``, or ``module.forward =
     torch.compile(...)``), named, or None. (hf_cascade's own compiled layers are calls it holds apart.)"""
-    for name, module in model.named_modules():
+    for module in model.modules():  # (every call of an entry point: no name strings built unless one is found)
         call = getattr(module, "_compiled_call_impl", None)
         while getattr(call, "installed_by_hf_cascade", False):  # (compiled_layers' own, for its thread only)
             call = call.previous
         if call is not None or hasattr(module.__dict__.get("forward"), "_torchdynamo_orig_callable"):
+            name = next(name for name, m in model.named_modules() if m is module)
             return f"`{name}`" if name else type(module).__name__
     return None
 

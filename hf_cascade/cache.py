@@ -71,8 +71,9 @@ def _check_cache_serves(model: torch.nn.Module, shares: bool, max_suffix_length)
     """A CascadeCache for ``model`` (``shares``: with prefix levels; ``max_suffix_length``: fixed buffers, or None)
     would answer exactly: else the error naming why and the fix."""
     check_model_uses_cascade(model)
-    if shares and unshareable_model(model):
-        raise NotImplementedError(f"A shared prefix cannot serve {unshareable_model(model)} exactly; call generate() "
+    reason = unshareable_model(model) if shares else None
+    if reason is not None:
+        raise NotImplementedError(f"A shared prefix cannot serve {reason} exactly; call generate() "
                                   "without a CascadeCache (`custom_generate=hf_cascade.generate` runs generate()'s own "
                                   "decoding for this model, with a warning).")
     if max_suffix_length is None:

@@ -16,6 +16,7 @@ import torch
 
 from hf_cascade.compiled_layers import compiled_forward
 from hf_cascade.ops._backend import host_to_device
+from hf_cascade.ops.bounded import node_spans
 from hf_cascade.transformers_compat import CACHE_KWARG
 
 
@@ -89,11 +90,7 @@ def check_first_positions(levels: Sequence[PrefixLevel], row_nodes: torch.Tensor
         attention_mask[:, steps, steps].to(steps.device)
     batch = max(real.shape[0], position_ids.shape[0])
     real, positions = real.expand(batch, q_len), position_ids.to(torch.int64).expand(batch, q_len)
-    chain = torch.zeros(batch if row_nodes is None else row_nodes.shape[-1], dtype=torch.int64)
-    for index, level in enumerate(levels):
-        sizes = torch.diff(torch.tensor(level.node_starts, dtype=torch.int64))
-        nodes = torch.zeros_like(chain) if row_nodes is None else row_nodes[index].to("cpu", torch.int64)
-        chain += torch.where(nodes >= 0, sizes[nodes.clamp(min=0)], 0)
+    chain = node_spans(levels, row_nodes, batch if row_nodes is None else row_nodes.shape[-1])[1].sum(0)
     starts = torch.zeros_like(chain) if suffix_start is None else suffix_start.to("cpu", torch.int64)
     if chain.shape[0] != batch:  # (generate() repeated the rows for num_return_sequences / num_beams)
         repeats = batch // chain.shape[0]

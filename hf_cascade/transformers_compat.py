@@ -8,6 +8,7 @@ installed transformers uses, so neither release warns nor loses the cache.
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 from transformers.generation.utils import GenerationMixin
@@ -37,12 +38,16 @@ def compileable_cache_masks_fail(model) -> bool:
     ``create_masks_for_generate`` hands ``block_sequence_ids`` to every layer type's mask function, and the chunked
     one (Llama 4's ``chunked_attention`` layers) takes no such argument (a ``TypeError`` in transformers' own
     ``prepare_inputs_for_generation``; its ``StaticCache`` fails alike). Growing caches are not affected."""
-    from transformers import masking_utils
-
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if "chunked_attention" not in (getattr(text, "layer_types", None) or ()):
-        return False
+    return "chunked_attention" in (getattr(text, "layer_types", None) or ()) and _chunked_masks_fail()
+
+
+@functools.lru_cache(maxsize=1)
+def _chunked_masks_fail() -> bool:
+    """transformers' generate-time mask builder hands its chunked mask function an argument it does not take."""
+    from transformers import masking_utils
+
     hands = "block_sequence_ids" in inspect.signature(masking_utils.create_masks_for_generate).parameters
     takes = "block_sequence_ids" in inspect.signature(masking_utils.create_chunked_causal_mask).parameters
     return hands and not takes

@@ -77,6 +77,23 @@ class RowShifts:
     from_step_buffers: bool = False  # the two tensors were taken from a model's StepBuffers (given back with it)
 
 
+def node_spans(levels, row_nodes: Tensor | None, batch_size: int) -> tuple[Tensor, Tensor]:
+    """Per level and row, where the row's node starts in the level's packed KV and how many tokens it has (both 0
+    where the row has no node there): int64 ``[L, B]`` on the host. ``row_nodes`` int64 ``[L, B]`` (-1: none; None:
+    node 0 of every level). A row's chain length is ``node_len.sum(0)``."""
+    L = len(levels)
+    nodes = torch.zeros((L, batch_size), dtype=torch.int64) if row_nodes is None else row_nodes.to("cpu", torch.int64)
+    node_start = torch.zeros((L, batch_size), dtype=torch.int64)
+    node_len = torch.zeros((L, batch_size), dtype=torch.int64)
+    for level_idx, (level, level_nodes) in enumerate(zip(levels, nodes)):
+        starts = torch.tensor(list(level.node_starts), dtype=torch.int64)
+        has = level_nodes >= 0
+        index = level_nodes.clamp(min=0)
+        node_start[level_idx] = torch.where(has, starts[index], 0)
+        node_len[level_idx] = torch.where(has, starts[index + 1] - starts[index], 0)
+    return node_start, node_len
+
+
 def row_shifts(levels, row_nodes: Tensor | None, suffix_start: Tensor | None, batch_size: int,
                device: torch.device, position_ids: Tensor | None = None,
                last_column: int | Tensor | None = None) -> RowShifts:
@@ -87,16 +104,7 @@ def row_shifts(levels, row_nodes: Tensor | None, suffix_start: Tensor | None, ba
     columns - 1): a :meth:`~hf_cascade.CascadeCache.from_prefix` cache given rows ``[prefix | pads | suffix]``
     straight to generate() passes them, and the suffix shift is read from them on the device (the last query of
     every row is a real token): its windows count positions. Planned rows pass None (coordinates from the layout)."""
-    L = len(levels)
-    nodes = torch.zeros((L, batch_size), dtype=torch.int64) if row_nodes is None else row_nodes.to(torch.int64)
-    node_start = torch.zeros((L, batch_size), dtype=torch.int64)
-    node_len = torch.zeros((L, batch_size), dtype=torch.int64)
-    for level_idx, (level, level_nodes) in enumerate(zip(levels, nodes)):
-        starts = torch.tensor(list(level.node_starts), dtype=torch.int64)
-        has = level_nodes >= 0
-        index = level_nodes.clamp(min=0)
-        node_start[level_idx] = torch.where(has, starts[index], 0)
-        node_len[level_idx] = torch.where(has, starts[index + 1] - starts[index], 0)
+    node_start, node_len = node_spans(levels, row_nodes, batch_size)
     before = node_len.cumsum(0) - node_len  # the row's chain tokens before each level
     chain = node_len.sum(0)
     start = torch.zeros(batch_size, dtype=torch.int64) if suffix_start is None else suffix_start.to(torch.int64)

@@ -292,8 +292,9 @@ def context_parallel_inputs(
             before any work; the message names the longest prompt that fits and how many GPUs this one needs).
     """
     opts = ParallelOptions.of(combine, options)  # before any collective: a typo fails at once on every rank
-    if unshareable_model(model):  # (the same on every rank)
-        raise NotImplementedError(f"Context parallelism cannot serve {unshareable_model(model)}: the ring prefill "
+    reason = unshareable_model(model)
+    if reason is not None:  # (the same on every rank)
+        raise NotImplementedError(f"Context parallelism cannot serve {reason}: the ring prefill "
                                   "attends causally from each rank's shard. Run this model on one device.")
     info = resolve_group(group)
     check_model_uses_cascade(model)
