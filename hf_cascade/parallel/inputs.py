@@ -178,6 +178,24 @@ def _check_fits(model, plan: PrefillPlan, info, input_ids, mask, prefix: int, ma
     return need
 
 
+def _check_attention_splits(model, longest: int | None = None) -> None:
+    """A NotImplementedError (the same on every rank: no collective) where the prompt's attention cannot be split
+    into shards: attention that is not causal over the prompt, or RoPE that picks its frequencies from each forward's
+    longest position (dynamic NTK, longrope) for a prompt of ``longest`` real tokens past its limit."""
+    reason = unshareable_model(model)
+    if reason is not None:
+        raise NotImplementedError(f"Context parallelism cannot serve {reason}: the ring prefill attends causally "
+                                  "from each rank's shard. Run this model on one device.")
+    limit = rope_limit(model)
+    if longest is not None and limit is not None and longest > limit:
+        raise NotImplementedError(
+            f"This model's RoPE (dynamic / longrope) picks its frequencies from each forward's longest position past "
+            f"{limit} tokens, and the prompt has {longest}: each rank's shard is its own forward, so its keys would "
+            "be rotated otherwise than one forward over the whole prompt rotates them. Context parallelism supports "
+            "such models for prompts up to that length."
+        )
+
+
 def _default_pad_id(model) -> int:
     for source in (getattr(model, "generation_config", None), model.config):
         value = getattr(source, "pad_token_id", None)
@@ -292,10 +310,7 @@ def context_parallel_inputs(
             before any work; the message names the longest prompt that fits and how many GPUs this one needs).
     """
     opts = ParallelOptions.of(combine, options)  # before any collective: a typo fails at once on every rank
-    reason = unshareable_model(model)
-    if reason is not None:  # (the same on every rank)
-        raise NotImplementedError(f"Context parallelism cannot serve {reason}: the ring prefill "
-                                  "attends causally from each rank's shard. Run this model on one device.")
+    _check_attention_splits(model)
     info = resolve_group(group)
     check_model_uses_cascade(model)
     check_device(info, model.device, "context_parallel_inputs")
@@ -305,15 +320,7 @@ def context_parallel_inputs(
         _check_same_on_all_ranks(input_ids, mask, info)
     if opts.sync_rng:
         sync_rng(info, input_ids.device)
-    limit = rope_limit(model)
-    longest = int(input_ids.shape[1] if mask is None else mask.sum(-1).max())
-    if limit is not None and longest > limit:  # (the same on every rank: no collective needed)
-        raise NotImplementedError(
-            f"This model's RoPE (dynamic / longrope) picks its frequencies from each forward's longest position past "
-            f"{limit} tokens, and the prompt has {longest}: each rank's shard is its own forward, so its keys would "
-            "be rotated otherwise than one forward over the whole prompt rotates them. Context parallelism supports "
-            "such models for prompts up to that length."
-        )
+    _check_attention_splits(model, int(input_ids.shape[1] if mask is None else mask.sum(-1).max()))
 
     prefix = 0
     if opts.shared_prefix is not False and input_ids.shape[0] > 1:
