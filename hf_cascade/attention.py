@@ -202,9 +202,11 @@ def plain_attention(
 ) -> torch.Tensor:
     """Standard attention over ``key``/``value`` as given: sdpa, or an exact path (hf_cascade's suffix kernel) for
     soft-capping (Gemma 2) and attention sinks (GPT-OSS's ``s_aux``, ``sinks`` ``[Hq]``: one logit per head in the
-    softmax denominator whose value is zero, merged into the state's LSE). ``backend``: as
-    :func:`~hf_cascade.ops.suffix_attention.suffix_attention`'s (``"torch"`` builds no Triton kernel). Outside a
-    compiled graph sdpa never picks cuDNN's attention (a plan per new shape; see below).
+    softmax denominator whose value is zero, merged into the state's LSE); a forward of those two that needs
+    gradients or dropout runs transformers' eager attention instead (:func:`~hf_cascade.ops.reference.
+    eager_attention_ref`: the kernels have no backward). ``backend``: as :func:`~hf_cascade.ops.suffix_attention.
+    suffix_attention`'s (``"torch"`` builds no Triton kernel). Outside a compiled graph sdpa never picks cuDNN's
+    attention (a plan per new shape; see below).
 
     Args:
         attention_mask: None (causal, bottom-right) or 4-D ``[batch, 1, q_len, kv_len]`` (bool, or additive).
@@ -214,21 +216,33 @@ def plain_attention(
     if softcap is None and sinks is None:
         return sdpa_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
     from hf_cascade.ops.bounded import merge_sink
+    from hf_cascade.ops.reference import eager_attention_ref
     from hf_cascade.ops.suffix_attention import suffix_attention
 
-    if dropout and module.training:
-        raise NotImplementedError(
-            f"The cascade attention does not implement attention dropout with "
-            f"{'`softcap`' if sinks is None else 'attention sinks (`s_aux`)'} in training mode; call `model.eval()` "
-            "or train with attn_implementation='eager'."
-        )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out, lse = suffix_attention(
-        query, key, value, scale=scale, mask=_as_bool_mask(attention_mask), causal=True, softcap=softcap,
-        backend=backend,
-    )
+    mask = _as_bool_mask(attention_mask)
+    training = bool(dropout) and module.training
+    if training or (torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (query, key, value, sinks))):
+        return eager_attention_ref(query, key, value, scale=scale, mask=mask, softcap=softcap, sinks=sinks,
+                                   dropout=dropout, training=training)
+    out, lse = suffix_attention(query, key, value, scale=scale, mask=mask, causal=True, softcap=softcap,
+                                backend=backend)
     out = out.transpose(1, 2)
-    return out if sinks is None else merge_sink(out, lse, sinks, heads_dim=2)[0]
+    if sinks is not None:
+        return merge_sink(out, lse, sinks, heads_dim=2)[0]
+    return out if mask is None else _unseeing_queries_as_eager(out, lse, value)
+
+
+def _unseeing_queries_as_eager(out: torch.Tensor, lse: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``out [B, Lq, Hq, Dv]`` with every query that sees no key (``lse [B, Hq, Lq]`` -inf: a left pad's row) given
+    eager's answer, the mean of the values ``[B, Hkv, S, Dv]`` (its masked scores all sit at the dtype's minimum: a
+    uniform softmax), where the kernels give 0: the logits at pads, which a loss over a left-padded batch reads."""
+    if value.shape[2] == 0:
+        return out
+    mean = value.float().mean(dim=2).repeat_interleave(lse.shape[1] // value.shape[1], dim=1)  # [B, Hq, Dv]
+    unseeing = torch.isneginf(lse).transpose(1, 2).unsqueeze(-1)  # [B, Lq, Hq, 1]
+    return torch.where(unseeing, mean.unsqueeze(1).to(out.dtype), out)
 
 
 def cascade_attention_forward(
@@ -258,7 +272,8 @@ def cascade_attention_forward(
                                                          scaling, softcap), None
     provider = bound_provider(module, key, value)
     if provider is None:
-        if query.shape[0] > 1 and query.shape[2] > 1 and getattr(module, "layer_idx", None) == 0:
+        if (query.shape[0] > 1 and query.shape[2] > 1 and getattr(module, "layer_idx", None) == 0
+                and not (torch.is_grad_enabled() and query.requires_grad)):  # (not a training forward)
             _suggest_custom_generate()
         # (With attention sinks, GPT-OSS's s_aux, the mask holds any sliding window.)
         out = plain_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,

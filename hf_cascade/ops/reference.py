@@ -39,6 +39,7 @@ from torch import Tensor
 
 __all__ = [
     "cascade_attention_ref",
+    "eager_attention_ref",
     "merge_attention_states_ref",
     "merge_states_ref",
     "shared_prefix_attention_ref",
@@ -456,6 +457,42 @@ def _causal(Lq: int, S: int, device: torch.device) -> Tensor:
                 _CAUSAL.clear()
             _CAUSAL[(Lq, S)] = visible
     return visible
+
+
+def eager_attention_ref(query: Tensor, key: Tensor, value: Tensor, *, scale: float, mask: Tensor | None,
+                        softcap: float | None = None, sinks: Tensor | None = None, dropout: float = 0.0,
+                        training: bool = False) -> Tensor:
+    """transformers' ``eager`` attention as the soft-capped (Gemma 2) and sink (GPT-OSS) families compute it, and
+    differentiable: the path of a forward that needs gradients or dropout (the kernels and the fused reference are
+    inference-only). Scores in the input dtype, soft-capped, the dtype's minimum added to the masked ones, softmax in
+    fp32 (a sink: one more column per head, dropped after), dropout, then ``P @ V`` in the values' dtype. A query
+    that sees no key gets eager's answer: without sinks a uniform softmax, the mean of every value.
+
+    Args:
+        query: ``[B, Hq, Lq, D]``; key, value: ``[B, Hkv, S, D]`` / ``[B, Hkv, S, Dv]``; any float dtype.
+        mask: bool ``[B or 1, Lq, S]`` (True = visible) or None (causal, bottom-right).
+        softcap: the scores' soft cap or None. sinks: ``[Hq]`` sink logits (GPT-OSS's ``module.sinks``) or None.
+    Returns:
+        ``[B, Lq, Hq, Dv]`` contiguous, in ``value.dtype``.
+    """
+    B, Hq, Lq, _ = query.shape
+    groups = Hq // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    visible = mask if mask is not None else _causal(Lq, key.shape[2], query.device)
+    # Added, as eager adds its mask: a query that sees no key then passes gradients to every score, as eager's does.
+    additive = torch.zeros(visible.shape, dtype=scores.dtype, device=scores.device)
+    scores = scores + additive.masked_fill_(~visible, torch.finfo(scores.dtype).min)[:, None]
+    if sinks is not None:
+        sink = sinks.to(scores.dtype).view(1, Hq, 1, 1).expand(B, Hq, Lq, 1)
+        scores = torch.cat([scores, sink], dim=-1)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    if sinks is not None:
+        probs = probs[..., :-1]
+    probs = torch.nn.functional.dropout(probs, p=dropout, training=training).to(value.dtype)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous()
 
 
 def write_suffix_kv_ref(key: Tensor, value: Tensor, keys: Tensor, values: Tensor, positions: Tensor,
