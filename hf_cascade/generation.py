@@ -39,6 +39,7 @@ from hf_cascade.cache import CascadeCache
 from hf_cascade.cpu_threads import ContentionProbe, cpu_decode_threads
 from hf_cascade.compiled_layers import new_shapes
 from hf_cascade.decode.sampling import sample
+from hf_cascade.inputs import refuse_prompt_readers_on_suffix_rows
 from hf_cascade.step_buffers import step_buffers
 from hf_cascade.step_context import step_context
 from hf_cascade.options import CascadeOptions
@@ -122,7 +123,7 @@ def generate(
             f"`cascade_caches` must be None or a list (the CascadeCache built for the call is appended to it); got "
             f"{type(cascade_caches).__name__} {cascade_caches!r}. Pass `cascade_caches=[]`."
         )
-    request = _read_request(model, input_ids, generation_config, model_kwargs, sys._getframe(1))
+    request = _read_request(model, input_ids, generation_config, model_kwargs, sys._getframe(1), logits_processor)
     started = time.perf_counter()
     plan = resolve(model, options, request)
     if plan.why_not_shared is not None:
@@ -133,7 +134,7 @@ def generate(
     return run(model, plan, request, logits_processor, stopping_criteria, cascade_caches, started)
 
 
-def _read_request(model, input_ids, generation_config, model_kwargs: dict, caller) -> Request:
+def _read_request(model, input_ids, generation_config, model_kwargs: dict, caller, logits_processor=None) -> Request:
     """The call as generate() handed it (``caller``: generate()'s frame), refusing what the hook cannot run."""
     from transformers.generation.utils import GENERATION_MODES_MAPPING
 
@@ -158,6 +159,8 @@ def _read_request(model, input_ids, generation_config, model_kwargs: dict, calle
     user_cache = model_kwargs.get(CACHE_KWARG)
     if not getattr(user_cache, "_is_user_defined", False):
         user_cache = None  # the empty DynamicCache generate() made: replaced by the cascade cache
+    if isinstance(user_cache, CascadeCache):
+        refuse_prompt_readers_on_suffix_rows(input_ids, model_kwargs.get("attention_mask"), logits_processor)
     return Request(input_ids, generation_config, dict(model_kwargs), method_name, streamer, user_cache)
 
 

@@ -355,7 +355,10 @@ def shared_prefix_inputs(
             returned ``input_ids`` hold only the last ``L - prefix_length`` columns (the widest own suffix) while
             ``attention_mask`` still spans all columns (generate() output starts with those columns). generate()
             counts ``max_length`` / ``min_length`` from the ``input_ids`` it gets: with ``"suffix"`` pass
-            ``max_new_tokens`` / ``min_new_tokens`` instead.
+            ``max_new_tokens`` / ``min_new_tokens`` instead. generate()'s logits processors see only those columns
+            (a warning says so): with ones that read the prompt (``repetition_penalty``, ``no_repeat_ngram_size``,
+            ...) use ``"full"``; ``hf_cascade.generate`` refuses them on suffix rows
+            (:func:`refuse_prompt_readers_on_suffix_rows`).
         prefix_cache: a cache from :meth:`CascadeCache.from_prefix`: every row must start with its prefix, which
             is reused (not prefilled again); sharing found below it is added as deeper levels.
         cost_model: "auto" (the H100-measured :class:`CascadeCostModel` on CUDA, share everything on CPU), None
@@ -418,12 +421,45 @@ def shared_prefix_inputs(
         cache.rows_verified = True
     prefix_length = cache.prefix_length
     new_ids, new_mask = input_ids, attention_mask
-    if layout == "suffix":
+    if layout == "suffix" and prefix_length:
         new_ids = new_ids[:, prefix_length:]
+        logger.warning_once(
+            "hf_cascade.shared_prefix_inputs(layout='suffix'): generate()'s logits processors see only the suffix "
+            "columns, so penalties and bans that read the prompt (repetition_penalty, no_repeat_ngram_size, "
+            "encoder_repetition_penalty, multi-token bad_words_ids / sequence_bias, prefix_allowed_tokens_fn, "
+            "watermarking, your own processors) act as if the shared prefix were not there; use layout='full' "
+            "with them (hf_cascade.generate refuses them on suffix rows)."
+        )
     inputs = {"input_ids": new_ids, "attention_mask": new_mask, CACHE_KWARG: cache}
     if getattr(getattr(model, "generation_config", None), "cache_implementation", None) is not None:
         inputs["cache_implementation"] = None
     return inputs
+
+
+# transformers' logits processors that read the prompt's tokens (all of them, or the last few of a multi-token ban):
+# on suffix rows (shared_prefix_inputs(layout="suffix")) they would not see the shared prefix.
+PROMPT_READING_PROCESSORS = (
+    "RepetitionPenaltyLogitsProcessor", "EncoderRepetitionPenaltyLogitsProcessor", "NoRepeatNGramLogitsProcessor",
+    "EncoderNoRepeatNGramLogitsProcessor", "PrefixConstrainedLogitsProcessor", "NoBadWordsLogitsProcessor",
+    "SequenceBiasLogitsProcessor", "WatermarkLogitsProcessor",
+)
+
+
+def refuse_prompt_readers_on_suffix_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                                         logits_processor) -> None:
+    """A ValueError where generate() got suffix rows (``input_ids [B, W]`` narrower than ``attention_mask [B, L]``:
+    :func:`shared_prefix_inputs` with ``layout="suffix"``) and a logits processor that reads the prompt
+    (:data:`PROMPT_READING_PROCESSORS`): it would act as if the shared prefix were not there."""
+    if attention_mask is None or attention_mask.dim() != 2 or attention_mask.shape[1] <= input_ids.shape[1]:
+        return
+    readers = sorted({type(p).__name__ for p in (logits_processor or [])} & set(PROMPT_READING_PROCESSORS))
+    if readers:
+        raise ValueError(
+            f"These rows hold only their suffix columns ({input_ids.shape[1]} of {attention_mask.shape[1]}: "
+            f"shared_prefix_inputs(layout='suffix')), and {', '.join(readers)} read the prompt's tokens: they would "
+            "act as if the shared prefix were not there. Build the inputs with layout='full' (the default), or leave "
+            "those options out."
+        )
 
 
 def _base_chain(prefix_cache: CascadeCache, model) -> tuple[list, list, tuple[int, ...]]:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import hf_cascade  # noqa: F401  (registers "cascade")
+import hf_cascade
 from hf_cascade.tiny import tiny_model, tiny_tokenizer
 
 TEXTS = ["hello world, this is a longer prompt", "short", "a middle one here"]
@@ -75,3 +75,27 @@ def test_left_padded_loss_and_pad_logits_as_eager(family):
         expected, got = ref(**batch, labels=labels), cas(**batch, labels=labels)
     torch.testing.assert_close(got.loss, expected.loss, rtol=0, atol=1e-5)
     torch.testing.assert_close(got.logits, expected.logits, rtol=0, atol=1e-4)
+
+
+SYSTEM = "You are a helpful assistant. Answer briefly and precisely. "
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("option", [dict(repetition_penalty=1.5), dict(no_repeat_ngram_size=2),
+                                    dict(sequence_bias={(5, 6): -2.0})])
+def test_suffix_rows_refuse_processors_that_read_the_prompt(option):
+    """shared_prefix_inputs(layout="suffix") hands generate() only the suffix columns: a processor that reads the
+    prompt gave other tokens (repetition_penalty: the third new token, scores 0.8 off), silently; now a ValueError
+    on hf_cascade.generate's path. Without such processors the suffix rows still give sdpa's tokens."""
+    tok = tiny_tokenizer()
+    batch = tok([SYSTEM + q for q in ["q1", "a longer question two", "q3 mid?"]], return_tensors="pt", padding=True)
+    model = tiny_model("llama")
+    inputs = hf_cascade.shared_prefix_inputs(model, batch.input_ids, batch.attention_mask, layout="suffix")
+    assert inputs["input_ids"].shape[1] < batch.input_ids.shape[1]
+    with pytest.raises(ValueError, match="layout='full'"):
+        model.generate(**inputs, max_new_tokens=4, do_sample=False, custom_generate=hf_cascade.generate, **option)
+    ref = tiny_model("llama", attn_implementation="sdpa")
+    want = ref.generate(**batch, max_new_tokens=6, do_sample=False)[:, batch.input_ids.shape[1]:]
+    inputs = hf_cascade.shared_prefix_inputs(model, batch.input_ids, batch.attention_mask, layout="suffix")
+    got = model.generate(**inputs, max_new_tokens=6, do_sample=False, custom_generate=hf_cascade.generate)
+    assert torch.equal(got[:, inputs["input_ids"].shape[1]:], want)
