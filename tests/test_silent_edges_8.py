@@ -99,3 +99,26 @@ def test_suffix_rows_refuse_processors_that_read_the_prompt(option):
     inputs = hf_cascade.shared_prefix_inputs(model, batch.input_ids, batch.attention_mask, layout="suffix")
     got = model.generate(**inputs, max_new_tokens=6, do_sample=False, custom_generate=hf_cascade.generate)
     assert torch.equal(got[:, inputs["input_ids"].shape[1]:], want)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gpu_gemma2_training_and_left_padded_loss_as_eager(dtype):
+    """On CUDA (the Triton suffix kernel for the no-gradient forward): Gemma 2's loss and gradients with gradients
+    on, and its loss and logits at pads without, as eager's (fp32: 1e-5; bf16: within bf16 rounding)."""
+    batch, labels = _batch("left")
+    batch, labels = batch.to("cuda"), labels.cuda()
+    ref = tiny_model("gemma2", attn_implementation="eager", device="cuda", dtype=dtype)
+    cas = tiny_model("gemma2", device="cuda", dtype=dtype)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    with torch.no_grad():
+        want, got = ref(**batch, labels=labels), cas(**batch, labels=labels)
+    torch.testing.assert_close(got.loss, want.loss, rtol=tol, atol=tol)
+    torch.testing.assert_close(got.logits.float(), want.logits.float(), rtol=tol, atol=10 * tol)
+    for model in (ref, cas):
+        model.train()
+        model(**batch, labels=labels).loss.backward()
+    for (name, p), q in zip(ref.named_parameters(), cas.parameters()):
+        torch.testing.assert_close(q.grad.float(), p.grad.float(), rtol=10 * tol, atol=tol, msg=name)
