@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
 
 from hf_cascade.attention import unshareable_model
 from hf_cascade.dataset_checkpoint import CHECKPOINT_VERSION, Checkpoint
@@ -568,10 +569,11 @@ def _run_batch(
     ids, mask = (t.to(model.device) for t in left_padded(batch_rows, gen_kwargs["pad_token_id"]))
     caches = []
     extra = {} if prefix_cache is None else {CACHE_KWARG: prefix_cache}
+    finish = _FinishWidths.around(gen_kwargs, model)
     out = model.generate(
         ids, attention_mask=mask, custom_generate=hf_cascade.generate, cascade_caches=caches,
         cascade_options=dict(min_shared_tokens=min_shared_tokens, max_levels=max_levels, batch_buckets=True),
-        **extra, **gen_kwargs,
+        **extra, **{**gen_kwargs, **({} if finish is None else {"stopping_criteria": StoppingCriteriaList([finish])})},
     )
 
     # Sharing bookkeeping: tokens of each row served by a shared prefix, and prefix tokens prefilled here.
@@ -592,7 +594,11 @@ def _run_batch(
 
     sequences = out.sequences if hasattr(out, "sequences") else out
     new = sequences[:, ids.shape[1] :]
-    lengths = _row_lengths(new, eos_ids, gen_kwargs["pad_token_id"]).tolist()
+    lengths = _row_lengths(new, eos_ids, gen_kwargs["pad_token_id"])
+    if finish is not None and finish.first_width is not None:  # rows a stop string or criterion ended
+        stopped = finish.first_width[: new.shape[0]].to(lengths.device) - ids.shape[1]
+        lengths = torch.where(stopped >= 0, torch.minimum(lengths, stopped), lengths)
+    lengths = lengths.tolist()
     # Each row cut at its own end (its first EOS, kept): rows that finished early are padded to the batch's width.
     texts = tokenizer.batch_decode([row[:n] for row, n in zip(new.tolist(), lengths)],
                                    skip_special_tokens=skip_special_tokens)
@@ -600,6 +606,31 @@ def _run_batch(
     if num_return > 1:
         texts = [texts[i * num_return : (i + 1) * num_return] for i in range(len(batch))]
     return texts, counts
+
+
+class _FinishWidths(StoppingCriteria):
+    """The call's own stopping criteria (the user's, its stop strings), recording each row's width when they first
+    said it was done: a row they stopped is padded after that by generate() (with the EOS where pad is EOS), and
+    its text ends there, as a per-row generate()'s. ``first_width [rows]`` int64, -1 for a row never stopped."""
+
+    def __init__(self, criteria):
+        self.criteria = StoppingCriteriaList(criteria)
+        self.first_width: torch.Tensor | None = None
+
+    @classmethod
+    def around(cls, gen_kwargs: dict, model) -> "_FinishWidths | None":
+        """Around ``gen_kwargs``' ``stopping_criteria``, or None (none; beam search, whose criteria see beams)."""
+        beams = gen_kwargs.get("num_beams") or getattr(getattr(model, "generation_config", None), "num_beams", 1)
+        if not gen_kwargs.get("stopping_criteria") or (beams or 1) > 1:
+            return None
+        return cls(gen_kwargs["stopping_criteria"])
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        done = self.criteria(input_ids, scores, **kwargs)
+        if self.first_width is None:
+            self.first_width = torch.full(done.shape, -1, dtype=torch.long, device=done.device)
+        self.first_width = torch.where(done & (self.first_width < 0), input_ids.shape[1], self.first_width)
+        return done
 
 
 def _row_lengths(new: torch.Tensor, eos_ids: list[int], pad_token_id: int) -> torch.Tensor:

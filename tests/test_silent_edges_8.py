@@ -1,4 +1,4 @@
-"""The ninth sweep (a model loaded with "cascade" used outside generate(): training and loss forwards), fp32, CPU:
+"""The ninth sweep (training and loss forwards, planned inputs, datasets), fp32, CPU:
 
 * Gemma 2 (soft-capping) and GPT-OSS (attention sinks) could not run a forward that needs gradients
   (``div(): functions with out=... arguments don't support automatic differentiation``: the exact path is
@@ -122,3 +122,31 @@ def test_gpu_gemma2_training_and_left_padded_loss_as_eager(dtype):
         model(**batch, labels=labels).loss.backward()
     for (name, p), q in zip(ref.named_parameters(), cas.parameters()):
         torch.testing.assert_close(q.grad.float(), p.grad.float(), rtol=10 * tol, atol=tol, msg=name)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("pad_is_eos", [False, True])
+def test_generate_dataset_rows_ended_by_a_stop_string_carry_no_padding(pad_is_eos):
+    """generate_dataset(..., stop_strings=..., skip_special_tokens=False): a row a stop string ended came back with
+    the batch's padding after it (or, where pad is EOS, an EOS the model never generated); now each text is a
+    per-row generate()'s."""
+    datasets = pytest.importorskip("datasets")
+    from transformers import StoppingCriteriaList, StopStringCriteria
+
+    model, ref, tok = tiny_model("llama"), tiny_model("llama", attn_implementation="sdpa"), tiny_tokenizer()
+    if pad_is_eos:
+        tok.pad_token = tok.eos_token
+    prompts = ["PREAMBLE: you are a helpful calculator.\nQ: 1+2", "PREAMBLE: you are a helpful calculator.\nQ: 3+4",
+               "hi"]
+    gen = dict(max_new_tokens=10, do_sample=False, stop_strings=["%"], pad_token_id=tok.pad_token_id)
+    out = hf_cascade.generate_dataset(model, tok, datasets.Dataset.from_dict({"prompt": prompts}),
+                                      generation_kwargs=gen, progress=False, skip_special_tokens=False)
+    stopped = 0
+    for prompt, got in zip(prompts, out["completion"]):
+        batch = tok([prompt], return_tensors="pt")
+        row = ref.generate(**batch, max_new_tokens=10, do_sample=False, pad_token_id=tok.pad_token_id,
+                           stopping_criteria=StoppingCriteriaList([StopStringCriteria(tok, ["%"])]))
+        want = tok.decode(row[0, batch.input_ids.shape[1]:], skip_special_tokens=False)
+        stopped += want.endswith("%")
+        assert got == want
+    assert stopped >= 1  # (a row the stop string ended: the case)
