@@ -203,6 +203,8 @@ class ContextParallelCache(Cache):
         self._modules = {id(m) for modules in self._attention_modules.values() for m in modules}
         self.max_new_tokens: int | None = None  # set by use_fixed_buffers (fixed decode buffers)
         self.prompt_as_given: torch.Tensor | None = None  # [B, W] the user's rows where a shared prefix relaid them
+        self.prompt_padding_as_given: torch.Tensor | None = None  # [B] their left padding (columns)
+        self._prompt_rows: int | None = None  # the prompt's rows (mark_prompt)
         if kernels not in KERNEL_CHOICES:
             raise ValueError(f"`kernels` must be one of {KERNEL_CHOICES}; got {kernels!r}.")
         self.kernels = kernels
@@ -281,9 +283,11 @@ class ContextParallelCache(Cache):
         values[:, :, rnd.offset:end] = value_states[:, :, :real]
         layer.keys, layer.values, layer.cols = keys[:, :, :end], values[:, :, :end], cols[:end]
 
-    def mark_prompt(self) -> None:
-        """Record the current length as the prompt: each later generate() call starts again from here."""
+    def mark_prompt(self, rows: int) -> None:
+        """Record the current length as the prompt of ``rows`` rows: each later generate() call starts again from
+        here."""
         self._prompt_length = self.get_seq_length()
+        self._prompt_rows = rows
 
     def use_fixed_buffers(self, max_new_tokens: int, prompt_mask: torch.Tensor) -> None:
         """Switch decode to fixed buffers for ``max_new_tokens`` tokens (see :mod:`hf_cascade.parallel.fixed`).
@@ -385,14 +389,20 @@ class ContextParallelCache(Cache):
         bind_layer(self, layer_idx, layer.keys, layer.values)
         return layer.keys, layer.values
 
-    @staticmethod
-    def _match_rows(layer: _ShardLayer, batch_size: int) -> None:
-        """num_return_sequences / num_beams expand generate()'s tensors, never the cache: expand the rows alike."""
+    def _match_rows(self, layer: _ShardLayer, batch_size: int) -> None:
+        """num_return_sequences / num_beams expand generate()'s tensors, never the cache: expand the rows alike. Rows
+        an earlier call expanded otherwise go back to the prompt's first (each prompt's ``k`` rows hold its prompt
+        columns: beams reorder only within a prompt's group), so the inputs serve any later call."""
         if layer.keys is None:  # no row KV on this rank (fixed decode buffers are sized at their first write)
             return
-        rows = layer.keys.shape[0]
+        rows, prompt_rows = layer.keys.shape[0], self._prompt_rows
         if rows == batch_size:
             return
+        if prompt_rows and rows != prompt_rows and rows % prompt_rows == 0 and batch_size % prompt_rows == 0:
+            layer.batch_select_indices(torch.arange(0, rows, rows // prompt_rows, device=layer.keys.device))
+            rows = prompt_rows
+            if rows == batch_size:
+                return
         if rows == 0 or batch_size % rows:
             raise ValueError(
                 f"ContextParallelCache holds {rows} rows but the model got a batch of {batch_size}; pass the inputs "

@@ -115,8 +115,8 @@ def context_parallel_generate(model, input_ids: torch.LongTensor, logits_process
         )
     check_same_generation_args(cache.info, input_ids, generation_config, logits_processor, stopping_criteria)
     method_name = GENERATION_MODES_MAPPING.get(generation_config.get_generation_mode())
-    decode = getattr(type(model), method_name or "", None)
-    if decode is None:
+    decode = getattr(type(model), method_name, None) if method_name in ("_sample", "_beam_search") else None
+    if decode is None:  # (assisted decoding, prompt lookup included, would feed the whole prompt again)
         raise NotImplementedError(
             f"Context parallelism runs greedy search, sampling and beam search; this generation config asks for "
             f"{generation_config.get_generation_mode().name.lower()}."
@@ -136,7 +136,8 @@ def context_parallel_generate(model, input_ids: torch.LongTensor, logits_process
         logits_processor = _with_rank_zero_scores(logits_processor, cache.info)
     if cache.prompt_as_given is not None:
         logits_processor, stopping_criteria = _seeing_prompt_as_given(logits_processor, stopping_criteria,
-                                                                      cache.prompt_as_given)
+                                                                      cache.prompt_as_given,
+                                                                      cache.prompt_padding_as_given)
     step = _resolve_step(cache, model, input_ids, generation_config, method_name)
     max_new_tokens = generation_config.max_length - input_ids.shape[1]
     # Fixed buffers where the step records or compiles, and buffers of the user's too small for this call: sized
@@ -158,12 +159,18 @@ def _generation_fields(input_ids, generation_config, logits_processor, stopping_
     import json
 
     def plain(value):
+        if isinstance(value, dict):  # (keys of any type: sequence_bias's are tuples of token ids)
+            return sorted(([plain(k), plain(v)] for k, v in value.items()), key=repr)
+        if isinstance(value, (list, tuple)):
+            return [plain(v) for v in value]
         if isinstance(value, torch.Tensor):
             return value.tolist()
+        if value is None or isinstance(value, (str, int, float, bool)):
+            return value
         return type(value).__name__  # an object: its class (no address, which differs per process)
 
-    fields = {key: json.dumps(value, sort_keys=True, default=plain)
-              for key, value in generation_config.to_dict().items() if not key.startswith("_")}
+    fields = {key: json.dumps(plain(value)) for key, value in generation_config.to_dict().items()
+              if not key.startswith("_")}
     fields["input_ids.shape"] = str(tuple(input_ids.shape))
     fields["logits_processor"] = str([type(p).__name__ for p in logits_processor or []])
     fields["stopping_criteria"] = str([type(c).__name__ for c in stopping_criteria or []])
@@ -228,13 +235,22 @@ def _with_rank_zero_scores(logits_processor, info):
     return LogitsProcessorList([*(logits_processor or []), _RankZeroScores()])
 
 
-def _seeing_prompt_as_given(logits_processor, stopping_criteria, prompt: torch.Tensor):
+def _seeing_prompt_as_given(logits_processor, stopping_criteria, prompt: torch.Tensor,
+                            padding: torch.Tensor | None = None):
     """generate()'s logits processors and stopping criteria, handed each row's prompt as the user laid it out
     (left-padded) instead of the ``[prefix | pads | suffix]`` rows a shared prefix is decoded from: n-gram bans,
     bad words and criteria that read the prompt then see what they see without context parallelism. ``prompt``
     ``[B, W]``: the user's rows, as wide as the relaid ones (generate() repeats them for num_return_sequences /
-    num_beams); the new tokens follow as they are."""
+    num_beams); the new tokens follow as they are. ``padding`` ``[B]``: their left padding; a processor that counts
+    the prompt's padding from generate()'s mask (transformers >= 5.24's ``repetition_penalty``: a tensor
+    ``prompt_ignore_length``, which the relaid mask makes 0) gets it instead."""
     from transformers.generation.logits_process import LogitsProcessorList
+
+    for processor in logits_processor or []:
+        ignored = getattr(processor, "prompt_ignore_length", None)
+        if isinstance(ignored, torch.Tensor) and padding is not None:
+            processor.prompt_ignore_length = padding.to(ignored.device).repeat_interleave(
+                ignored.shape[0] // padding.shape[0])
     from transformers.generation.stopping_criteria import StoppingCriteriaList
 
     def as_given(input_ids):

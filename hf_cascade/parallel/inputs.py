@@ -340,7 +340,9 @@ def context_parallel_inputs(
     as_given = input_ids[:, input_ids.shape[1] - new_ids.shape[1]:]
     if prefix and not torch.equal(as_given, new_ids):  # (logits processors see the rows as given)
         cache.prompt_as_given = as_given
-    cache.mark_prompt()
+        # (their left padding, as transformers counts it from the mask for repetition_penalty)
+        cache.prompt_padding_as_given = (mask[:, mask.shape[1] - new_ids.shape[1]:] != 0).int().argmax(dim=1)
+    cache.mark_prompt(new_ids.shape[0])
     if opts.max_new_tokens is not None:
         cache.use_fixed_buffers(opts.max_new_tokens, new_mask)
     if combine == "all_gather_kv":
