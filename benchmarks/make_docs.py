@@ -105,14 +105,15 @@ def cb_table(records: list[dict], shas: bool = False) -> str:
     its guide's fast settings), with sdpa and the prefix-reuse recipe: per workload the newest run of
     ``bench_peers_gpu.py`` (all peers in one process). hf_cascade runs its default options with the background
     build off (its first tier); a call is the warm call, the first call in brackets where it was timed apart."""
-    lines = ["| one run, all peers in it | sdpa | prefix-reuse recipe | `generate_batch` defaults | `generate_batch` "
+    lines = ["| one run, all peers in it (GPU) | sdpa | prefix-reuse recipe | `generate_batch` defaults | `generate_batch` "
              "CUDA graphs + async | hf_cascade | vs best `generate_batch` | KV GiB: `generate_batch` in use (pool) "
              "→ hf_cascade |", "|---|---|---|---|---|---|---|---|"]
     loaded = None
     for workload, label in CB_WORKLOADS:
         peers: dict = {}
         for r in records:
-            if r.get("workload") == workload and r.get("status") and not r.get("tiny") and "peer" in r:
+            if (r.get("workload") == workload and r.get("status") and not r.get("tiny") and "peer" in r
+                    and r["peer"] != "all"):  # ("all": a workload the run skipped)
                 if peers and r["git_sha"] != next(iter(peers.values()))["git_sha"]:
                     peers = {}
                 peers[r["peer"]] = r
@@ -128,7 +129,8 @@ def cb_table(records: list[dict], shas: bool = False) -> str:
             return f"{r['total_s']:.2f} s" + (f" ({first:.1f})" if first and r.get("calls", 2) > 1 else "")
 
         best = min(d["total_s"], b["total_s"])
-        sha = f" (`{c['git_sha'][:7]}`)" if shas else ""
+        gpu = str(c.get("gpu", "")).replace("NVIDIA ", "").split(" ")[0]
+        sha = (f", {gpu}" if gpu else "") + (f" (`{c['git_sha'][:7]}`)" if shas else "")
         if c.get("host_load"):  # a run beside other jobs on the same host: said under the table
             sha += " †"
             loaded = c["host_load"]
