@@ -436,8 +436,9 @@ def shared_prefix_inputs(
     return inputs
 
 
-# transformers' logits processors that read the prompt's tokens (all of them, or the last few of a multi-token ban):
-# on suffix rows (shared_prefix_inputs(layout="suffix")) they would not see the shared prefix.
+# transformers' logits processors that read the prompt's tokens (all of them, or the last few of a multi-token ban or
+# bias; single-token ones read none): on suffix rows (shared_prefix_inputs(layout="suffix")) they would not see the
+# shared prefix.
 PROMPT_READING_PROCESSORS = (
     "RepetitionPenaltyLogitsProcessor", "EncoderRepetitionPenaltyLogitsProcessor", "NoRepeatNGramLogitsProcessor",
     "EncoderNoRepeatNGramLogitsProcessor", "PrefixConstrainedLogitsProcessor", "NoBadWordsLogitsProcessor",
@@ -452,7 +453,7 @@ def refuse_prompt_readers_on_suffix_rows(input_ids: torch.Tensor, attention_mask
     (:data:`PROMPT_READING_PROCESSORS`): it would act as if the shared prefix were not there."""
     if attention_mask is None or attention_mask.dim() != 2 or attention_mask.shape[1] <= input_ids.shape[1]:
         return
-    readers = sorted({type(p).__name__ for p in (logits_processor or [])} & set(PROMPT_READING_PROCESSORS))
+    readers = sorted({type(p).__name__ for p in (logits_processor or []) if _reads_prompt(p)})
     if readers:
         raise ValueError(
             f"These rows hold only their suffix columns ({input_ids.shape[1]} of {attention_mask.shape[1]}: "
@@ -460,6 +461,14 @@ def refuse_prompt_readers_on_suffix_rows(input_ids: torch.Tensor, attention_mask
             "act as if the shared prefix were not there. Build the inputs with layout='full' (the default), or leave "
             "those options out."
         )
+
+
+def _reads_prompt(processor) -> bool:
+    """Whether a logits processor reads prompt tokens (a bias or ban: only where a sequence is longer than one)."""
+    if type(processor).__name__ not in PROMPT_READING_PROCESSORS:
+        return False
+    bias = getattr(processor, "sequence_bias", None)
+    return bias is None or any(len(ids) > 1 for ids in bias)
 
 
 def _base_chain(prefix_cache: CascadeCache, model) -> tuple[list, list, tuple[int, ...]]:

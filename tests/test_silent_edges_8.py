@@ -150,3 +150,16 @@ def test_generate_dataset_rows_ended_by_a_stop_string_carry_no_padding(pad_is_eo
         stopped += want.endswith("%")
         assert got == want
     assert stopped >= 1  # (a row the stop string ended: the case)
+
+
+@pytest.mark.timeout(120)
+def test_suffix_rows_keep_single_token_bans():
+    """Single-token bans and biases read no prompt token: suffix rows keep them (sdpa's tokens)."""
+    tok = tiny_tokenizer()
+    batch = tok([SYSTEM + q for q in ["q1", "a longer question two"]], return_tensors="pt", padding=True)
+    model, ref = tiny_model("llama"), tiny_model("llama", attn_implementation="sdpa")
+    option = dict(bad_words_ids=[[70], [11]], sequence_bias={(27,): -3.0})
+    want = ref.generate(**batch, max_new_tokens=6, do_sample=False, **option)[:, batch.input_ids.shape[1]:]
+    inputs = hf_cascade.shared_prefix_inputs(model, batch.input_ids, batch.attention_mask, layout="suffix")
+    got = model.generate(**inputs, max_new_tokens=6, do_sample=False, custom_generate=hf_cascade.generate, **option)
+    assert torch.equal(got[:, inputs["input_ids"].shape[1]:], want)
