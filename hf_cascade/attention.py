@@ -33,6 +33,7 @@ from transformers.utils import logging
 
 from hf_cascade._own_attention_tables import OWN_ATTENTION_TABLES
 from hf_cascade.step_context import TRACE, current as _step, layer_step_cache, note_layer_written, outside_layer_graphs
+from hf_cascade.transformers_compat import text_config
 
 logger = logging.get_logger(__name__)
 # sdpa's backends outside compiled graphs: every one but cuDNN's (plain_attention)
@@ -500,11 +501,6 @@ def _compiled_by_user(model: torch.nn.Module) -> str | None:
 # config.layer_types entries whose layers keep a state other than keys and values (LFM2's "conv", Mamba / GDN
 # "linear_attention", Zamba2 / Falcon-H1 "hybrid", ...).
 _STATEFUL_LAYER_TYPES = {"conv", "linear_attention", "hybrid", "hybrid_sliding", "mamba", "recurrent", "rwkv"}
-
-
-def text_config(config):
-    """The decoder's config (a multimodal config's text part; the config itself otherwise)."""
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
 def _check_kv_as_cached(model: torch.nn.Module, config, argument: str) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 
 from hf_cascade.inputs import left_padded
+from hf_cascade.transformers_compat import text_config
 
 __all__ = ["GRID_DOCUMENT_TOKENS", "GRID_OPTIONS", "GRID_PREFIX_TOKENS", "GRID_ROWS", "variant_grid"]
 
@@ -35,7 +36,7 @@ GRID_OPTIONS = ({"compile": "now"}, {"decode_step": "graphs"})
 def _own_widths(model) -> list[int]:
     """New tokens per row in the grid's prefills: one width in each tile class of ``width x query heads per KV
     head`` (16, 32, 64 rows; more for a long suffix)."""
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    text = text_config(model.config)
     heads = getattr(text, "num_attention_heads", 1) or 1
     groups = max(1, heads // (getattr(text, "num_key_value_heads", None) or heads))
     return sorted({max(2, tile // groups) for tile in (16, 32, 64)} | {64})
@@ -48,7 +49,7 @@ def variant_grid(model, input_ids: torch.Tensor, generation_config) -> list[tupl
     width) x one shared level or two (a short or long shared prefix) or three (the short one), or two under the short
     one with long second-level nodes (:data:`GRID_DOCUMENT_TOKENS`). Random tokens below the model's vocabulary size
     (or the call's largest id)."""
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    text = text_config(model.config)
     vocab = int(getattr(text, "vocab_size", 0) or int(input_ids.max()) + 1)
     g = torch.Generator().manual_seed(48)
     short = min(GRID_PREFIX_TOKENS)

@@ -44,7 +44,7 @@ from hf_cascade.ops.plan import CascadePlan
 from hf_cascade.prefill import PrefixLevel, check_first_positions, prefill_levels, validate_token_ids
 from hf_cascade.static_steps import StaticStepMixin
 from hf_cascade.suffix_layers import StaticSuffixLayer, SuffixLayer, append_columns
-from hf_cascade.transformers_compat import fixed_buffers_refusal
+from hf_cascade.transformers_compat import fixed_buffers_refusal, text_config
 from hf_cascade.windows import layer_sinks, layer_window
 
 # The names these had when they were defined here (kept importable from hf_cascade.cache).
@@ -107,8 +107,7 @@ def window_sizes(model: torch.nn.Module) -> set[int]:
 
 
 def _num_layers(config) -> int:
-    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return int(text_config.num_hidden_layers)
+    return int(text_config(config).num_hidden_layers)
 
 
 class CascadeCache(StaticStepMixin, Cache):

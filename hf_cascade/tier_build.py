@@ -36,7 +36,7 @@ from transformers.utils import logging
 
 from hf_cascade._env import background_off
 from hf_cascade.build_grid import GRID_OPTIONS
-from hf_cascade.transformers_compat import CACHE_KWARG
+from hf_cascade.transformers_compat import CACHE_KWARG, text_config
 
 logger = logging.get_logger(__name__)
 
@@ -287,7 +287,7 @@ def _cut_config(config):
     """A copy of ``config`` cut to :data:`PREWARM_LAYERS` decoder layers (one of every layer type at least), or None
     where it names no layer count."""
     config = copy.deepcopy(config)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     layers = getattr(text, "num_hidden_layers", None)
     if layers is None:
         return None
@@ -320,7 +320,7 @@ def _grid_spec(spec: dict, batches: list | None) -> dict:
     (the kernels do not depend on it), no rows; ``batches`` (token ids taken modulo it) or None (each child makes
     its slice of :func:`variant_grid`)."""
     config = copy.deepcopy(spec["config"])
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(config)
     vocab = min(GRID_VOCAB, int(getattr(text, "vocab_size", GRID_VOCAB) or GRID_VOCAB))
     text.vocab_size = vocab
     grid = None if batches is None else [(ids % vocab, mask) for ids, mask in batches]

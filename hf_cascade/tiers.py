@@ -37,6 +37,7 @@ from hf_cascade._env import cache_root, is_off
 from hf_cascade.compiled_layers import NewShapes
 from hf_cascade.engine import engine_of
 from hf_cascade.options import COMPILE_CHOICES
+from hf_cascade.transformers_compat import text_config
 
 __all__ = ["COMPILE_CHOICES", "NEW_SHAPES_COST_S", "NEW_SHAPES_PATIENCE", "SAVED_FRACTION", "Tier", "caches_warm",
            "choose_tier", "record_call", "record_key", "records_folder", "shape_policy", "tier_report", "tier_state"]
@@ -225,8 +226,7 @@ def record_key(model) -> dict:
     """What a marker is valid for: the model's shape and dtype, the GPU, the versions and the compile caches."""
     import transformers
 
-    config = model.config
-    text = getattr(config, "get_text_config", lambda: config)()
+    text = text_config(model.config)
     shape = {name: getattr(text, name, None) for name in (
         "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
         "intermediate_size", "vocab_size", "sliding_window")}

@@ -33,13 +33,17 @@ def output_cache(output):
     return getattr(output, CACHE_KWARG, None)
 
 
+def text_config(config):
+    """The decoder's config (a multimodal config's text part; the config itself otherwise)."""
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
 def compileable_cache_masks_fail(model) -> bool:
     """Whether generate() fails on ``model`` with a compileable cache (fixed buffers) in this transformers: 5.17's
     ``create_masks_for_generate`` hands ``block_sequence_ids`` to every layer type's mask function, and the chunked
     one (Llama 4's ``chunked_attention`` layers) takes no such argument (a ``TypeError`` in transformers' own
     ``prepare_inputs_for_generation``; its ``StaticCache`` fails alike). Growing caches are not affected."""
-    config = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    text = text_config(getattr(model, "config", None))
     return "chunked_attention" in (getattr(text, "layer_types", None) or ()) and _chunked_masks_fail()
 
 

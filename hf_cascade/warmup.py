@@ -48,8 +48,9 @@ def warm_up(model, rows=(1, 8, 32), prompt_tokens: int = 512, new_tokens: int = 
 
     from hf_cascade.tiers import tier_report
 
-    vocab = model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") else \
-        model.config.vocab_size
+    from hf_cascade.transformers_compat import text_config
+
+    vocab = text_config(model.config).vocab_size
     g = torch.Generator().manual_seed(0)
     shared = torch.randint(3, vocab, (prompt_tokens,), generator=g)
     results, batches = [], []

@@ -29,6 +29,8 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from hf_cascade.transformers_compat import text_config
+
 from .fused_attention import flash_takes, fused_attention, fused_attention_applies
 from .reference import merge_states_ref
 
@@ -74,7 +76,7 @@ def levels_in_one_call(model) -> bool:
     """Whether ``model``'s prefix levels run as one variable-length flash call per level on this path (CUDA,
     fp16/bf16, one head size <= 256 and a multiple of 8, no soft-capping), so that a level's nodes cost one launch
     (the cost model then charges a level, not each node: :class:`~hf_cascade.cost_model.CascadeCostModel`)."""
-    text = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    text = text_config(model.config)
     heads = getattr(text, "num_attention_heads", None) or 1
     head = getattr(text, "head_dim", None) or getattr(text, "hidden_size", 0) // heads
     same_v = getattr(text, "v_head_dim", None) in (None, head)

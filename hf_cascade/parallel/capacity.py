@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hf_cascade.parallel._group import GroupInfo, open_channels
+from hf_cascade.transformers_compat import text_config
 
 GiB = 1 << 30
 # Kernels' workspaces, the decode step's logits and graph pools, and the allocator's holes: segments of one round's
@@ -49,7 +50,7 @@ class ModelShape:
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> ModelShape:
-        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        config = text_config(model.config)
         q_heads = int(config.num_attention_heads)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // q_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or q_heads
