@@ -635,10 +635,10 @@ def test_gpu_warmup_fills_the_caches_and_writes_the_markers(tmp_path, monkeypatc
     model = tiny_model("llama", "cascade", device="cuda", num_hidden_layers=2)
     lines = []
     results = warm_up(model, rows=(3,), prompt_tokens=40, new_tokens=4, report=lines.append, grid_budget_s=20.0)
-    assert [r.get("tier") or r["batch"] for r in results] == ["compiled", "background build"]
+    assert [r.get("tier") or r["batch"] for r in results] == ["compiled", "background build"], (results, lines)
     assert results[1]["error"] is None and results[1]["grid"]["done"] >= 2, results  # the batch, on both paths
-    assert len(lines) == 2
-    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".compiled", ".triton"]
+    assert len(lines) == 2, lines
+    assert sorted(p.suffix for p in tmp_path.iterdir()) == [".compiled", ".triton"], (results, list(tmp_path.iterdir()))
     engine_of(model).forget("tiers")  # what a later process expects
     state = tiers.tier_state(model)
     assert tiers.caches_warm(model, state) and tiers.caches_warm(model, state, "triton")
