@@ -41,7 +41,9 @@ from hf_cascade.ops._backend import host_to_device
 from hf_cascade.ops.bounded import WindowRequest, merge_sink
 from hf_cascade.ops.cascade_wrapper import CascadeWrapper
 from hf_cascade.ops.plan import CascadePlan
-from hf_cascade.prefill import PrefixLevel, check_first_positions, prefill_levels, validate_token_ids
+from hf_cascade.prefill import (
+    PrefixLevel, check_first_positions, check_row_tokens, prefill_levels, validate_token_ids,
+)
 from hf_cascade.static_steps import StaticStepMixin
 from hf_cascade.suffix_layers import StaticSuffixLayer, SuffixLayer, append_columns
 from hf_cascade.transformers_compat import fixed_buffers_refusal, text_config
@@ -495,6 +497,12 @@ class CascadeCache(StaticStepMixin, Cache):
         if not static_step():
             self._mask_memo = (attention_mask, (query_length, kv_length), combined)
         return combined
+
+    def check_planned_rows(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> None:
+        """A ValueError where ``input_ids [B, W]`` are not the rows this cache was planned for (their first real
+        tokens are not each row's stored prefix chain): :func:`~hf_cascade.prefill.check_row_tokens`."""
+        if self.levels and self._planned_row_nodes is not None:
+            check_row_tokens(self.levels, self._planned_row_nodes, input_ids, attention_mask)
 
     def _check_positions(self, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None) -> None:
         """First prefill of rows this call's generate() did not plan (a cache of the user's on the plain path): each

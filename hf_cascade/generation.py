@@ -228,7 +228,8 @@ def _cascade_inputs(model, plan: RunPlan, request: Request, probe, stopping_crit
     if attention_mask is None:  # transformers >= 5.18 drops an all-ones mask
         attention_mask = torch.ones_like(input_ids)
     if isinstance(user_cache, CascadeCache) and user_cache.rows_verified:
-        cache = user_cache  # already planned for these rows (shared_prefix_inputs); its room checked by resolve
+        user_cache.check_planned_rows(input_ids, attention_mask)  # (its token ids: the positions are not checked)
+        cache = user_cache  # planned for these rows (shared_prefix_inputs, a cascade call); its room checked by resolve
     else:
         from hf_cascade.inputs import plan_cascade_batch
 

@@ -74,6 +74,28 @@ def validate_token_ids(ids, name: str, model: torch.nn.Module) -> torch.Tensor:
     return ids.long()
 
 
+def check_row_tokens(levels: Sequence[PrefixLevel], row_nodes: torch.Tensor, input_ids: torch.Tensor,
+                     attention_mask: torch.Tensor) -> None:
+    """Rows handed to a cache planned for other rows: each row's first real tokens (``input_ids [B, W]`` where
+    ``attention_mask [B, W]`` is 1) must be the tokens of its stored prefix chain (``row_nodes [num_levels, B']``,
+    -1: none; ``B`` a multiple of ``B'``, as generate() repeats rows). A ValueError naming the first row that
+    differs: rows reordered, regrouped or replaced would attend to other rows' prefixes."""
+    rows = row_nodes.shape[1]
+    if input_ids.shape[0] % rows or input_ids.shape != attention_mask.shape:
+        return  # (the cache's own row check names a mismatch of rows; suffix rows or embeddings hold no prefix ids)
+    row_nodes = row_nodes.repeat_interleave(input_ids.shape[0] // rows, dim=1).tolist()
+    ids, real = input_ids.cpu(), attention_mask.cpu() != 0
+    for row in range(ids.shape[0]):
+        chain = [t for level, nodes in zip(levels, row_nodes) if nodes[row] >= 0 for t in level.node_tokens[nodes[row]]]
+        if ids[row][real[row]][: len(chain)].tolist() != chain:
+            raise ValueError(
+                f"Row {row} of this batch does not start with the {len(chain)} prefix tokens this CascadeCache stores "
+                "for it: the cache was planned for other rows (or these rows in another order). Pass the rows it was "
+                "planned with (`shared_prefix_inputs`' `input_ids`, or a second turn that extends a cascade call's "
+                "output rows, in their order), or build the inputs again for this batch."
+            )
+
+
 def check_first_positions(levels: Sequence[PrefixLevel], row_nodes: torch.Tensor | None,
                           suffix_start: torch.Tensor | None, planned: bool, attention_mask: torch.Tensor | None,
                           position_ids: torch.Tensor) -> None:

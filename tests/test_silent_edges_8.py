@@ -163,3 +163,24 @@ def test_suffix_rows_keep_single_token_bans():
     inputs = hf_cascade.shared_prefix_inputs(model, batch.input_ids, batch.attention_mask, layout="suffix")
     got = model.generate(**inputs, max_new_tokens=6, do_sample=False, custom_generate=hf_cascade.generate, **option)
     assert torch.equal(got[:, inputs["input_ids"].shape[1]:], want)
+
+
+@pytest.mark.timeout(120)
+def test_planned_cache_refuses_rows_it_was_not_planned_for():
+    """A cache shared_prefix_inputs planned, given to hf_cascade.generate with its rows reordered or tiled: every row
+    other tokens than sdpa's, silently (plain generate() refused); now a ValueError naming the row. Its own rows
+    still give sdpa's tokens."""
+    tok = tiny_tokenizer()
+    few = "Examples: 1+1=2; 2+2=4; 3+3=6.\n"
+    batch = tok([SYSTEM + few + "Q: 4+4?", SYSTEM + few + "Q: 5+5?", SYSTEM + "Q: mouse?", "Unrelated row here"],
+                return_tensors="pt", padding=True)
+    model, ref = tiny_model("llama"), tiny_model("llama", attn_implementation="sdpa")
+    gen = dict(max_new_tokens=5, do_sample=False, custom_generate=hf_cascade.generate)
+    cache = hf_cascade.shared_prefix_inputs(model, batch.input_ids, batch.attention_mask)[hf_cascade.CACHE_KWARG]
+    for rows in (torch.tensor([3, 2, 1, 0]), torch.arange(8) % 4):
+        with pytest.raises(ValueError, match="does not start with the"):
+            model.generate(input_ids=batch.input_ids[rows], attention_mask=batch.attention_mask[rows],
+                           **{hf_cascade.CACHE_KWARG: cache}, **gen)
+    want = ref.generate(**batch, max_new_tokens=5, do_sample=False)
+    got = model.generate(**batch, **{hf_cascade.CACHE_KWARG: cache}, **gen)
+    assert torch.equal(got, want)
