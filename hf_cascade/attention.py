@@ -280,6 +280,11 @@ def cascade_attention_forward(
         out = plain_attention(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout,
                               softcap=softcap, sinks=kwargs.pop("s_aux", None), **kwargs)
         return out, None
+    if dropout and module.training:
+        raise NotImplementedError(
+            f"Attention dropout in training mode (p={dropout}) with a cascade cache: its attention runs without "
+            "dropout. Call `model.eval()` for generation, or generate without the cache."
+        )
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     out = provider.attend(
@@ -392,6 +397,24 @@ def unshareable_model(model: torch.nn.Module) -> str | None:
         return f"{config.model_type}'s bidirectional attention over the prompt (`use_bidirectional_attention=True`)"
     if getattr(config, "model_type", None) == "paligemma":
         return "PaliGemma's positions, counted from 1"
+    return None
+
+
+# Config fields of the attention probabilities' dropout (transformers passes it to the attention in training mode).
+_ATTENTION_DROPOUT_FIELDS = ("attention_dropout", "attn_pdrop", "attention_probs_dropout_prob")
+
+
+def dropout_in_training(model: torch.nn.Module) -> str | None:
+    """Attention dropout that ``model``'s forwards apply now (training mode, a dropout field of its config above 0),
+    described for a message, or None. The cascade caches attend without it (their decode runs inference kernels)."""
+    if not model.training:
+        return None
+    decoder = text_config(getattr(model, "config", None))
+    for name in _ATTENTION_DROPOUT_FIELDS:
+        rate = getattr(decoder, name, None)
+        if isinstance(rate, (int, float)) and rate > 0:
+            return (f"attention dropout in training mode (`model.train()` with `{name}={rate}`; `model.eval()` turns "
+                    "it off)")
     return None
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from hf_cascade.attention import unshareable_model
+from hf_cascade.attention import dropout_in_training, unshareable_model
 from hf_cascade.cache import CascadeCache
 from hf_cascade.compiled_layers import NewShapes
 from hf_cascade.options import CascadeOptions
@@ -90,7 +90,7 @@ def resolve(model, options: CascadeOptions, request: Request) -> RunPlan:
     ) or config.use_cache is False:
         # The user's own cache, prompts given as embeddings (no token ids to find sharing in), or no cache at all.
         return RunPlan(options, method_name, own=True)
-    reason = unshareable_model(model) or _unshareable_request(input_ids, config, kwargs)
+    reason = unshareable_model(model) or dropout_in_training(model) or _unshareable_request(input_ids, config, kwargs)
     if reason is not None:
         if user_cache is not None:
             raise ValueError(

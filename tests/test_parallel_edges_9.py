@@ -8,7 +8,8 @@ single-process reference's answer or a clear error on every rank:
   prompt again on top of the prefilled one (logits 3.2 off); now a NotImplementedError, as documented;
 * the inputs dict after a call that expanded the rows (``num_beams=2``, ``num_return_sequences=3``): the next call
   with other rows raised "holds 4 rows but the model got a batch of 2"; now every call starts from the prompt's rows;
-* ``sequence_bias`` with tuple keys (transformers' documented form): a TypeError from the ranks' argument check.
+* ``sequence_bias`` with tuple keys (transformers' documented form): a TypeError from the ranks' argument check;
+* a model in training mode with attention dropout: the ring prefill and the decode ran without it; now refused.
 """
 
 from __future__ import annotations
@@ -62,6 +63,15 @@ def _worker(rank, world):
         results["prompt lookup"] = "ran"
     except NotImplementedError as err:
         results["prompt lookup"] = str(err)
+    dropout = tiny_model("llama", "cascade", seed=0, attention_dropout=0.5)
+    inputs = hf_cascade.context_parallel_inputs(dropout, ids[:1], mask[:1])  # (in eval mode)
+    for name, call in (("dropout prefill", lambda: hf_cascade.context_parallel_inputs(dropout.train(), ids, mask)),
+                       ("dropout decode", lambda: dropout.train().generate(**inputs, **GEN))):
+        try:
+            call()
+            results[name] = "ran"
+        except NotImplementedError as err:
+            results[name] = str(err)
     return results
 
 
@@ -92,3 +102,10 @@ def test_as_one_process(ranks, name):
 @pytest.mark.timeout(300)
 def test_prompt_lookup_refused_on_every_rank(ranks):
     assert all("greedy search, sampling and beam search" in results["prompt lookup"] for results in ranks), ranks
+
+
+@pytest.mark.timeout(300)
+def test_attention_dropout_in_training_refused_on_every_rank(ranks):
+    """model.train() with attention dropout: the ring prefill and the decode have none: refused on every rank."""
+    for name in ("dropout prefill", "dropout decode"):
+        assert all("attention dropout in training mode" in results[name] for results in ranks), (name, ranks)

@@ -184,3 +184,50 @@ def test_planned_cache_refuses_rows_it_was_not_planned_for():
     want = ref.generate(**batch, max_new_tokens=5, do_sample=False)
     got = model.generate(**batch, **{hf_cascade.CACHE_KWARG: cache}, **gen)
     assert torch.equal(got, want)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("family", ["gemma2", "gpt_oss"])
+def test_adamw_steps_as_eager(family):
+    """Five AdamW steps on fixed data: the same losses and weights as eager (AdamW amplifies gradient rounding)."""
+    torch.manual_seed(1)
+    ids = torch.randint(4, 260, (3, 20))
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    runs = []
+    for model in _pair(family):
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for _ in range(5):
+            loss = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(loss.item())
+        runs.append((losses, [p.detach() for p in model.parameters()]))
+    assert runs[0][0] == runs[1][0]
+    for want, got in zip(runs[0][1], runs[1][1]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(120)
+def test_training_mode_with_attention_dropout_runs_generates_own_decoding():
+    """model.train() with attention dropout: hf_cascade.generate runs generate()'s own decoding (dropout applied:
+    the reference's tokens for the same seed), with a warning; a CascadeCache of the user's refuses it."""
+    tok = tiny_tokenizer()
+    batch = tok([SYSTEM + q for q in ["q1", "a longer question two", "q3 mid?"]], return_tensors="pt", padding=True)
+    model = tiny_model("llama", attention_dropout=0.5).train()
+    ref = tiny_model("llama", attn_implementation="sdpa", attention_dropout=0.5).train()
+    torch.manual_seed(1)
+    want = ref.generate(**batch, max_new_tokens=6, do_sample=False)
+    torch.manual_seed(1)
+    with pytest.warns(UserWarning, match="attention dropout in training mode"):
+        got = model.generate(**batch, max_new_tokens=6, do_sample=False, custom_generate=hf_cascade.generate)
+    assert torch.equal(got, want)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        hf_cascade.shared_prefix_inputs(model, batch.input_ids, batch.attention_mask)
+    inputs = hf_cascade.shared_prefix_inputs(model.eval(), batch.input_ids, batch.attention_mask)
+    with pytest.raises(NotImplementedError, match="dropout"):
+        model.train().generate(**inputs, max_new_tokens=3, do_sample=False)

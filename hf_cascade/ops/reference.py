@@ -465,7 +465,8 @@ def eager_attention_ref(query: Tensor, key: Tensor, value: Tensor, *, scale: flo
     """transformers' ``eager`` attention as the soft-capped (Gemma 2) and sink (GPT-OSS) families compute it, and
     differentiable: the path of a forward that needs gradients or dropout (the kernels and the fused reference are
     inference-only). Scores in the input dtype, soft-capped, the dtype's minimum added to the masked ones, softmax in
-    fp32 (a sink: one more column per head, dropped after), dropout, then ``P @ V`` in the values' dtype. A query
+    fp32 (with sinks, GPT-OSS's: one more column per head, the row max taken out, the softmax in the scores' dtype,
+    the sink dropped after), dropout, then ``P @ V`` in the values' dtype. A query
     that sees no key gets eager's answer: without sinks a uniform softmax, the mean of every value.
 
     Args:
@@ -485,12 +486,13 @@ def eager_attention_ref(query: Tensor, key: Tensor, value: Tensor, *, scale: flo
     # Added, as eager adds its mask: a query that sees no key then passes gradients to every score, as eager's does.
     additive = torch.zeros(visible.shape, dtype=scores.dtype, device=scores.device)
     scores = scores + additive.masked_fill_(~visible, torch.finfo(scores.dtype).min)[:, None]
-    if sinks is not None:
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+    else:  # (GPT-OSS's own order: the row max taken out, the softmax in the scores' dtype, the sink dropped)
         sink = sinks.to(scores.dtype).view(1, Hq, 1, 1).expand(B, Hq, Lq, 1)
         scores = torch.cat([scores, sink], dim=-1)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
-    if sinks is not None:
-        probs = probs[..., :-1]
+        scores = scores - scores.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(scores, dim=-1, dtype=scores.dtype)[..., :-1]
     probs = torch.nn.functional.dropout(probs, p=dropout, training=training).to(value.dtype)
     return torch.matmul(probs, value).transpose(1, 2).contiguous()
 

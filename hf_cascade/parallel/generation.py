@@ -30,6 +30,7 @@ import functools
 
 import torch
 
+from hf_cascade.attention import dropout_in_training
 from hf_cascade.options import DECODE_STEPS
 from hf_cascade.parallel._group import sync_rng
 from hf_cascade.parallel.cache import ContextParallelCache
@@ -122,6 +123,9 @@ def context_parallel_generate(model, input_ids: torch.LongTensor, logits_process
             f"{generation_config.get_generation_mode().name.lower()}."
         )
     _check_windows_fit(model, input_ids, generation_config)
+    dropout = dropout_in_training(model)
+    if dropout is not None:  # (every rank's model is in the same mode: refused on every rank)
+        raise NotImplementedError(f"Context parallelism cannot decode with {dropout}: its attention has none.")
     for flag in ("output_hidden_states", "output_attentions"):
         if getattr(generation_config, flag, False):
             raise ValueError(

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hf_cascade.attention import check_model_uses_cascade, unshareable_model
+from hf_cascade.attention import check_model_uses_cascade, dropout_in_training, unshareable_model
 from hf_cascade.model_scan import rope_limit
 from hf_cascade.parallel._group import check_device, resolve_group, sync_rng
 from hf_cascade.parallel.cache import ContextParallelCache
@@ -180,12 +180,15 @@ def _check_fits(model, plan: PrefillPlan, info, input_ids, mask, prefix: int, ma
 
 def _check_attention_splits(model, longest: int | None = None) -> None:
     """A NotImplementedError (the same on every rank: no collective) where the prompt's attention cannot be split
-    into shards: attention that is not causal over the prompt, or RoPE that picks its frequencies from each forward's
+    into shards: attention that is not causal over the prompt, attention dropout (training mode), or RoPE that picks its frequencies from each forward's
     longest position (dynamic NTK, longrope) for a prompt of ``longest`` real tokens past its limit."""
     reason = unshareable_model(model)
     if reason is not None:
         raise NotImplementedError(f"Context parallelism cannot serve {reason}: the ring prefill attends causally "
                                   "from each rank's shard. Run this model on one device.")
+    dropout = dropout_in_training(model)
+    if dropout is not None:
+        raise NotImplementedError(f"Context parallelism cannot run {dropout}: its attention has none.")
     limit = rope_limit(model)
     if longest is not None and limit is not None and longest > limit:
         raise NotImplementedError(
