@@ -31,15 +31,21 @@ from hf_cascade.ops.cascade_wrapper import bounded_planned_attention
 
 
 def layer_window(module: torch.nn.Module, sliding_window: int | None = None) -> int | None:
-    """The sliding window of ``module``'s layer: ``sliding_window`` when the model passed it to the attention, else the
-    module's own ``sliding_window`` (Qwen2/3, Gemma 2/3, GPT-OSS: None on full-attention layers), else its config's
-    (Mistral, Mixtral, Phi3: every layer). None: full attention."""
+    """The sliding window of ``module``'s layer: ``sliding_window`` when the model passed it to the attention, else
+    None on a layer its config's ``layer_types`` calls ``"full_attention"`` (Exaone 4 keeps the window on every
+    module, Qwen2-MoE on its config), else the module's own ``sliding_window`` (Qwen2/3, Gemma 2/3, GPT-OSS: None on
+    full-attention layers), else its config's (Mistral, Mixtral, Phi3: every layer). None: full attention."""
     if sliding_window is not None:
         return int(sliding_window)
+    config = getattr(module, "config", None)
+    layer_types, layer_idx = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
+    if layer_types and isinstance(layer_idx, int) and layer_idx < len(layer_types) \
+            and layer_types[layer_idx] == "full_attention":
+        return None
     if hasattr(module, "sliding_window"):
         window = module.sliding_window
     else:
-        window = getattr(getattr(module, "config", None), "sliding_window", None)
+        window = getattr(config, "sliding_window", None)
     return int(window) if window else None
 
 

@@ -231,3 +231,43 @@ def test_training_mode_with_attention_dropout_runs_generates_own_decoding():
     inputs = hf_cascade.shared_prefix_inputs(model.eval(), batch.input_ids, batch.attention_mask)
     with pytest.raises(NotImplementedError, match="dropout"):
         model.train().generate(**inputs, max_new_tokens=3, do_sample=False)
+
+
+def _windowed_full_layers(name, attn):
+    import transformers
+
+    from hf_cascade.model_zoo import TINY_SIZES, tiny_model as zoo_model
+
+    sizes = dict(TINY_SIZES)
+    if name == "exaone4":
+        config = transformers.Exaone4Config(**sizes, sliding_window=6,
+                                            layer_types=["sliding_attention", "full_attention"])
+    else:
+        config = transformers.Qwen2MoeConfig(**sizes, use_sliding_window=True, sliding_window=6, max_window_layers=2,
+                                             num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                             shared_expert_intermediate_size=32)
+    return zoo_model("llama", attn, seed=0, config=config)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name", ["exaone4", "qwen2_moe"])
+def test_full_attention_layers_of_windowed_models_get_no_window(name):
+    """A model whose layer_types mix sliding and full layers, with the window kept on every module (Exaone 4) or on
+    the config (Qwen2-MoE): generate and score as sdpa (the full layers attend to every column)."""
+    from hf_cascade.inputs import left_padded
+
+    model, ref = _windowed_full_layers(name, "cascade"), _windowed_full_layers(name, "sdpa")
+    g = torch.Generator().manual_seed(0)
+    prefix = torch.randint(3, 128, (20,), generator=g).tolist()
+    rows = [prefix + torch.randint(3, 128, (n,), generator=g).tolist() for n in (2, 7)]
+    ids, mask = left_padded(rows, 0)
+    gen = dict(max_new_tokens=12, do_sample=False, pad_token_id=0, eos_token_id=None)
+    want = ref.generate(input_ids=ids, attention_mask=mask, **gen)
+    assert torch.equal(model.generate(input_ids=ids, attention_mask=mask, custom_generate=hf_cascade.generate, **gen),
+                       want)
+    context, continuation = rows[1], list(range(10, 30))
+    got = hf_cascade.score(model, [context], [continuation], return_token_logprobs=True).token_logprobs[0]
+    with torch.no_grad():
+        logprobs = ref(input_ids=torch.tensor([context + continuation])).logits[0].log_softmax(-1)
+    expected = torch.stack([logprobs[len(context) - 1 + i, t] for i, t in enumerate(continuation)])
+    torch.testing.assert_close(got.to(expected.dtype), expected, rtol=0, atol=1e-4)
