@@ -104,7 +104,18 @@ def cb_table(records: list[dict], shas: bool = False) -> str:
     """hf_cascade against transformers' continuous batching (``generate_batch``, block sharing on: its defaults and
     its guide's fast settings), with sdpa and the prefix-reuse recipe: per workload the newest run of
     ``bench_peers_gpu.py`` (all peers in one process). hf_cascade runs its default options with the background
-    build off (its first tier); a call is the warm call, the first call in brackets where it was timed apart."""
+    build off (its first tier); a call is the warm call, the first call in brackets where it was timed apart. With
+    ``shas`` (docs/benchmarks.md): the newest run per workload on each GPU, each row's commit named."""
+    if shas:  # one table, the GPUs' newest runs after one another
+        gpus = sorted({r.get("gpu") for r in records if r.get("workload") in dict(CB_WORKLOADS) and r.get("gpu")})
+        tables = [_cb_table([r for r in records if r.get("gpu") == gpu], True).split("\n") for gpu in gpus]
+        body = [line for table in tables for line in table[2:] if line.startswith("|")]
+        notes = [line for table in tables for line in table[2:] if line.startswith("†")]
+        return "\n".join((tables[0][:2] if tables else []) + body + (["", *notes] if notes else []))
+    return _cb_table(records, False)
+
+
+def _cb_table(records: list[dict], shas: bool) -> str:
     lines = ["| one run, all peers in it (GPU) | sdpa | prefix-reuse recipe | `generate_batch` defaults | `generate_batch` "
              "CUDA graphs + async | hf_cascade | vs best `generate_batch` | KV GiB: `generate_batch` in use (pool) "
              "→ hf_cascade |", "|---|---|---|---|---|---|---|---|"]
