@@ -134,10 +134,11 @@ def score(
     stats = {"pairs": n, "unique_pairs": len(unique), "forwards": 0, "tokens_run": 0, "shared_tokens": 0,
              "tokens_unshared": sum(len(unique[u][0]) + len(unique[u][1]) - 1 for u in scored)}
     limit = rope_limit(model)
-    if unshareable_model(model) or (limit is not None and any(len(unique[u][0]) + len(unique[u][1]) > limit
-                                                              for u in scored)):
-        # Attention that is not causal over the prompt (a padded batch's mask would make it causal), or RoPE that
-        # picks its frequencies from a forward's longest position (dynamic NTK, longrope): each pair alone.
+    if unshareable_model(model) or _positions_from_pad_id(model) or (
+            limit is not None and any(len(unique[u][0]) + len(unique[u][1]) > limit for u in scored)):
+        # Attention that is not causal over the prompt (a padded batch's mask would make it causal), positions the
+        # embeddings count from the pad id (RoBERTa's), or RoPE that picks its frequencies from a forward's longest
+        # position (dynamic NTK, longrope): each pair alone.
         max_batch_tokens, max_levels = 1, 0
     if scored:
         scorer = _Scorer(model, [unique[u] for u in scored], max_batch_tokens, min_shared_tokens, max_levels, stats)
@@ -176,6 +177,12 @@ def _check_options(**options) -> None:
         if not isinstance(value, bool) and not (name == "progress" and value is None):
             kind = "None, True or False" if name == "progress" else "True or False"
             raise ValueError(f"`{name}` must be {kind}; got {value!r} ({type(value).__name__}).")
+
+
+def _positions_from_pad_id(model) -> bool:
+    """Whether ``model``'s embeddings count positions from its pad id + 1 (RoBERTa and its kin as decoders)."""
+    embeddings = getattr(getattr(model, "base_model", None), "embeddings", None)
+    return hasattr(embeddings, "create_position_ids_from_input_ids")
 
 
 class _Scorer:
@@ -227,8 +234,11 @@ class _Scorer:
                              suffix_start=suffix_start)
         cache.positions_checked = True  # (laid out here: window_layout)
         device = model.device
+        # A row alone, unpadded, with nothing stored: the model's own positions (RoBERTa's count from its pad id + 1).
+        alone = batch == 1 and not levels and bool(attention_mask.all())
         out = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
-                    position_ids=position_ids.to(device), use_cache=True, logits_to_keep=keep, **{CACHE_KWARG: cache})
+                    position_ids=None if alone else position_ids.to(device), use_cache=True, logits_to_keep=keep,
+                    **{CACHE_KWARG: cache})
         del cache
         self.stats["forwards"] += 1
         self.stats["tokens_run"] += sum(len(o) for o in own)

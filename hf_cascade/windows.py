@@ -23,6 +23,9 @@ Attention sinks (GPT-OSS ``s_aux``) are merged into the final state: :func:`~hf_
 
 from __future__ import annotations
 
+import functools
+import inspect
+
 import torch
 from torch import Tensor
 
@@ -34,7 +37,8 @@ def layer_window(module: torch.nn.Module, sliding_window: int | None = None) -> 
     """The sliding window of ``module``'s layer: ``sliding_window`` when the model passed it to the attention, else
     None on a layer its config's ``layer_types`` calls ``"full_attention"`` (Exaone 4 keeps the window on every
     module, Qwen2-MoE on its config), else the module's own ``sliding_window`` (Qwen2/3, Gemma 2/3, GPT-OSS: None on
-    full-attention layers), else its config's (Mistral, Mixtral, Phi3: every layer). None: full attention."""
+    full-attention layers), else its config's where its forward passes one (Mistral, Mixtral, Phi3: every layer; not
+    Moshi). None: full attention."""
     if sliding_window is not None:
         return int(sliding_window)
     config = getattr(module, "config", None)
@@ -45,8 +49,18 @@ def layer_window(module: torch.nn.Module, sliding_window: int | None = None) -> 
     if hasattr(module, "sliding_window"):
         window = module.sliding_window
     else:
-        window = getattr(config, "sliding_window", None)
+        window = getattr(config, "sliding_window", None) if _forward_passes_window(type(module)) else None
     return int(window) if window else None
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_passes_window(attention_class: type) -> bool:
+    """Whether an attention class's forward hands its attention a sliding window (Mistral, Mixtral, Phi3 pass their
+    config's): Moshi's config has one its attention never applies. True where the source cannot be read."""
+    try:
+        return "sliding_window" in inspect.getsource(attention_class.forward)
+    except (OSError, TypeError):
+        return True
 
 
 def layer_sinks(module: torch.nn.Module, s_aux: Tensor | None = None) -> Tensor | None:

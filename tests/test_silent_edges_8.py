@@ -271,3 +271,36 @@ def test_full_attention_layers_of_windowed_models_get_no_window(name):
         logprobs = ref(input_ids=torch.tensor([context + continuation])).logits[0].log_softmax(-1)
     expected = torch.stack([logprobs[len(context) - 1 + i, t] for i, t in enumerate(continuation)])
     torch.testing.assert_close(got.to(expected.dtype), expected, rtol=0, atol=1e-4)
+
+
+@pytest.mark.timeout(120)
+def test_moshi_config_window_is_not_applied_and_roberta_scores_count_its_positions():
+    """Moshi's config has a sliding_window its attention never applies: score() windowed it (1.9 nats off);
+    RoBERTa-style embeddings count positions from the pad id + 1: score() passed positions from 0 (1.3 off)."""
+    import copy
+
+    import transformers
+
+    def pair(config):
+        models = []
+        for attn in ("sdpa", "cascade"):
+            torch.manual_seed(0)
+            models.append(transformers.AutoModelForCausalLM.from_config(
+                copy.deepcopy(config), attn_implementation=attn, dtype=torch.float32).eval())
+        return models
+
+    sizes = dict(vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 initializer_range=0.1, bos_token_id=1, eos_token_id=2)
+    configs = [transformers.MoshiConfig(**sizes, num_key_value_heads=4, head_dim=16, max_position_embeddings=4096,
+                                        sliding_window=6, pad_token_id=0),
+               transformers.RobertaConfig(**sizes, is_decoder=True, pad_token_id=1, max_position_embeddings=128)]
+    g = torch.Generator().manual_seed(1)
+    context = torch.randint(3, 200, (12,), generator=g).tolist()
+    continuation = torch.randint(3, 200, (15,), generator=g).tolist()
+    for config in configs:
+        ref, model = pair(config)
+        got = hf_cascade.score(model, [context], [continuation], return_token_logprobs=True).token_logprobs[0]
+        with torch.no_grad():
+            logprobs = ref(input_ids=torch.tensor([context + continuation])).logits[0].log_softmax(-1)
+        expected = torch.stack([logprobs[len(context) - 1 + i, t] for i, t in enumerate(continuation)])
+        torch.testing.assert_close(got.to(expected.dtype), expected, rtol=0, atol=1e-4, msg=type(config).__name__)
