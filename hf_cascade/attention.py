@@ -484,6 +484,13 @@ def check_model_uses_cascade(model: torch.nn.Module, argument: str = "model") ->
             "keep a convolution or recurrent state, which the cascade cache (keys and values only) does not hold. Use "
             "attn_implementation='sdpa' for this model."
         )
+    sparse = sorted(set(getattr(text_config(config), "layer_types", None) or ()) & _SPARSE_LAYER_TYPES)
+    if sparse:
+        raise NotImplementedError(
+            f"`{argument}` ({type(model).__name__}) has sparse attention layers ({', '.join(map(repr, sparse))}): an "
+            "indexer picks each query's keys and keeps its own state in the cache, which the cascade cache (keys and "
+            "values only) does not hold. Use attn_implementation='eager' or 'sdpa' for this model."
+        )
     dtype = getattr(model, "dtype", None)
     if dtype not in (None, torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"`{argument}` is in {dtype}; hf_cascade's attention runs float32, float16 and bfloat16. "
@@ -524,6 +531,9 @@ def _compiled_by_user(model: torch.nn.Module) -> str | None:
 # config.layer_types entries whose layers keep a state other than keys and values (LFM2's "conv", Mamba / GDN
 # "linear_attention", Zamba2 / Falcon-H1 "hybrid", ...).
 _STATEFUL_LAYER_TYPES = {"conv", "linear_attention", "hybrid", "hybrid_sliding", "mamba", "recurrent", "rwkv"}
+# Sparse attention whose indexer keeps state in the cache (DeepSeek-V3.2 / V4, GLM-MoE-DSA, HY-V4, ...).
+_SPARSE_LAYER_TYPES = {"indexed_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                       "minimax_m3_sparse"}
 
 
 def _check_kv_as_cached(model: torch.nn.Module, config, argument: str) -> None:

@@ -304,3 +304,15 @@ def test_moshi_config_window_is_not_applied_and_roberta_scores_count_its_positio
             logprobs = ref(input_ids=torch.tensor([context + continuation])).logits[0].log_softmax(-1)
         expected = torch.stack([logprobs[len(context) - 1 + i, t] for i, t in enumerate(continuation)])
         torch.testing.assert_close(got.to(expected.dtype), expected, rtol=0, atol=1e-4, msg=type(config).__name__)
+
+
+@pytest.mark.timeout(60)
+def test_sparse_indexed_attention_is_refused_before_any_work():
+    """DeepSeek-V3.2 / V4, GLM-MoE-DSA, HY-V4: an indexer keeps state in the cache (transformers' update_indexer,
+    store_compression_weights): a ValueError / AttributeError deep in the model; now a NotImplementedError naming the
+    layer types (here on a tiny Llama whose config says so)."""
+    model = tiny_model("llama")
+    model.config.layer_types = ["indexed_attention", "full_attention"]
+    ids = torch.randint(3, 100, (2, 9))
+    with pytest.raises(NotImplementedError, match="sparse attention layers"):
+        model.generate(ids, max_new_tokens=2, custom_generate=hf_cascade.generate)
