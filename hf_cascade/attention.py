@@ -410,11 +410,12 @@ def dropout_in_training(model: torch.nn.Module) -> str | None:
     if not model.training:
         return None
     decoder = text_config(getattr(model, "config", None))
-    for name in _ATTENTION_DROPOUT_FIELDS:
-        rate = getattr(decoder, name, None)
-        if isinstance(rate, (int, float)) and rate > 0:
-            return (f"attention dropout in training mode (`model.train()` with `{name}={rate}`; `model.eval()` turns "
-                    "it off)")
+    for config in (decoder, getattr(decoder, "attn_config", None)):  # (DBRX keeps it in attn_config)
+        for name in _ATTENTION_DROPOUT_FIELDS:
+            rate = getattr(config, name, None)
+            if isinstance(rate, (int, float)) and not isinstance(rate, bool) and rate > 0:
+                return (f"attention dropout in training mode (`model.train()` with `{name}={rate}`; `model.eval()` "
+                        "turns it off)")
     return None
 
 

@@ -23,8 +23,8 @@ Attention sinks (GPT-OSS ``s_aux``) are merged into the final state: :func:`~hf_
 
 from __future__ import annotations
 
-import functools
 import inspect
+import sys
 
 import torch
 from torch import Tensor
@@ -49,18 +49,29 @@ def layer_window(module: torch.nn.Module, sliding_window: int | None = None) -> 
     if hasattr(module, "sliding_window"):
         window = module.sliding_window
     else:
-        window = getattr(config, "sliding_window", None) if _forward_passes_window(type(module)) else None
+        window = getattr(config, "sliding_window", None)
+        window = window if window and _forward_passes_window(type(module)) else None
     return int(window) if window else None
 
 
-@functools.lru_cache(maxsize=None)
 def _forward_passes_window(attention_class: type) -> bool:
-    """Whether an attention class's forward hands its attention a sliding window (Mistral, Mixtral, Phi3 pass their
-    config's): Moshi's config has one its attention never applies. True where the source cannot be read."""
+    """Whether a model with a config window applies it: its attention's forward hands the attention one (Mistral,
+    Mixtral, Phi3 pass their config's) or its modeling module builds a sliding-window mask (PhiMoE); Moshi's config
+    has one that neither does. Read once per class from the source, eagerly (a compiled graph reads the answer
+    found before it, or assumes True); True where the source cannot be read."""
+    known = _WINDOW_APPLIED.get(attention_class)
+    if known is not None or torch.compiler.is_compiling():
+        return True if known is None else known
     try:
-        return "sliding_window" in inspect.getsource(attention_class.forward)
-    except (OSError, TypeError):
-        return True
+        applied = "sliding_window" in inspect.getsource(attention_class.forward) or (
+            "create_sliding_window_causal_mask" in inspect.getsource(sys.modules[attention_class.__module__]))
+    except (OSError, TypeError, KeyError):
+        applied = True
+    _WINDOW_APPLIED[attention_class] = applied
+    return applied
+
+
+_WINDOW_APPLIED: dict[type, bool] = {}  # attention class -> whether its model applies its config's window
 
 
 def layer_sinks(module: torch.nn.Module, s_aux: Tensor | None = None) -> Tensor | None:

@@ -316,3 +316,36 @@ def test_sparse_indexed_attention_is_refused_before_any_work():
     ids = torch.randint(3, 100, (2, 9))
     with pytest.raises(NotImplementedError, match="sparse attention layers"):
         model.generate(ids, max_new_tokens=2, custom_generate=hf_cascade.generate)
+
+
+@pytest.mark.timeout(120)
+def test_phimoe_window_applied_through_its_mask_and_dbrx_dropout_found():
+    """Regressions of this sweep's own fixes, found by a review sweep: PhiMoE windows through its mask only (its
+    attention names no window): the window must stay applied; DBRX keeps its attention dropout in attn_config: a
+    train-mode call must fall back (not raise inside the cache)."""
+    import transformers
+
+    from hf_cascade.model_zoo import TINY_SIZES, tiny_model as zoo_model
+
+    config = transformers.PhimoeConfig(**{**TINY_SIZES, "num_local_experts": 4, "num_experts_per_tok": 2,
+                                          "sliding_window": 4})
+    ref, model = (zoo_model(config=config, attn_implementation=attn, seed=0) for attn in ("sdpa", "cascade"))
+    g = torch.Generator().manual_seed(1)
+    shared = torch.randint(4, 128, (12,), generator=g)
+    rows = [torch.cat([torch.tensor([1]), shared, torch.randint(4, 128, (n,), generator=g)]) for n in (3, 5)]
+    width = max(len(r) for r in rows)
+    ids = torch.stack([torch.cat([torch.zeros(width - len(r), dtype=torch.long), r]) for r in rows])
+    mask = (ids != 0).long()
+    gen = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(ids, custom_generate=hf_cascade.generate, **gen), ref.generate(ids, **gen))
+
+    dbrx = transformers.DbrxConfig(
+        d_model=64, n_heads=4, n_layers=2, max_seq_len=256, vocab_size=128, pad_token_id=0, bos_token_id=1,
+        eos_token_id=2, attn_config={"kv_n_heads": 2, "attn_pdrop": 0.3, "rope_theta": 10000.0, "clip_qkv": 8.0},
+        ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 2, "moe_top_k": 1})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(dbrx, attn_implementation="cascade").train()
+    ids = torch.tensor([[1, 5, 6, 7, 8, 9, 10, 11, 12, 20], [1, 5, 6, 7, 8, 9, 10, 11, 12, 30]])
+    with pytest.warns(UserWarning, match="attn_pdrop"):
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False, pad_token_id=0,
+                       custom_generate=hf_cascade.generate, cascade_options=dict(min_shared_tokens=2))
