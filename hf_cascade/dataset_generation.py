@@ -36,11 +36,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from transformers.generation.stopping_criteria import StoppingCriteria, StoppingCriteriaList
+from transformers.generation.stopping_criteria import StoppingCriteriaList
 
 from hf_cascade.attention import unshareable_model
 from hf_cascade.dataset_checkpoint import CHECKPOINT_VERSION, Checkpoint
 from hf_cascade.inputs import left_padded
+from hf_cascade.row_ends import FinishWidths, eos_ids_of, row_lengths
 from hf_cascade.transformers_compat import CACHE_KWARG, CACHE_KWARG_NAMES
 
 __all__ = ["CHECKPOINT_VERSION", "GenerationInterrupted", "GenerationStats", "generate_dataset"]
@@ -210,7 +211,7 @@ def generate_dataset(
     gen_kwargs = _generation_kwargs(model, generation_kwargs, pad_token_id)
     num_return = int(gen_kwargs.get("num_return_sequences") or 1)
     max_new_tokens = int(gen_kwargs["max_new_tokens"])
-    eos_ids = _eos_ids(model, gen_kwargs)
+    eos_ids = eos_ids_of(model, gen_kwargs)
 
     rows = _tokenize(dataset, tokenizer, prompt_column, prompt_fn, add_special_tokens, model)
     num_rows = len(rows)
@@ -375,17 +376,6 @@ def _with_stop_strings(gen_kwargs: dict, tokenizer) -> dict:
                               stop_strings=kwargs.pop("stop_strings"))
     kwargs["stopping_criteria"] = StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), stop])
     return kwargs
-
-
-def _eos_ids(model, gen_kwargs) -> list[int]:
-    eos = gen_kwargs.get("eos_token_id")
-    if eos is None:
-        eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if eos is None:
-        return []
-    if isinstance(eos, torch.Tensor):  # generate() takes a tensor of one or more ids too
-        return [int(e) for e in eos.flatten().tolist()]
-    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
 
 def _tokenize(dataset, tokenizer, prompt_column, prompt_fn, add_special_tokens, model) -> list[list[int]]:
@@ -569,7 +559,7 @@ def _run_batch(
     ids, mask = (t.to(model.device) for t in left_padded(batch_rows, gen_kwargs["pad_token_id"]))
     caches = []
     extra = {} if prefix_cache is None else {CACHE_KWARG: prefix_cache}
-    finish = _FinishWidths.around(gen_kwargs, model)
+    finish = FinishWidths.around(gen_kwargs, model)
     out = model.generate(
         ids, attention_mask=mask, custom_generate=hf_cascade.generate, cascade_caches=caches,
         cascade_options=dict(min_shared_tokens=min_shared_tokens, max_levels=max_levels, batch_buckets=True),
@@ -594,7 +584,7 @@ def _run_batch(
 
     sequences = out.sequences if hasattr(out, "sequences") else out
     new = sequences[:, ids.shape[1] :]
-    lengths = _row_lengths(new, eos_ids, gen_kwargs["pad_token_id"])
+    lengths = row_lengths(new, eos_ids, gen_kwargs["pad_token_id"])
     if finish is not None and finish.first_width is not None:  # rows a stop string or criterion ended
         stopped = finish.first_width[: new.shape[0]].to(lengths.device) - ids.shape[1]
         lengths = torch.where(stopped >= 0, torch.minimum(lengths, stopped), lengths)
@@ -606,48 +596,3 @@ def _run_batch(
     if num_return > 1:
         texts = [texts[i * num_return : (i + 1) * num_return] for i in range(len(batch))]
     return texts, counts
-
-
-class _FinishWidths(StoppingCriteria):
-    """The call's own stopping criteria (the user's, its stop strings), recording each row's width when they first
-    said it was done: a row they stopped is padded after that by generate() (with the EOS where pad is EOS), and
-    its text ends there, as a per-row generate()'s. ``first_width [rows]`` int64, -1 for a row never stopped."""
-
-    def __init__(self, criteria):
-        self.criteria = StoppingCriteriaList(criteria)
-        self.first_width: torch.Tensor | None = None
-
-    @classmethod
-    def around(cls, gen_kwargs: dict, model) -> "_FinishWidths | None":
-        """Around ``gen_kwargs``' ``stopping_criteria``, or None (none; beam search, whose criteria see beams)."""
-        beams = gen_kwargs.get("num_beams") or getattr(getattr(model, "generation_config", None), "num_beams", 1)
-        if not gen_kwargs.get("stopping_criteria") or (beams or 1) > 1:
-            return None
-        return cls(gen_kwargs["stopping_criteria"])
-
-    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
-        done = self.criteria(input_ids, scores, **kwargs)
-        if self.first_width is None:
-            self.first_width = torch.full(done.shape, -1, dtype=torch.long, device=done.device)
-        self.first_width = torch.where(done & (self.first_width < 0), input_ids.shape[1], self.first_width)
-        return done
-
-
-def _row_lengths(new: torch.Tensor, eos_ids: list[int], pad_token_id: int) -> torch.Tensor:
-    """``[rows]`` int64: each row's generated tokens up to and including its first EOS (rows that finished early are
-    padded after it); without an EOS, the row's tokens other than padding at its end."""
-    rows, width = new.shape
-    full = torch.full((rows,), width, dtype=torch.long, device=new.device)
-    if width == 0:
-        return full
-    if not eos_ids:
-        real = (new != pad_token_id).long()
-        last = width - real.flip(1).argmax(1)  # one past the last token that is not padding
-        return torch.where(real.any(1), last, torch.zeros_like(full))
-    is_eos = torch.isin(new, torch.tensor(eos_ids, device=new.device))
-    return torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, full)
-
-
-def _count_new_tokens(new: torch.Tensor, eos_ids: list[int], pad_token_id: int) -> int:
-    """Generated tokens up to and including each row's first EOS (rows that finished early are padded)."""
-    return int(_row_lengths(new, eos_ids, pad_token_id).sum())
