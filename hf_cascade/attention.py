@@ -490,7 +490,7 @@ def check_model_uses_cascade(model: torch.nn.Module, argument: str = "model") ->
         raise NotImplementedError(
             f"`{argument}` ({type(model).__name__}) has sparse attention layers ({', '.join(map(repr, sparse))}): an "
             "indexer picks each query's keys and keeps its own state in the cache, which the cascade cache (keys and "
-            "values only) does not hold. Use attn_implementation='eager' or 'sdpa' for this model."
+            "values only) does not hold. Use attn_implementation='eager' for this model."
         )
     dtype = getattr(model, "dtype", None)
     if dtype not in (None, torch.float32, torch.float16, torch.bfloat16):
