@@ -378,6 +378,8 @@ def cmd_warmup(args) -> int:
 
     argv = ["--model", args.model, "--dtype", args.dtype, "--device", args.device, "--rows", *map(str, args.rows),
             "--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens)]
+    if getattr(args, "grid_budget_s", None) is not None:
+        argv += ["--grid-budget-s", str(args.grid_budget_s)]
     return warmup.main(argv + (["--no-bytecode"] if args.no_bytecode else []))
 
 
@@ -399,6 +401,9 @@ def cmd_export_smollm2(args) -> int:
 
     from hf_cascade.real_model import load_smollm2
 
+    if os.path.exists(args.folder) and not os.path.isdir(args.folder):
+        print(f"error: {args.folder!r} is a file; pass a folder to write (created if missing).", file=sys.stderr)
+        return 2
     model, tokenizer = load_smollm2("sdpa", dtype=getattr(torch, args.dtype))
     model.save_pretrained(args.folder)
     tokenizer.save_pretrained(args.folder)

@@ -20,6 +20,13 @@ import time
 import torch
 
 # Llama-3-8B's shape (the weights are random: nothing is downloaded).
+def _config_value(config, name: str):
+    """``config.name``, or (transformers >= 5.18 keeps ``rope_theta`` there) ``config.rope_parameters[name]``."""
+    if hasattr(config, name):
+        return getattr(config, name)
+    return (getattr(config, "rope_parameters", None) or {}).get(name)
+
+
 LLAMA3_8B = dict(
     vocab_size=128256,
     hidden_size=4096,
@@ -119,7 +126,7 @@ def run(
     finally:
         model.set_attn_implementation("cascade")
     config = model.config
-    shaped = all(getattr(config, k) == v for k, v in LLAMA3_8B.items() if k != "num_hidden_layers")
+    shaped = all(_config_value(config, k) == v for k, v in LLAMA3_8B.items() if k != "num_hidden_layers")
     return {
         "model": f"{'Llama-3-8B-shaped' if shaped else 'Llama'} model, random weights ({config.num_hidden_layers} "
         "layers)",

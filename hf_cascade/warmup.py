@@ -14,6 +14,7 @@ calls only.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
 __all__ = ["build_parser", "main", "warm_up"]
@@ -164,6 +165,11 @@ def main(argv=None) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit("warmup: --device cuda but no CUDA GPU is visible; there is nothing to compile on a CPU "
                          "(its path runs PyTorch's own kernels). Pass --device cpu to run the calls anyway.")
+    if min(args.rows) < 1 or args.prompt_tokens < 1 or args.new_tokens < 1:
+        raise SystemExit(f"warmup: --rows, --prompt-tokens and --new-tokens must be >= 1; got --rows {args.rows}, "
+                         f"--prompt-tokens {args.prompt_tokens}, --new-tokens {args.new_tokens}.")
+    if args.model != "tiny" and not os.path.exists(args.model):
+        raise SystemExit(f"warmup: --model {args.model!r}: no such checkpoint folder or .gguf file.")
     print(f"warmup: loading {args.model} ({args.dtype}) on {args.device}", flush=True)
     model, _ = load_model_and_tokenizer(args.model, dtype=getattr(torch, args.dtype), device=args.device)
     warm_up(model, rows=args.rows, prompt_tokens=args.prompt_tokens, new_tokens=args.new_tokens,
