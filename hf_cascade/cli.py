@@ -405,6 +405,11 @@ def cmd_export_smollm2(args) -> int:
         print(f"error: {args.folder!r} is a file; pass a folder to write (created if missing).", file=sys.stderr)
         return 2
     model, tokenizer = load_smollm2("sdpa", dtype=getattr(torch, args.dtype))
+    # Loaded from the GGUF itself (no dequantised cache yet): its weights are dequantised already, but transformers
+    # refuses to save a model that carries the GGUF quantizer.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
     model.save_pretrained(args.folder)
     tokenizer.save_pretrained(args.folder)
     print(f"wrote {args.folder} (SmolLM2-135M-Instruct, {args.dtype}): "
