@@ -478,20 +478,18 @@ def check_model_uses_cascade(model: torch.nn.Module, argument: str = "model") ->
             f"`{argument}` ({type(model).__name__}) has cross-attention layers (to image states), whose keys and "
             "values the cascade cache does not hold. Use attn_implementation='sdpa' for this model."
         )
-    stateful = sorted(set(getattr(text_config(config), "layer_types", None) or ()) & _STATEFUL_LAYER_TYPES)
-    if stateful:
-        raise NotImplementedError(
-            f"`{argument}` ({type(model).__name__}) is a hybrid model: its {', '.join(map(repr, stateful))} layers "
-            "keep a convolution or recurrent state, which the cascade cache (keys and values only) does not hold. Use "
-            "attn_implementation='sdpa' for this model."
-        )
-    sparse = sorted(set(getattr(text_config(config), "layer_types", None) or ()) & _SPARSE_LAYER_TYPES)
-    if sparse:
-        raise NotImplementedError(
-            f"`{argument}` ({type(model).__name__}) has sparse attention layers ({', '.join(map(repr, sparse))}): an "
-            "indexer picks each query's keys and keeps its own state in the cache, which the cascade cache (keys and "
-            "values only) does not hold. Use attn_implementation='eager' for this model."
-        )
+    layer_types = set(getattr(text_config(config), "layer_types", None) or ())
+    for kinds, message in (
+        (_STATEFUL_LAYER_TYPES, "is a hybrid model: its {} layers keep a convolution or recurrent state, which the "
+                                "cascade cache (keys and values only) does not hold. Use attn_implementation='sdpa'"),
+        (_SPARSE_LAYER_TYPES, "has sparse attention layers ({}): an indexer picks each query's keys and keeps its own "
+                              "state in the cache, which the cascade cache (keys and values only) does not hold. Use "
+                              "attn_implementation='eager'"),
+    ):
+        found = sorted(layer_types & kinds)
+        if found:
+            raise NotImplementedError(f"`{argument}` ({type(model).__name__}) "
+                                      + message.format(", ".join(map(repr, found))) + " for this model.")
     dtype = getattr(model, "dtype", None)
     if dtype not in (None, torch.float32, torch.float16, torch.bfloat16):
         raise ValueError(f"`{argument}` is in {dtype}; hf_cascade's attention runs float32, float16 and bfloat16. "
